@@ -1,0 +1,180 @@
+//! `ConsumerActor`: runs one consumer's batches. The mailbox carries wake-ups, not rows: the
+//! rows are always claimed from the database, so a wake-up lost to a full mailbox or a restart
+//! costs latency (until the next poll), never an event.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use super::worker::{self, BatchOutcome};
+use super::{ConsumerConfig, Delivery};
+use crate::runtime::{Drain, Stop, Wake};
+use crate::store::PgPool;
+
+/// Builds the user's handler actor. Called again whenever that actor has died (a panic in a
+/// handler stops the actor; the next delivery goes to a fresh one).
+pub(crate) type HandlerFactory = Rc<dyn Fn() -> Recipient<Delivery>>;
+
+pub(crate) struct ConsumerActor {
+    /// Shared with the batch futures, which outlive a borrow of the actor.
+    cfg: Arc<ConsumerConfig>,
+    pool: PgPool,
+    factory: HandlerFactory,
+    /// The live handler; replaced through `factory` once it is found disconnected.
+    handler: Recipient<Delivery>,
+    /// Batch loops running now; at most `cfg.concurrency`.
+    in_flight: u32,
+    /// A wake-up arrived that no running loop has answered yet: there may be due rows.
+    want: bool,
+    /// Set by `Drain`: start nothing new (graceful shutdown).
+    draining: bool,
+    /// Who waits for the running loops to end.
+    drained: Vec<oneshot::Sender<()>>,
+}
+
+impl ConsumerActor {
+    pub(crate) fn new(cfg: Arc<ConsumerConfig>, pool: PgPool, factory: HandlerFactory) -> Self {
+        let handler = factory();
+        ConsumerActor {
+            cfg,
+            pool,
+            factory,
+            handler,
+            in_flight: 0,
+            want: true,
+            draining: false,
+            drained: Vec::new(),
+        }
+    }
+
+    fn pump(&mut self, ctx: &mut Context<Self>) {
+        if self.draining || !self.want || self.in_flight >= self.cfg.concurrency {
+            return;
+        }
+        self.want = false;
+        if !self.handler.connected() {
+            tracing::warn!(consumer = %self.cfg.name, "handler actor stopped; starting a new one");
+            self.handler = (self.factory)();
+        }
+        while self.in_flight < self.cfg.concurrency {
+            self.in_flight += 1;
+            let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
+            let run = async move { batch_loop(&pool, &cfg, &handler).await };
+            ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
+                act.in_flight -= 1;
+                act.after_loop(outcome, ctx);
+            }));
+        }
+    }
+
+    fn after_loop(&mut self, outcome: LoopOutcome, ctx: &mut Context<Self>) {
+        if let Some(delay) = outcome.next_retry {
+            // Wake when the soonest retry falls due instead of waiting for the next poll.
+            ctx.run_later(delay + std::time::Duration::from_millis(2), |act, ctx| {
+                act.want = true;
+                act.pump(ctx);
+            });
+        }
+        if outcome.handler_lost {
+            self.want = true;
+        }
+        if self.in_flight == 0 && self.draining {
+            for tx in self.drained.drain(..) {
+                let _ = tx.send(());
+            }
+        }
+        self.pump(ctx);
+    }
+}
+
+#[derive(Debug, Default)]
+struct LoopOutcome {
+    next_retry: Option<std::time::Duration>,
+    handler_lost: bool,
+}
+
+/// Runs batches until one comes back short: a full batch means more rows are probably due.
+async fn batch_loop(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    handler: &Recipient<Delivery>,
+) -> LoopOutcome {
+    let mut out = LoopOutcome::default();
+    loop {
+        match worker::run_batch(pool, cfg, handler).await {
+            Ok(BatchOutcome {
+                claimed,
+                next_retry,
+                handler_lost,
+                abandoned,
+                ..
+            }) => {
+                out.next_retry = match (out.next_retry, next_retry) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                if handler_lost {
+                    out.handler_lost = true;
+                    return out;
+                }
+                if claimed < cfg.batch_size as usize && !abandoned {
+                    return out;
+                }
+            }
+            Err(e) => {
+                // The database is unreachable or a statement failed; the poll tries again.
+                tracing::warn!(consumer = %cfg.name, error = %e, code = %e.code(), "inbox batch failed");
+                return out;
+            }
+        }
+    }
+}
+
+impl Actor for ConsumerActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.set_mailbox_capacity(self.cfg.mailbox_capacity);
+        ctx.run_interval(self.cfg.poll_interval, |act, ctx| {
+            act.want = true;
+            act.pump(ctx);
+        });
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Wake> for ConsumerActor {
+    type Result = ();
+    fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        self.want = true;
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Drain> for ConsumerActor {
+    type Result = ResponseFuture<()>;
+    fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
+        self.draining = true;
+        let (tx, rx) = oneshot::channel();
+        if self.in_flight == 0 {
+            let _ = tx.send(());
+        } else {
+            self.drained.push(tx);
+        }
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+impl Handler<Stop> for ConsumerActor {
+    type Result = ();
+    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
+        if stop.panic {
+            panic!("fault injection: consumer {} panicked", self.cfg.name);
+        }
+        ctx.stop();
+    }
+}

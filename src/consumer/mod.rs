@@ -1,0 +1,351 @@
+//! Consumers: the [`Delivery`] message a consumer actor handles, the [`HandlerError`] it
+//! returns, its [`ConsumerConfig`], and the actors that feed it.
+//!
+//! A consumer is an ordinary actix actor implementing `Handler<Delivery>`. Each delivery
+//! carries the open inbox transaction: the handler's writes through [`Delivery::conn`] and the
+//! inbox row's PROCESSED mark commit together, so a redelivered event never repeats an effect.
+
+pub(crate) mod actor;
+pub(crate) mod registry;
+mod retry;
+pub(crate) mod worker;
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::Message;
+use chrono::{DateTime, Utc};
+use diesel_async::AsyncPgConnection;
+use serde::de::DeserializeOwned;
+use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
+
+pub use retry::RetryPolicy;
+
+use crate::error::{Error, ErrorCode};
+use crate::event::{ConsumerName, EventId, NewEvent};
+use crate::store::inbox::InboxRow;
+use crate::store::OwnedConn;
+
+/// One event delivered to one consumer, with the transaction its effect must be written in.
+///
+/// The handler returns `Ok(())` to have the event marked PROCESSED in that transaction, or a
+/// [`HandlerError`] to have its writes rolled back (a savepoint) and the event retried or
+/// dead-lettered by the consumer's [`RetryPolicy`].
+pub struct Delivery {
+    pub(crate) row: InboxRow,
+    pub(crate) consumer: ConsumerName,
+    /// The connection is lent, not given: the runtime takes it back when the handler returns,
+    /// so a handler that keeps a clone of the delivery cannot write outside the transaction.
+    pub(crate) slot: Arc<Mutex<Option<OwnedConn>>>,
+}
+
+impl Message for Delivery {
+    type Result = Result<(), HandlerError>;
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("consumer", &self.consumer)
+            .field("event_id", &self.row.event_id)
+            .field("event_type", &self.row.event_type)
+            .field("attempt", &self.attempt())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// The event's id, the same in every delivery of it.
+    pub fn event_id(&self) -> EventId {
+        EventId::from_uuid(self.row.event_id)
+    }
+    /// The event type, e.g. `ORDER_STATUS_CHANGED`.
+    pub fn event_type(&self) -> &str {
+        &self.row.event_type
+    }
+    /// The payload's schema version.
+    pub fn event_version(&self) -> i32 {
+        self.row.event_version
+    }
+    /// The aggregate type, e.g. `order`.
+    pub fn aggregate_type(&self) -> &str {
+        &self.row.aggregate_type
+    }
+    /// The aggregate id.
+    pub fn aggregate_id(&self) -> &str {
+        &self.row.aggregate_id
+    }
+    /// The aggregate's version after the change, if the producer set one.
+    pub fn aggregate_version(&self) -> Option<i64> {
+        self.row.aggregate_version
+    }
+    /// The raw payload.
+    pub fn payload(&self) -> &serde_json::Value {
+        &self.row.payload
+    }
+    /// The event metadata (trace context and the like).
+    pub fn metadata(&self) -> &serde_json::Value {
+        &self.row.metadata
+    }
+    /// The correlation id shared by everything one request caused.
+    pub fn correlation_id(&self) -> &str {
+        &self.row.correlation_id
+    }
+    /// What caused this event, if known.
+    pub fn causation_id(&self) -> Option<&str> {
+        self.row.causation_id.as_deref()
+    }
+    /// When the producer's transaction wrote the event.
+    pub fn created_at(&self) -> DateTime<Utc> {
+        self.row.event_created_at
+    }
+    /// This attempt's number, starting at 1.
+    pub fn attempt(&self) -> u32 {
+        (self.row.attempt_count + 1).max(1) as u32
+    }
+    /// The consumer this delivery is for.
+    pub fn consumer(&self) -> &ConsumerName {
+        &self.consumer
+    }
+
+    /// Decodes the payload. A payload that does not fit `T` is a permanent
+    /// `EVENT_SCHEMA_INVALID` failure: retrying cannot make it fit.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        serde_json::from_value(self.row.payload.clone()).map_err(|e| {
+            HandlerError::permanent(
+                ErrorCode::EVENT_SCHEMA_INVALID,
+                format!("{} payload does not decode: {e}", self.row.event_type),
+            )
+        })
+    }
+
+    /// An event caused by this one: same correlation id, this event's id as causation id.
+    /// Enqueue it on [`Delivery::conn`] so it commits with the inbox mark.
+    pub fn follow_up(&self, event: NewEvent) -> NewEvent {
+        event
+            .correlation_id(self.row.correlation_id.clone())
+            .causation_id(self.row.event_id.to_string())
+    }
+
+    /// The inbox transaction's connection. Hold at most one at a time and drop it before the
+    /// handler returns.
+    ///
+    /// # Errors
+    /// A retryable [`HandlerError`] if the delivery has already finished (the handler kept the
+    /// delivery past its return).
+    pub async fn conn(&self) -> Result<TxConn, HandlerError> {
+        let guard: OwnedMutexGuard<Option<OwnedConn>> = self.slot.clone().lock_owned().await;
+        OwnedMutexGuard::try_map(guard, |slot| slot.as_mut())
+            .map(TxConn)
+            .map_err(|_| HandlerError::retry("the delivery has finished; its transaction is gone"))
+    }
+}
+
+/// The connection of a delivery's open transaction; derefs to [`AsyncPgConnection`].
+pub struct TxConn(OwnedMappedMutexGuard<Option<OwnedConn>, OwnedConn>);
+
+impl Deref for TxConn {
+    type Target = AsyncPgConnection;
+    fn deref(&self) -> &AsyncPgConnection {
+        &self.0
+    }
+}
+
+impl DerefMut for TxConn {
+    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
+        &mut self.0
+    }
+}
+
+/// Why a handler did not process an event. Classification is by variant, never by message.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandlerError {
+    /// May succeed later: retried after the policy's backoff.
+    #[error("{code}: {message}")]
+    Retry {
+        /// Stored as `error_code`.
+        code: ErrorCode,
+        /// Stored as `last_error`.
+        message: String,
+    },
+    /// May succeed after `after` (e.g. a rate limit said so); still counts as an attempt.
+    #[error("{code}: {message} (retry after {after:?})")]
+    RetryAfter {
+        /// The earliest time to try again, from now.
+        after: Duration,
+        /// Stored as `error_code`.
+        code: ErrorCode,
+        /// Stored as `last_error`.
+        message: String,
+    },
+    /// Cannot succeed: dead-lettered at once with its code.
+    #[error("{code}: {message}")]
+    Permanent {
+        /// Stored as `error_code`.
+        code: ErrorCode,
+        /// Stored as `last_error`.
+        message: String,
+    },
+}
+
+impl HandlerError {
+    /// A retryable failure with code `INBOX_CONSUMER_FAILED`.
+    pub fn retry(message: impl Into<String>) -> Self {
+        HandlerError::Retry {
+            code: ErrorCode::INBOX_CONSUMER_FAILED,
+            message: message.into(),
+        }
+    }
+    /// A retryable failure not to be retried before `after`.
+    pub fn retry_after(after: Duration, message: impl Into<String>) -> Self {
+        HandlerError::RetryAfter {
+            after,
+            code: ErrorCode::INBOX_CONSUMER_FAILED,
+            message: message.into(),
+        }
+    }
+    /// A permanent failure with a stable `code`.
+    pub fn permanent(code: ErrorCode, message: impl Into<String>) -> Self {
+        HandlerError::Permanent {
+            code,
+            message: message.into(),
+        }
+    }
+    /// The stable code stored with the failed row.
+    pub fn code(&self) -> &ErrorCode {
+        match self {
+            HandlerError::Retry { code, .. }
+            | HandlerError::RetryAfter { code, .. }
+            | HandlerError::Permanent { code, .. } => code,
+        }
+    }
+    /// The message stored as `last_error`.
+    pub fn message(&self) -> &str {
+        match self {
+            HandlerError::Retry { message, .. }
+            | HandlerError::RetryAfter { message, .. }
+            | HandlerError::Permanent { message, .. } => message,
+        }
+    }
+}
+
+/// Database errors inside a handler are retried: the savepoint undoes the partial writes, and
+/// the attempt limit bounds a statement that can never succeed.
+impl From<diesel::result::Error> for HandlerError {
+    fn from(e: diesel::result::Error) -> Self {
+        HandlerError::retry(format!("database: {e}"))
+    }
+}
+
+impl From<Error> for HandlerError {
+    fn from(e: Error) -> Self {
+        if e.is_transient() {
+            HandlerError::Retry {
+                code: e.code(),
+                message: e.to_string(),
+            }
+        } else {
+            HandlerError::Permanent {
+                code: e.code(),
+                message: e.to_string(),
+            }
+        }
+    }
+}
+
+/// How one consumer is run. Build with [`ConsumerConfig::new`] and the setters.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    pub(crate) name: ConsumerName,
+    pub(crate) event_types: Vec<String>,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) batch_size: u32,
+    pub(crate) concurrency: u32,
+    pub(crate) mailbox_capacity: usize,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) poll_interval: Duration,
+}
+
+impl ConsumerConfig {
+    /// A consumer called `name` with the defaults: [`RetryPolicy::default`], batches of 32
+    /// rows per transaction, one batch at a time, a mailbox of 64, a 30 s handler timeout and
+    /// a 1 s poll for rows the mailbox never announced.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid name.
+    pub fn new(name: &str) -> crate::Result<Self> {
+        Ok(ConsumerConfig {
+            name: ConsumerName::new(name)?,
+            event_types: Vec::new(),
+            retry: RetryPolicy::default(),
+            batch_size: 32,
+            concurrency: 1,
+            mailbox_capacity: 64,
+            handler_timeout: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+        })
+    }
+    /// Subscribes to an event type.
+    pub fn subscribe(mut self, event_type: &str) -> Self {
+        if !self.event_types.iter().any(|t| t == event_type) {
+            self.event_types.push(event_type.to_owned());
+        }
+        self
+    }
+    /// The retry policy for this consumer only.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+    /// Inbox rows handled per transaction (each in its own savepoint).
+    pub fn batch_size(mut self, n: u32) -> Self {
+        self.batch_size = n;
+        self
+    }
+    /// Batches in flight at once, each on its own connection.
+    pub fn concurrency(mut self, n: u32) -> Self {
+        self.concurrency = n;
+        self
+    }
+    /// Capacity of the consumer's wake-up mailbox.
+    pub fn mailbox_capacity(mut self, n: usize) -> Self {
+        self.mailbox_capacity = n;
+        self
+    }
+    /// How long one handler call may take before it counts as a failure.
+    pub fn handler_timeout(mut self, d: Duration) -> Self {
+        self.handler_timeout = d;
+        self
+    }
+    /// How often the inbox is polled without a wake-up.
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+    /// The consumer's name.
+    pub fn name(&self) -> &ConsumerName {
+        &self.name
+    }
+
+    pub(crate) fn validate(&self) -> crate::Result<()> {
+        let bad = |why: &str| Err(Error::Config(format!("consumer {}: {why}", self.name)));
+        if self.event_types.is_empty() {
+            return bad("subscribes to no event type");
+        }
+        if self.batch_size == 0 || self.batch_size > 10_000 {
+            return bad("batch_size must be within 1..=10000");
+        }
+        if self.concurrency == 0 || self.concurrency > 256 {
+            return bad("concurrency must be within 1..=256");
+        }
+        if self.mailbox_capacity == 0 {
+            return bad("mailbox_capacity must be at least 1");
+        }
+        if self.handler_timeout.is_zero() || self.poll_interval.is_zero() {
+            return bad("handler_timeout and poll_interval must be positive");
+        }
+        self.retry.validate()
+    }
+}

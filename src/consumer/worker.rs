@@ -1,0 +1,186 @@
+//! One batch of one consumer: claim due inbox rows, run the handler on each inside a
+//! savepoint of one transaction, mark the outcomes, commit.
+//!
+//! Why one transaction per batch and a savepoint per row: the savepoint gives each handler
+//! all-or-nothing writes (an error undoes only its own effect), and one commit per batch
+//! instead of per row is what lets a consumer keep up with a producer that batches. A crash
+//! anywhere before the commit rolls back effects and marks together, so the rows are simply
+//! claimed again: at-least-once delivery, effectively-once effects.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::Recipient;
+use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
+use tokio::sync::Mutex;
+
+use super::{ConsumerConfig, Delivery, HandlerError, RetryPolicy};
+use crate::error::Result;
+use crate::store::inbox::{self, Failure, InboxRow};
+use crate::store::{OwnedConn, PgPool};
+
+/// What one batch did, for the actor's bookkeeping.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(crate) struct BatchOutcome {
+    pub claimed: usize,
+    pub processed: usize,
+    pub failed: usize,
+    /// The soonest retry this batch scheduled, so the actor can wake for it.
+    pub next_retry: Option<Duration>,
+    /// The handler actor stopped (panicked) during the batch and must be replaced.
+    pub handler_lost: bool,
+    /// The transaction was abandoned (handler kept the connection, left a nested transaction
+    /// open, or timed out mid-query); the unmarked rows will be claimed again.
+    pub abandoned: bool,
+}
+
+/// Transaction depth while a handler runs: the batch transaction plus the row's savepoint.
+const HANDLER_DEPTH: u32 = 2;
+
+pub(crate) async fn run_batch(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    handler: &Recipient<Delivery>,
+) -> Result<BatchOutcome> {
+    let mut conn: OwnedConn = pool.get_owned().await?;
+    // Any early return below drops `conn` inside a transaction; the pool sees a broken
+    // transaction manager and closes the connection, so PostgreSQL rolls back and no session
+    // is left idle in transaction.
+    Tm::begin_transaction(&mut *conn).await?;
+    let rows = inbox::claim_due(&mut conn, cfg.name.as_str(), i64::from(cfg.batch_size)).await?;
+    let mut out = BatchOutcome {
+        claimed: rows.len(),
+        ..Default::default()
+    };
+    let mut processed = Vec::with_capacity(rows.len());
+    let mut failures = Vec::new();
+
+    for row in rows {
+        Tm::begin_transaction(&mut *conn).await?;
+        let slot = Arc::new(Mutex::new(Some(conn)));
+        let delivery = Delivery {
+            row: row.clone(),
+            consumer: cfg.name.clone(),
+            slot: slot.clone(),
+        };
+        tracing::debug!(
+            name: "consumer.started",
+            consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
+            aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
+            causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
+            "consumer.started"
+        );
+        let sent = tokio::time::timeout(cfg.handler_timeout, handler.send(delivery)).await;
+        let result = match sent {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => {
+                out.handler_lost = true;
+                Err(HandlerError::retry(
+                    "the handler actor stopped while handling (panic?)",
+                ))
+            }
+            Err(_) => Err(HandlerError::retry(format!(
+                "the handler did not finish within {:?}",
+                cfg.handler_timeout
+            ))),
+        };
+        // Take the connection back. If the handler still holds it (a query in flight after a
+        // timeout, a guard kept alive), nothing on it can be trusted: abandon the batch.
+        let taken = slot.try_lock().ok().and_then(|mut g| g.take());
+        let Some(mut back) =
+            taken.and_then(|mut c| (depth(&mut c) == Some(HANDLER_DEPTH)).then_some(c))
+        else {
+            let err = result.err().unwrap_or_else(|| {
+                HandlerError::retry("the handler left the delivery's transaction in a bad state")
+            });
+            abandon(pool, cfg, &row, &err).await;
+            out.failed += 1;
+            out.abandoned = true;
+            return Ok(out);
+        };
+        match result {
+            Ok(()) => {
+                Tm::commit_transaction(&mut *back).await?; // RELEASE SAVEPOINT
+                processed.push(row.id);
+            }
+            Err(err) => {
+                Tm::rollback_transaction(&mut *back).await?; // ROLLBACK TO SAVEPOINT
+                log_failure(cfg, &row, &err);
+                failures.push(decide(&cfg.retry, &row, &err));
+            }
+        }
+        conn = back;
+        if out.handler_lost {
+            // The rows not yet handled stay locked by this transaction until the commit, then
+            // are claimed again once the handler is replaced.
+            break;
+        }
+    }
+
+    inbox::mark_processed(&mut conn, &processed).await?;
+    inbox::mark_failed(&mut conn, &failures).await?;
+    Tm::commit_transaction(&mut *conn).await?;
+    out.processed = processed.len();
+    out.failed += failures.len();
+    out.next_retry = failures
+        .iter()
+        .filter(|f| !f.dead)
+        .map(|f| Duration::from_millis(f.delay_ms.max(0) as u64))
+        .min();
+    Ok(out)
+}
+
+fn depth(conn: &mut OwnedConn) -> Option<u32> {
+    Tm::transaction_manager_status_mut(&mut **conn)
+        .transaction_depth()
+        .ok()
+        .flatten()
+        .map(|d| d.get())
+}
+
+/// The retry decision for one failed attempt. The attempt is counted before deciding.
+pub(crate) fn decide(policy: &RetryPolicy, row: &InboxRow, err: &HandlerError) -> Failure {
+    let attempt = (row.attempt_count.max(0) as u32) + 1;
+    let seed = row.event_id.as_u64_pair().0 ^ row.event_id.as_u64_pair().1;
+    let (dead, delay) = match err {
+        HandlerError::Permanent { .. } => (true, Duration::ZERO),
+        _ if policy.exhausted(attempt) => (true, Duration::ZERO),
+        HandlerError::RetryAfter { after, .. } => (false, *after),
+        HandlerError::Retry { .. } => (false, policy.delay(attempt, seed)),
+    };
+    Failure {
+        id: row.id,
+        attempts_before: row.attempt_count,
+        dead,
+        delay_ms: delay.as_millis().min(i64::MAX as u128) as i64,
+        code: err.code().as_str().to_owned(),
+        message: err.message().to_owned(),
+    }
+}
+
+fn log_failure(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
+    tracing::warn!(
+        name: "consumer.failed",
+        consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
+        aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
+        causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
+        error_code = %err.code(), error = %err.message(),
+        "consumer.failed"
+    );
+}
+
+/// Records a failed attempt outside the abandoned transaction, on a fresh connection. Fenced
+/// on the attempt count, so if another instance has meanwhile handled the row nothing changes.
+async fn abandon(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
+    log_failure(cfg, row, err);
+    let failure = decide(&cfg.retry, row, err);
+    let marked = match pool.get().await {
+        Ok(mut conn) => inbox::mark_failed(&mut conn, &[failure]).await,
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = marked {
+        // The row keeps its state and is claimed again; the attempt goes uncounted.
+        tracing::warn!(consumer = %cfg.name, event_id = %row.event_id, error = %e,
+            "could not record a failed attempt");
+    }
+}

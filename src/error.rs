@@ -1,0 +1,129 @@
+//! The crate's one error enum and the stable codes stored in `error_code` columns.
+//!
+//! Codes are part of the public contract: they are written to the database, logged and shown to
+//! operators, so they never change once released. Callers branch on [`Error::code`] or
+//! [`Error::is_transient`], never on message text.
+
+use std::borrow::Cow;
+use std::fmt;
+
+/// A stable, machine-readable error code such as `INBOX_CONSUMER_FAILED`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ErrorCode(Cow<'static, str>);
+
+impl ErrorCode {
+    /// Publishing an outbox event to a transport failed.
+    pub const OUTBOX_PUBLISH_FAILED: ErrorCode = ErrorCode::from_static("OUTBOX_PUBLISH_FAILED");
+    /// Publishing an outbox event did not finish within its timeout.
+    pub const OUTBOX_PUBLISH_TIMEOUT: ErrorCode = ErrorCode::from_static("OUTBOX_PUBLISH_TIMEOUT");
+    /// An event's payload or envelope is not valid for its type.
+    pub const EVENT_SCHEMA_INVALID: ErrorCode = ErrorCode::from_static("EVENT_SCHEMA_INVALID");
+    /// No code can read this version of the event type.
+    pub const EVENT_VERSION_UNSUPPORTED: ErrorCode =
+        ErrorCode::from_static("EVENT_VERSION_UNSUPPORTED");
+    /// A consumer's handler failed (returned an error, panicked or timed out).
+    pub const INBOX_CONSUMER_FAILED: ErrorCode = ErrorCode::from_static("INBOX_CONSUMER_FAILED");
+    /// The event had already been processed by this consumer; informational, not an error.
+    pub const DUPLICATE_EVENT: ErrorCode = ErrorCode::from_static("DUPLICATE_EVENT");
+    /// PostgreSQL returned an error or the connection failed.
+    pub const DATABASE_ERROR: ErrorCode = ErrorCode::from_static("DATABASE_ERROR");
+    /// No connection could be taken from the pool in time.
+    pub const POOL_TIMEOUT: ErrorCode = ErrorCode::from_static("POOL_TIMEOUT");
+    /// The library's migrations could not be applied.
+    pub const MIGRATION_FAILED: ErrorCode = ErrorCode::from_static("MIGRATION_FAILED");
+    /// The runtime was configured with invalid values.
+    pub const CONFIG_INVALID: ErrorCode = ErrorCode::from_static("CONFIG_INVALID");
+    /// The runtime has stopped and no longer accepts requests.
+    pub const RUNTIME_STOPPED: ErrorCode = ErrorCode::from_static("RUNTIME_STOPPED");
+
+    /// A code known at compile time.
+    pub const fn from_static(code: &'static str) -> Self {
+        ErrorCode(Cow::Borrowed(code))
+    }
+
+    /// An application-defined code, e.g. `PAYMENT_DECLINED`. Keep it stable and upper snake case.
+    pub fn new(code: impl Into<String>) -> Self {
+        ErrorCode(Cow::Owned(code.into()))
+    }
+
+    /// The code as stored in the database.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Everything that can go wrong in the library, each with a stable [`ErrorCode`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A query failed. Transient when the connection broke or the transaction lost a
+    /// serialization race; otherwise the statement itself is wrong.
+    #[error("database error: {0}")]
+    Database(#[from] diesel::result::Error),
+    /// No connection could be taken from the pool.
+    #[error("connection pool error: {0}")]
+    Pool(String),
+    /// The event was rejected before it was written; the caller's transaction must fail.
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
+    /// The runtime's configuration is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Applying the library's migrations failed.
+    #[error("migration failed: {0}")]
+    Migration(String),
+    /// The runtime has stopped.
+    #[error("the outbox runtime has stopped")]
+    Stopped,
+}
+
+impl Error {
+    /// The stable code for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::Database(_) => ErrorCode::DATABASE_ERROR,
+            Error::Pool(_) => ErrorCode::POOL_TIMEOUT,
+            Error::InvalidEvent(_) => ErrorCode::EVENT_SCHEMA_INVALID,
+            Error::Config(_) => ErrorCode::CONFIG_INVALID,
+            Error::Migration(_) => ErrorCode::MIGRATION_FAILED,
+            Error::Stopped => ErrorCode::RUNTIME_STOPPED,
+        }
+    }
+
+    /// Whether the same call may succeed if it is simply tried again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Database(e) => is_transient_db_error(e),
+            Error::Pool(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// Connection loss and serialization failures go away on retry; constraint violations and
+/// syntax errors do not.
+pub(crate) fn is_transient_db_error(e: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind as K, Error as D};
+    matches!(
+        e,
+        D::DatabaseError(
+            K::SerializationFailure | K::ClosedConnection | K::Unknown,
+            _
+        ) | D::BrokenTransactionManager
+    )
+}
+
+impl<E: std::error::Error + 'static> From<bb8::RunError<E>> for Error {
+    fn from(e: bb8::RunError<E>) -> Self {
+        Error::Pool(e.to_string())
+    }
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,201 @@
+//! The event envelope: ids, the event a producer writes, and the checks made before it is.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+
+/// The id of one logical event. Made once by the producer (UUID v7) and kept through every
+/// retry, transport and consumer, so it is the key the inbox deduplicates on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct EventId(Uuid);
+
+impl EventId {
+    /// A new time-ordered id.
+    pub fn new() -> Self {
+        EventId(Uuid::now_v7())
+    }
+
+    /// Wraps an id read from elsewhere (a broker header, an operator's request).
+    pub fn from_uuid(id: Uuid) -> Self {
+        EventId(id)
+    }
+
+    /// The underlying UUID.
+    pub fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+impl Default for EventId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The name of a consumer, e.g. `notification`. It keys the consumer's inbox rows, pause switch
+/// and subscriptions, so renaming a consumer starts it with an empty inbox.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ConsumerName(String);
+
+impl ConsumerName {
+    /// Validates and wraps a consumer name: 1–100 characters of `[A-Za-z0-9_.-]`.
+    pub fn new(name: impl Into<String>) -> Result<Self> {
+        let name = name.into();
+        let valid = !name.is_empty()
+            && name.len() <= 100
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if valid {
+            Ok(ConsumerName(name))
+        } else {
+            Err(Error::Config(format!(
+                "consumer name {name:?} must be 1-100 characters of letters, digits, '_', '-' or '.'"
+            )))
+        }
+    }
+
+    /// The name as stored in the database.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ConsumerName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The largest payload accepted at enqueue, in bytes of JSON. Events carry ids, not documents.
+pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024;
+
+/// An event about to be written to the outbox in the caller's transaction.
+///
+/// The name is a fact in the past tense (`ORDER_STATUS_CHANGED`), not a command
+/// (`SEND_NOTIFICATION`): an event says what happened and any number of consumers may react;
+/// a command is one job for one worker and belongs in a job table of its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub(crate) id: EventId,
+    pub(crate) event_type: String,
+    pub(crate) event_version: i32,
+    pub(crate) aggregate_type: String,
+    pub(crate) aggregate_id: String,
+    pub(crate) aggregate_version: Option<i64>,
+    pub(crate) payload: serde_json::Value,
+    pub(crate) metadata: serde_json::Value,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) causation_id: Option<String>,
+}
+
+impl NewEvent {
+    /// An event of `event_type` (version 1) about the aggregate `aggregate_type`/`aggregate_id`.
+    pub fn new(
+        event_type: impl Into<String>,
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        payload: serde_json::Value,
+    ) -> Self {
+        NewEvent {
+            id: EventId::new(),
+            event_type: event_type.into(),
+            event_version: 1,
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_version: None,
+            payload,
+            metadata: serde_json::Value::Object(Default::default()),
+            correlation_id: None,
+            causation_id: None,
+        }
+    }
+
+    /// Uses a caller-made id instead of a fresh one (e.g. to make enqueue itself idempotent).
+    pub fn with_id(mut self, id: EventId) -> Self {
+        self.id = id;
+        self
+    }
+
+    /// The schema version of the payload (default 1).
+    pub fn version(mut self, version: i32) -> Self {
+        self.event_version = version;
+        self
+    }
+
+    /// The aggregate's version after the change, for stale-event detection by consumers.
+    pub fn aggregate_version(mut self, version: i64) -> Self {
+        self.aggregate_version = Some(version);
+        self
+    }
+
+    /// The id shared by everything one request caused. A fresh one is made when none is set.
+    pub fn correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// The id of what directly caused this event (usually another event's id).
+    pub fn causation_id(mut self, id: impl Into<String>) -> Self {
+        self.causation_id = Some(id.into());
+        self
+    }
+
+    /// Free-form metadata such as a W3C `traceparent`; never personal data.
+    pub fn metadata(mut self, metadata: serde_json::Value) -> Self {
+        self.metadata = metadata;
+        self
+    }
+
+    /// The id this event will have.
+    pub fn id(&self) -> EventId {
+        self.id
+    }
+
+    /// Rejects what must never reach the table. Runs before any write, so a rejected event
+    /// fails the caller's transaction instead of failing every consumer later.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |why: String| {
+            Err(Error::InvalidEvent(format!(
+                "{} {}: {why}",
+                self.event_type, self.id
+            )))
+        };
+        if self.event_type.is_empty() || self.event_type.len() > 200 {
+            return bad("event type must be 1-200 characters".into());
+        }
+        if self.event_version < 1 {
+            return bad(format!("version {} must be at least 1", self.event_version));
+        }
+        if self.aggregate_type.is_empty() || self.aggregate_id.is_empty() {
+            return bad("aggregate type and id must not be empty".into());
+        }
+        if let Some(v) = self.aggregate_version {
+            if v < 0 {
+                return bad(format!("aggregate version {v} must not be negative"));
+            }
+        }
+        if !self.metadata.is_object() {
+            return bad("metadata must be a JSON object".into());
+        }
+        let size = serde_json::to_vec(&self.payload)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
+        if size > MAX_PAYLOAD_BYTES {
+            return bad(format!(
+                "payload is {size} bytes, the limit is {MAX_PAYLOAD_BYTES}"
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,125 @@
+//! # actix-outbox
+//!
+//! Reliable event delivery for actix-web applications on PostgreSQL: the transactional
+//! outbox and inbox, run by supervised actix actors.
+//!
+//! ## Overview
+//!
+//! A business change and the event it causes are written in **one** PostgreSQL transaction
+//! ([`enqueue`] takes the caller's connection). A `PublisherActor` claims committed events and,
+//! in the same statement, writes one inbox row per subscribed consumer. Each consumer is an
+//! actix actor handling [`Delivery`] messages; the delivery carries the open inbox transaction,
+//! so the consumer's effect and the inbox's PROCESSED mark commit together.
+//!
+//! ## Guarantees
+//!
+//! - **No lost events.** An event exists if and only if the business transaction committed.
+//!   Once committed it is delivered to every consumer subscribed when it is published, whatever
+//!   dies in between (process, connection, actor): the database holds every piece of state.
+//! - **At-least-once delivery, effectively-once effects.** A consumer can see an event more than
+//!   once — after a crash mid-handler, a rollback, a timeout — but the effect it writes through
+//!   [`Delivery::conn`] commits at most once, because it commits with the inbox mark and the
+//!   inbox row is unique per (event, consumer). Effects outside that transaction (an HTTP call)
+//!   are *not* covered: write a job row instead and let a worker make the call.
+//! - **Isolation.** Consumers have their own inbox rows, retry policy and failures: one
+//!   failing consumer neither blocks nor repeats another.
+//! - **No ordering guarantee** between events; consumers that need it compare aggregate versions.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use actix::prelude::*;
+//! use actix_outbox::{enqueue, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime};
+//! use diesel_async::{AsyncConnection, RunQueryDsl};
+//!
+//! struct Notifier;
+//! impl Actor for Notifier {
+//!     type Context = Context<Self>;
+//! }
+//! impl Handler<Delivery> for Notifier {
+//!     type Result = ResponseFuture<Result<(), HandlerError>>;
+//!     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+//!         Box::pin(async move {
+//!             let mut conn = d.conn().await?;
+//!             diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
+//!                 .bind::<diesel::sql_types::Text, _>(d.aggregate_id())
+//!                 .execute(&mut *conn)
+//!                 .await?;
+//!             Ok(())
+//!         })
+//!     }
+//! }
+//!
+//! # async fn run() -> actix_outbox::Result<()> {
+//! let url = "postgres://localhost/app";
+//! actix_outbox::migrate(url).await?;
+//! let pool = actix_outbox::connect(url, 10).await?;
+//! let runtime = OutboxRuntime::builder(pool.clone())
+//!     .consumer(ConsumerConfig::new("notification")?.subscribe("ORDER_COMPLETED"), || Notifier)
+//!     .start()
+//!     .await?;
+//! let outbox = runtime.handle();
+//!
+//! // In a request handler: the business change and the event, one transaction.
+//! let mut conn = pool.get().await?;
+//! conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+//!     diesel::sql_query("UPDATE orders SET status = 'COMPLETED' WHERE id = 'o1'")
+//!         .execute(conn)
+//!         .await?;
+//!     enqueue(conn, &NewEvent::new("ORDER_COMPLETED", "order", "o1", serde_json::json!({}))).await?;
+//!     Ok(())
+//! })
+//! .await?;
+//! outbox.wake(); // deliver now rather than at the next poll
+//! # runtime.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Concepts
+//!
+//! - **Outbox row** (`outbox_events`): `PENDING → PUBLISHED`. The in-process publisher claims,
+//!   fans out and marks in one statement, so a row is never stuck half-way.
+//! - **Inbox row** (`inbox_events`), one per (event, consumer): `RECEIVED → PROCESSED`, or
+//!   `RETRY_PENDING` after a failure (backoff from the consumer's [`RetryPolicy`]) and
+//!   `DEAD_LETTER` once attempts run out or on a [`HandlerError::Permanent`].
+//! - **Mailboxes are a fast path.** Every actor also polls; a lost message costs latency only.
+//! - **Supervision.** The supervisor rebuilds any actor that stopped or panicked; a panic in a
+//!   consumer's handler fails that delivery (retried like an error) and the handler actor is
+//!   rebuilt from its factory.
+//! - **Several processes** may run the runtime on one database: claims use `SKIP LOCKED`, and
+//!   subscriptions live in the database, so any instance fans out to every consumer.
+//!
+//! ## Layout
+//!
+//! - `event` — ids and the event envelope; `error` — the error enum and stable codes.
+//! - `store/` — every SQL statement (internal) and the migrations.
+//! - `outbox/` — enqueue in the caller's transaction.
+//! - `consumer/` — the delivery message, handler errors, retry policy, consumer actors.
+//! - `publisher/` — the claim loop. `reconciler/` — drift checks. `runtime/` — builder,
+//!   supervisor, shutdown.
+//!
+//! ## Features
+//!
+//! - `testing`: [`OutboxRuntime::inject_fault`] for crash tests.
+
+#![warn(missing_docs)]
+
+mod consumer;
+mod error;
+mod event;
+mod outbox;
+mod publisher;
+mod reconciler;
+mod runtime;
+mod store;
+
+pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
+pub use error::{Error, ErrorCode, Result};
+pub use event::{ConsumerName, EventId, NewEvent, MAX_PAYLOAD_BYTES};
+pub use outbox::{enqueue, enqueue_many};
+pub use reconciler::DriftReport;
+#[cfg(feature = "testing")]
+pub use runtime::Fault;
+pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};
+pub use store::migrate::{migrate, MIGRATIONS};
+pub use store::{connect, PgPool};

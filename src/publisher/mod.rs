@@ -1,0 +1,161 @@
+//! `PublisherActor`: moves committed outbox rows to the consumers' inboxes.
+//!
+//! It wakes on an in-process poke after a commit ([`OutboxHandle::wake`](crate::OutboxHandle::wake))
+//! and on a poll tick, the backstop for rows committed by other processes or while it was down.
+//! Each wake runs claims until a claim comes back short, so a backlog drains in batches of
+//! `publish_batch_size` without a storm of wake-ups.
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten};
+use crate::runtime::{Drain, Stop, Wake};
+use crate::store::{self, PgPool};
+
+pub(crate) struct PublisherActor {
+    pool: PgPool,
+    /// Where fan-out results go; set again by the supervisor if the registry restarts.
+    registry: Addr<ConsumerRegistry>,
+    batch_size: u32,
+    poll_interval: Duration,
+    /// A claim loop is running; a wake-up now only sets `again`.
+    busy: bool,
+    /// A wake-up came while busy: run once more, since its rows may have committed after the
+    /// running claim's snapshot.
+    again: bool,
+    draining: bool,
+    drained: Vec<oneshot::Sender<()>>,
+}
+
+impl PublisherActor {
+    pub(crate) fn new(
+        pool: PgPool,
+        registry: Addr<ConsumerRegistry>,
+        batch_size: u32,
+        poll_interval: Duration,
+    ) -> Self {
+        PublisherActor {
+            pool,
+            registry,
+            batch_size,
+            poll_interval,
+            busy: false,
+            again: false,
+            draining: false,
+            drained: Vec::new(),
+        }
+    }
+
+    fn run(&mut self, ctx: &mut Context<Self>) {
+        if self.draining {
+            return;
+        }
+        if self.busy {
+            self.again = true;
+            return;
+        }
+        self.busy = true;
+        self.again = false;
+        let (pool, registry, limit) = (
+            self.pool.clone(),
+            self.registry.clone(),
+            i64::from(self.batch_size),
+        );
+        let claim = async move {
+            loop {
+                tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
+                let fan_out = match pool.get().await {
+                    Ok(mut conn) => store::outbox::claim_and_fan_out(&mut conn, limit).await,
+                    Err(e) => Err(e.into()),
+                };
+                match fan_out {
+                    Ok(f) => {
+                        if f.published > 0 {
+                            tracing::debug!(name: "outbox.published", published = f.published, "outbox.published");
+                        }
+                        if !f.delivered.is_empty() {
+                            registry.do_send(InboxRowsWritten {
+                                consumers: f.delivered,
+                            });
+                        }
+                        if (f.published as i64) < limit {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(),
+                            "outbox.publish.failed");
+                        return;
+                    }
+                }
+            }
+        };
+        ctx.spawn(claim.into_actor(self).map(|(), act, ctx| {
+            act.busy = false;
+            if act.draining {
+                for tx in act.drained.drain(..) {
+                    let _ = tx.send(());
+                }
+            } else if act.again {
+                act.run(ctx);
+            }
+        }));
+    }
+}
+
+impl Actor for PublisherActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.poll_interval, |act, ctx| act.run(ctx));
+        // Rows committed while no publisher ran are found at once, not at the first tick.
+        self.run(ctx);
+    }
+}
+
+impl Handler<Wake> for PublisherActor {
+    type Result = ();
+    fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        self.run(ctx);
+    }
+}
+
+/// The supervisor restarted the registry.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SetRegistry(pub Addr<ConsumerRegistry>);
+
+impl Handler<SetRegistry> for PublisherActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetRegistry, _: &mut Context<Self>) {
+        self.registry = msg.0;
+    }
+}
+
+impl Handler<Drain> for PublisherActor {
+    type Result = ResponseFuture<()>;
+    fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
+        self.draining = true;
+        let (tx, rx) = oneshot::channel();
+        if self.busy {
+            self.drained.push(tx);
+        } else {
+            let _ = tx.send(());
+        }
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+impl Handler<Stop> for PublisherActor {
+    type Result = ();
+    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
+        if stop.panic {
+            panic!("fault injection: publisher panicked");
+        }
+        ctx.stop();
+    }
+}

@@ -1,0 +1,260 @@
+//! The runtime: configuration, the builder that registers consumers, the handle the
+//! application keeps, and the supervisor that owns the actors.
+
+mod supervisor;
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+
+use crate::consumer::actor::HandlerFactory;
+use crate::consumer::{ConsumerConfig, Delivery};
+use crate::error::{Error, Result};
+use crate::reconciler::DriftReport;
+use crate::store::{self, PgPool};
+use supervisor::{ConsumerSlot, GetStatus, Shutdown, SupervisorActor};
+
+/// There may be work: claim now instead of at the next poll.
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "()")]
+pub(crate) struct Wake;
+
+/// Start nothing new; resolve once the work in flight has finished.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Drain;
+
+/// Stop the actor (or, for fault injection, panic inside it).
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "()")]
+pub(crate) struct Stop {
+    pub panic: bool,
+}
+
+/// Runtime-wide settings. Every field has a documented default ([`RuntimeConfig::default`]).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RuntimeConfig {
+    /// Outbox rows claimed and fanned out per statement. Default 500.
+    pub publish_batch_size: u32,
+    /// How often the publisher claims without a wake-up: the delay for events committed by
+    /// other processes. Default 250 ms.
+    pub poll_interval: Duration,
+    /// How often the supervisor looks for dead children. Default 100 ms.
+    pub supervise_interval: Duration,
+    /// How long shutdown waits for in-flight deliveries. Default 30 s.
+    pub shutdown_timeout: Duration,
+    /// How often the reconciler runs its checks. Default 60 s.
+    pub reconcile_interval: Duration,
+    /// How late a follow-up may be before the reconciler calls it drift. Default 5 min.
+    pub consistency_window: Duration,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            publish_batch_size: 500,
+            poll_interval: Duration::from_millis(250),
+            supervise_interval: Duration::from_millis(100),
+            shutdown_timeout: Duration::from_secs(30),
+            reconcile_interval: Duration::from_secs(60),
+            consistency_window: Duration::from_secs(300),
+        }
+    }
+}
+
+impl RuntimeConfig {
+    fn validate(&self) -> Result<()> {
+        if self.publish_batch_size == 0 || self.publish_batch_size > 10_000 {
+            return Err(Error::Config(
+                "publish_batch_size must be within 1..=10000".into(),
+            ));
+        }
+        let intervals = [
+            self.poll_interval,
+            self.supervise_interval,
+            self.reconcile_interval,
+        ];
+        if intervals.iter().any(|d| d.is_zero()) {
+            return Err(Error::Config("intervals must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Registers consumers and starts the runtime. Made by [`OutboxRuntime::builder`].
+pub struct OutboxBuilder {
+    pool: PgPool,
+    config: RuntimeConfig,
+    consumers: Vec<(ConsumerConfig, HandlerFactory)>,
+}
+
+impl OutboxBuilder {
+    /// Replaces the runtime settings.
+    pub fn config(mut self, config: RuntimeConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Registers a consumer: `make` builds the actor that handles its [`Delivery`] messages.
+    /// It is called once at start and again whenever that actor has died (a handler panic),
+    /// so it should build a fresh actor from cheap, cloneable parts.
+    pub fn consumer<A, F>(mut self, config: ConsumerConfig, make: F) -> Self
+    where
+        A: Actor<Context = Context<A>> + Handler<Delivery>,
+        F: Fn() -> A + 'static,
+    {
+        let factory: HandlerFactory = Rc::new(move || make().start().recipient());
+        self.consumers.push((config, factory));
+        self
+    }
+
+    /// Records the consumers' subscriptions in the database and starts the actors. Must be
+    /// called inside an actix system (`#[actix_web::main]`, `#[actix_rt::main]`). The library's
+    /// tables must exist: run [`migrate`](crate::migrate) first.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for invalid or duplicate settings; [`Error::Database`] or
+    /// [`Error::Pool`] when the subscriptions cannot be written.
+    pub async fn start(self) -> Result<OutboxRuntime> {
+        self.config.validate()?;
+        let mut names = std::collections::HashSet::new();
+        for (cfg, _) in &self.consumers {
+            cfg.validate()?;
+            if !names.insert(cfg.name.clone()) {
+                return Err(Error::Config(format!(
+                    "consumer {} registered twice",
+                    cfg.name
+                )));
+            }
+        }
+        {
+            let mut conn = self.pool.get().await?;
+            for (cfg, _) in &self.consumers {
+                store::inbox::register_consumer(&mut conn, cfg.name.as_str(), &cfg.event_types)
+                    .await?;
+            }
+        }
+        let slots = self
+            .consumers
+            .into_iter()
+            .map(|(cfg, factory)| ConsumerSlot {
+                cfg: Arc::new(cfg),
+                factory,
+                addr: None,
+            })
+            .collect();
+        let supervisor = SupervisorActor::new(self.pool, self.config, slots).start();
+        Ok(OutboxRuntime {
+            handle: OutboxHandle { supervisor },
+        })
+    }
+}
+
+/// The running runtime. Dropping it does not stop the actors; call [`OutboxRuntime::shutdown`].
+pub struct OutboxRuntime {
+    handle: OutboxHandle,
+}
+
+impl OutboxRuntime {
+    /// Starts building a runtime on `pool`. The pool should allow at least
+    /// 2 + Σ consumer concurrency connections besides what the application uses.
+    pub fn builder(pool: PgPool) -> OutboxBuilder {
+        OutboxBuilder {
+            pool,
+            config: RuntimeConfig::default(),
+            consumers: Vec::new(),
+        }
+    }
+
+    /// A cheap, cloneable, `Send` handle for request handlers.
+    pub fn handle(&self) -> OutboxHandle {
+        self.handle.clone()
+    }
+
+    /// Restart counts and the reconciler's last report.
+    ///
+    /// # Errors
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn status(&self) -> Result<RuntimeStatus> {
+        self.handle
+            .supervisor
+            .send(GetStatus)
+            .await
+            .map_err(|_| Error::Stopped)
+    }
+
+    /// Graceful shutdown: the publisher stops claiming, consumers finish the batches in flight
+    /// (within [`RuntimeConfig::shutdown_timeout`]), then every actor stops. Batches still
+    /// running at the deadline roll back and are delivered again after the next start. Calling
+    /// it again after the runtime has stopped does nothing.
+    ///
+    /// Returns whether everything in flight finished before the deadline.
+    pub async fn shutdown(&self) -> bool {
+        self.handle.supervisor.send(Shutdown).await.unwrap_or(true)
+    }
+
+    /// Fault injection for tests: stops (or panics) one of the runtime's actors, as a crash
+    /// would. Returns whether the actor was running.
+    #[cfg(feature = "testing")]
+    pub async fn inject_fault(&self, fault: Fault) -> bool {
+        use supervisor::{Child, StopChild};
+        let (child, panic) = match fault {
+            Fault::StopPublisher => (Child::Publisher, false),
+            Fault::PanicPublisher => (Child::Publisher, true),
+            Fault::PanicRegistry => (Child::Registry, true),
+            Fault::PanicReconciler => (Child::Reconciler, true),
+            Fault::PanicConsumer(name) => (Child::Consumer(name), true),
+        };
+        self.handle
+            .supervisor
+            .send(StopChild { child, panic })
+            .await
+            .unwrap_or(false)
+    }
+}
+
+/// Faults [`OutboxRuntime::inject_fault`] can cause.
+#[cfg(feature = "testing")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The publisher stops itself.
+    StopPublisher,
+    /// The publisher panics.
+    PanicPublisher,
+    /// The consumer registry panics.
+    PanicRegistry,
+    /// The reconciler panics.
+    PanicReconciler,
+    /// The named consumer's actor panics.
+    PanicConsumer(String),
+}
+
+/// What the supervisor knows about its children.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct RuntimeStatus {
+    /// Restarts per child (`publisher`, `registry`, `reconciler`, `consumer:NAME`).
+    pub restarts: BTreeMap<String, u32>,
+    /// The reconciler's last built-in check, once one has run.
+    pub drift: Option<DriftReport>,
+}
+
+/// A handle to a running runtime: `Clone + Send`, for request handlers in any worker thread.
+#[derive(Clone)]
+pub struct OutboxHandle {
+    supervisor: Addr<SupervisorActor>,
+}
+
+impl OutboxHandle {
+    /// Tells the publisher that events were just committed, so it claims them now instead of
+    /// at its next poll. Call it after the commit (a wake before the commit finds nothing).
+    /// Never blocks and never fails: a wake that cannot be queued is covered by the poll.
+    pub fn wake(&self) {
+        let _ = self.supervisor.try_send(Wake);
+    }
+}

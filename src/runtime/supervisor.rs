@@ -1,0 +1,264 @@
+//! `SupervisorActor`: owns every other actor, restarts the ones that die, and runs shutdown.
+//!
+//! actix's own `Supervisor` restarts an actor that stops itself but not one that panicked
+//! (the panic ends the actor's task). So this actor checks its children's mailboxes on a short
+//! interval and rebuilds any that closed, for whatever reason. Messages in a dead actor's
+//! mailbox are lost, which costs nothing: every piece of work is a row in the database, found
+//! again by the new actor's first claim.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use futures_util::future::join_all;
+
+use super::{Drain, RuntimeConfig, RuntimeStatus, Stop, Wake};
+use crate::consumer::actor::{ConsumerActor, HandlerFactory};
+use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
+use crate::consumer::ConsumerConfig;
+use crate::publisher::{PublisherActor, SetRegistry};
+use crate::reconciler::{DriftReport, LastReport, ReconcilerActor};
+use crate::store::PgPool;
+
+pub(crate) struct ConsumerSlot {
+    pub cfg: Arc<ConsumerConfig>,
+    pub factory: HandlerFactory,
+    pub addr: Option<Addr<ConsumerActor>>,
+}
+
+pub(crate) struct SupervisorActor {
+    pool: PgPool,
+    config: RuntimeConfig,
+    consumers: Vec<ConsumerSlot>,
+    registry: Option<Addr<ConsumerRegistry>>,
+    publisher: Option<Addr<PublisherActor>>,
+    reconciler: Option<Addr<ReconcilerActor>>,
+    /// Restarts per child name, for status and tests that count them.
+    restarts: BTreeMap<String, u32>,
+    /// Shutdown has begun: dead children stay dead.
+    stopping: bool,
+}
+
+impl SupervisorActor {
+    pub(crate) fn new(pool: PgPool, config: RuntimeConfig, consumers: Vec<ConsumerSlot>) -> Self {
+        SupervisorActor {
+            pool,
+            config,
+            consumers,
+            registry: None,
+            publisher: None,
+            reconciler: None,
+            restarts: BTreeMap::new(),
+            stopping: false,
+        }
+    }
+
+    fn restarted(&mut self, child: &str) {
+        *self.restarts.entry(child.to_owned()).or_default() += 1;
+        tracing::warn!(child, "supervisor restarted a stopped actor");
+    }
+
+    /// Starts every child that is not running. The first call starts them all.
+    fn ensure_children(&mut self) {
+        if self.stopping {
+            return;
+        }
+        let first_start = self.registry.is_none();
+        let registry_alive = self.registry.as_ref().is_some_and(|a| a.connected());
+        if !registry_alive {
+            if !first_start {
+                self.restarted("registry");
+            }
+            let registry = ConsumerRegistry::default().start();
+            for slot in &self.consumers {
+                if let Some(addr) = &slot.addr {
+                    registry.do_send(SetMailbox {
+                        consumer: slot.cfg.name.to_string(),
+                        addr: addr.clone(),
+                    });
+                }
+            }
+            if let Some(publisher) = &self.publisher {
+                publisher.do_send(SetRegistry(registry.clone()));
+            }
+            self.registry = Some(registry);
+        }
+        let Some(registry) = self.registry.clone() else {
+            return;
+        };
+
+        let mut restarted = Vec::new();
+        for slot in &mut self.consumers {
+            if slot.addr.as_ref().is_some_and(|a| a.connected()) {
+                continue;
+            }
+            if slot.addr.is_some() {
+                restarted.push(format!("consumer:{}", slot.cfg.name));
+            }
+            let addr =
+                ConsumerActor::new(slot.cfg.clone(), self.pool.clone(), slot.factory.clone())
+                    .start();
+            registry.do_send(SetMailbox {
+                consumer: slot.cfg.name.to_string(),
+                addr: addr.clone(),
+            });
+            slot.addr = Some(addr);
+        }
+        for child in restarted {
+            self.restarted(&child);
+        }
+
+        if !self.publisher.as_ref().is_some_and(|a| a.connected()) {
+            if self.publisher.is_some() {
+                self.restarted("publisher");
+            }
+            let publisher = PublisherActor::new(
+                self.pool.clone(),
+                registry,
+                self.config.publish_batch_size,
+                self.config.poll_interval,
+            );
+            self.publisher = Some(publisher.start());
+        }
+
+        if !self.reconciler.as_ref().is_some_and(|a| a.connected()) {
+            if self.reconciler.is_some() {
+                self.restarted("reconciler");
+            }
+            let reconciler = ReconcilerActor::new(
+                self.pool.clone(),
+                self.config.reconcile_interval,
+                self.config.consistency_window,
+            );
+            self.reconciler = Some(reconciler.start());
+        }
+    }
+}
+
+impl Actor for SupervisorActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.ensure_children();
+        ctx.run_interval(self.config.supervise_interval, |act, _| {
+            act.ensure_children()
+        });
+    }
+}
+
+impl Handler<Wake> for SupervisorActor {
+    type Result = ();
+    fn handle(&mut self, _: Wake, _: &mut Context<Self>) {
+        if let Some(publisher) = &self.publisher {
+            // A full mailbox already holds a wake-up; a dead publisher's successor claims on start.
+            let _ = publisher.try_send(Wake);
+        }
+    }
+}
+
+/// Current restart counts and the reconciler's last report.
+#[derive(Message)]
+#[rtype(result = "RuntimeStatus")]
+pub(crate) struct GetStatus;
+
+impl Handler<GetStatus> for SupervisorActor {
+    type Result = ResponseFuture<RuntimeStatus>;
+    fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
+        let restarts = self.restarts.clone();
+        let reconciler = self.reconciler.clone();
+        Box::pin(async move {
+            let drift: Option<DriftReport> = match reconciler {
+                Some(r) => r.send(LastReport).await.ok().flatten(),
+                None => None,
+            };
+            RuntimeStatus { restarts, drift }
+        })
+    }
+}
+
+/// Which child a fault-injection `Stop` goes to.
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Child {
+    Publisher,
+    Registry,
+    Reconciler,
+    Consumer(String),
+}
+
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub(crate) struct StopChild {
+    pub child: Child,
+    pub panic: bool,
+}
+
+impl Handler<StopChild> for SupervisorActor {
+    type Result = bool;
+    fn handle(&mut self, msg: StopChild, _: &mut Context<Self>) -> bool {
+        let stop = Stop { panic: msg.panic };
+        let sent = match &msg.child {
+            Child::Publisher => self.publisher.as_ref().map(|a| a.try_send(stop)),
+            Child::Registry => self.registry.as_ref().map(|a| a.try_send(stop)),
+            Child::Reconciler => self.reconciler.as_ref().map(|a| a.try_send(stop)),
+            Child::Consumer(name) => self
+                .consumers
+                .iter()
+                .find(|s| s.cfg.name.as_str() == name)
+                .and_then(|s| s.addr.as_ref())
+                .map(|a| a.try_send(stop)),
+        };
+        matches!(sent, Some(Ok(())))
+    }
+}
+
+/// Graceful shutdown: stop claiming, let in-flight batches finish within the deadline, stop.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub(crate) struct Shutdown;
+
+impl Handler<Shutdown> for SupervisorActor {
+    /// Whether every in-flight batch finished before the deadline.
+    type Result = ResponseActFuture<Self, bool>;
+    fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
+        self.stopping = true;
+        let publisher = self.publisher.clone();
+        let consumers: Vec<_> = self
+            .consumers
+            .iter()
+            .filter_map(|s| s.addr.clone())
+            .collect();
+        let deadline = self.config.shutdown_timeout;
+        let drain = async move {
+            // Publisher first, so no new inbox rows appear while consumers finish.
+            if let Some(p) = publisher {
+                let _ = p.send(Drain).await;
+            }
+            join_all(consumers.iter().map(|c| c.send(Drain))).await;
+        };
+        Box::pin(
+            async move { tokio::time::timeout(deadline, drain).await.is_ok() }
+                .into_actor(self)
+                .map(|finished, act, ctx| {
+                    // Stopping an actor ends its in-flight futures; a batch cut off here rolls
+                    // back (its connection is dropped mid-transaction) and is claimed again later.
+                    for slot in &act.consumers {
+                        if let Some(a) = &slot.addr {
+                            a.do_send(Stop { panic: false });
+                        }
+                    }
+                    for a in act.publisher.iter() {
+                        a.do_send(Stop { panic: false });
+                    }
+                    for a in act.registry.iter() {
+                        a.do_send(Stop { panic: false });
+                    }
+                    for a in act.reconciler.iter() {
+                        a.do_send(Stop { panic: false });
+                    }
+                    ctx.stop();
+                    finished
+                }),
+        )
+    }
+}

@@ -1,0 +1,162 @@
+//! Inbox statements: consumer registration, the per-consumer claim and the marks.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{
+    Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+
+/// One claimed inbox row: everything a handler needs without re-reading the outbox.
+#[derive(Debug, Clone, QueryableByName)]
+pub(crate) struct InboxRow {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = SqlUuid)]
+    pub event_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Integer)]
+    pub event_version: i32,
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub aggregate_version: Option<i64>,
+    #[diesel(sql_type = Jsonb)]
+    pub payload: serde_json::Value,
+    #[diesel(sql_type = Jsonb)]
+    pub metadata: serde_json::Value,
+    #[diesel(sql_type = Text)]
+    pub correlation_id: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub causation_id: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub event_created_at: DateTime<Utc>,
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+}
+
+/// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
+/// Subscriptions are only ever added here: removing one is an operator's decision.
+pub(crate) async fn register_consumer(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    event_types: &[String],
+) -> Result<()> {
+    diesel::sql_query(
+        "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING) \
+         INSERT INTO consumer_subscriptions (consumer, event_type) \
+         SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<Array<Text>, _>(event_types)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Locks up to `limit` due rows of `consumer` for the caller's open transaction. Rows locked by
+/// another instance are skipped, never waited for; a paused consumer claims nothing.
+pub(crate) async fn claim_due(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    limit: i64,
+) -> Result<Vec<InboxRow>> {
+    let rows = diesel::sql_query(
+        "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
+             i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
+             i.causation_id, i.event_created_at, i.attempt_count \
+         FROM inbox_events i \
+         WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
+           AND i.next_attempt_at <= now() \
+           AND NOT EXISTS (SELECT 1 FROM consumer_states s WHERE s.consumer = $1 AND s.paused) \
+         ORDER BY i.next_attempt_at, i.id \
+         LIMIT $2 \
+         FOR UPDATE OF i SKIP LOCKED",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<BigInt, _>(limit)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// Marks rows PROCESSED inside the transaction that holds the handlers' effects.
+pub(crate) async fn mark_processed(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    diesel::sql_query(
+        "UPDATE inbox_events SET status = 'PROCESSED', attempt_count = attempt_count + 1, \
+             processed_at = now(), updated_at = now(), last_error = NULL, error_code = NULL \
+         WHERE id = ANY($1)",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A failed attempt of one row, as decided by the consumer's retry policy.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Failure {
+    pub id: i64,
+    /// `attempt_count` as claimed; the mark only applies if nobody moved the row since.
+    pub attempts_before: i32,
+    pub dead: bool,
+    pub delay_ms: i64,
+    pub code: String,
+    pub message: String,
+}
+
+/// Records failed attempts: the counter goes up by one, and the row becomes RETRY_PENDING at
+/// `now() + delay` (database clock) or DEAD_LETTER. Fenced on the attempt count seen at claim,
+/// so a mark made outside the claiming transaction cannot overwrite a newer outcome.
+pub(crate) async fn mark_failed(
+    conn: &mut AsyncPgConnection,
+    failures: &[Failure],
+) -> Result<usize> {
+    if failures.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
+    let attempts: Vec<i32> = failures.iter().map(|f| f.attempts_before).collect();
+    let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
+    let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
+    let codes: Vec<&str> = failures.iter().map(|f| f.code.as_str()).collect();
+    let messages: Vec<String> = failures
+        .iter()
+        .map(|f| truncate(&f.message, 2000))
+        .collect();
+    let n = diesel::sql_query(
+        "UPDATE inbox_events i \
+         SET attempt_count = i.attempt_count + 1, \
+             status = CASE WHEN f.dead THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
+             next_attempt_at = now() + f.delay_ms * interval '1 millisecond', \
+             error_code = f.code, last_error = f.message, updated_at = now() \
+         FROM unnest($1::int8[], $2::int4[], $3::bool[], $4::int8[], $5::text[], $6::text[]) \
+             AS f(id, attempts, dead, delay_ms, code, message) \
+         WHERE i.id = f.id AND i.attempt_count = f.attempts \
+           AND i.status IN ('RECEIVED', 'RETRY_PENDING')",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .bind::<Array<Integer>, _>(attempts)
+    .bind::<Array<diesel::sql_types::Bool>, _>(dead)
+    .bind::<Array<BigInt>, _>(delays)
+    .bind::<Array<Text>, _>(codes)
+    .bind::<Array<Text>, _>(messages)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    }
+}

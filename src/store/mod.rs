@@ -1,0 +1,27 @@
+//! The database seam: every SQL statement the runtime runs lives in this folder, so the state
+//! machines of ARCHITECTURE §4 can be read in one place. Internal; users see only [`PgPool`].
+
+pub(crate) mod inbox;
+pub(crate) mod migrate;
+pub(crate) mod outbox;
+
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::AsyncPgConnection;
+
+/// The connection pool the runtime and the application share.
+pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
+
+/// A pooled connection that can move into an actor message (`Pool::get_owned`).
+pub(crate) type OwnedConn =
+    bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>;
+
+/// Builds a pool for `database_url` with `max_size` connections; a convenience for
+/// applications that do not configure bb8 themselves.
+pub async fn connect(database_url: &str, max_size: u32) -> crate::Result<PgPool> {
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+    bb8::Pool::builder()
+        .max_size(max_size)
+        .build(manager)
+        .await
+        .map_err(|e| crate::Error::Pool(e.to_string()))
+}

@@ -1,0 +1,272 @@
+//! Shared test setup: a fresh database per test, business tables, a configurable consumer
+//! actor, and polling helpers with deadlines (never a bare sleep).
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use actix_outbox::{
+    enqueue, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime, PgPool, RetryPolicy,
+    RuntimeConfig,
+};
+use diesel::sql_types::{BigInt, Text, Uuid as SqlUuid};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+pub fn base_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// `url` with its database name replaced by `db`.
+pub fn with_database(url: &str, db: &str) -> String {
+    let (head, query) = match url.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = head.find("://").map(|i| i + 3).unwrap_or(0);
+    let base = match head[scheme_end..].find('/') {
+        Some(i) => &head[..scheme_end + i],
+        None => head,
+    };
+    match query {
+        Some(q) => format!("{base}/{db}?{q}"),
+        None => format!("{base}/{db}"),
+    }
+}
+
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+impl TestDb {
+    /// Creates `ao_test_<random>`, applies the library's migrations and the test's business
+    /// tables. `effects` has no unique constraint on purpose: a duplicate effect must show.
+    pub async fn new() -> TestDb {
+        let name = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = AsyncPgConnection::establish(&base_url())
+            .await
+            .expect("connect to DATABASE_URL");
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create test database");
+        let url = with_database(&base_url(), &name);
+        actix_outbox::migrate(&url).await.expect("migrate");
+        let pool = actix_outbox::connect(&url, 30).await.expect("pool");
+        let mut conn = pool.get().await.unwrap();
+        conn.batch_execute(
+            "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL DEFAULT 1);
+             CREATE TABLE audit_logs (id bigserial PRIMARY KEY, order_id text NOT NULL, action text NOT NULL);
+             CREATE TABLE effects (id bigserial PRIMARY KEY, consumer text NOT NULL, event_id uuid NOT NULL,
+                                   attempt int NOT NULL);",
+        )
+        .await
+        .unwrap();
+        drop(conn);
+        TestDb { name, url, pool }
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        let mut conn = self.pool.get().await.unwrap();
+        let c: Count = diesel::sql_query(sql)
+            .get_result(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        c.n
+    }
+
+    /// Polls `sql` (a `SELECT count(*) AS n …`) until it returns `want` or `timeout` passes;
+    /// returns the last value so the caller's assertion shows what was seen.
+    pub async fn wait_for(&self, sql: &str, want: i64, timeout: Duration) -> i64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let n = self.count(sql).await;
+            if n == want || Instant::now() > deadline {
+                return n;
+            }
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Sessions of this database left idle inside a transaction.
+    pub async fn idle_in_transaction(&self) -> i64 {
+        self.count(&format!(
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
+            self.name
+        ))
+        .await
+    }
+
+    /// Asserts no session is idle in transaction, stops the runtimes, asserts again, and drops
+    /// the database.
+    pub async fn finish(self, runtimes: &[&OutboxRuntime]) {
+        assert_eq!(
+            self.idle_in_transaction().await,
+            0,
+            "idle in transaction while running"
+        );
+        for rt in runtimes {
+            rt.shutdown().await;
+        }
+        assert_eq!(
+            self.idle_in_transaction().await,
+            0,
+            "idle in transaction after shutdown"
+        );
+        let TestDb { name, pool, .. } = self;
+        drop(pool);
+        let mut admin = AsyncPgConnection::establish(&base_url()).await.unwrap();
+        admin
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .await
+            .unwrap();
+    }
+
+    /// Enqueues `n` ORDER_STATUS_CHANGED events, one business transaction each (order row,
+    /// audit row, event), and returns their ids.
+    pub async fn produce(&self, n: usize, prefix: &str) -> Vec<uuid::Uuid> {
+        let mut ids = Vec::with_capacity(n);
+        let mut conn = self.pool.get().await.unwrap();
+        for i in 0..n {
+            let order = format!("{prefix}-{i}");
+            let id = conn
+                .transaction::<_, actix_outbox::Error, _>(async |conn| {
+                    insert_order(conn, &order).await?;
+                    enqueue(conn, &order_event(&order)).await
+                })
+                .await
+                .unwrap();
+            ids.push(id.as_uuid());
+        }
+        ids
+    }
+}
+
+pub fn order_event(order: &str) -> NewEvent {
+    NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        order,
+        serde_json::json!({"order_id": order, "status": "COMPLETED"}),
+    )
+    .aggregate_version(2)
+}
+
+pub async fn insert_order(
+    conn: &mut AsyncPgConnection,
+    order: &str,
+) -> Result<(), actix_outbox::Error> {
+    diesel::sql_query("INSERT INTO orders (id, status, version) VALUES ($1, 'COMPLETED', 2)")
+        .bind::<Text, _>(order)
+        .execute(conn)
+        .await?;
+    diesel::sql_query("INSERT INTO audit_logs (order_id, action) VALUES ($1, 'COMPLETED')")
+        .bind::<Text, _>(order)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// What a [`Recorder`] does on each attempt. It always writes its effect row first, so a
+/// failure that is not rolled back shows up as an extra row.
+#[derive(Clone, Default)]
+pub struct Behaviour {
+    /// Attempts 1..=n return a retryable error.
+    pub fail_attempts: u32,
+    /// Attempts 1..=n panic.
+    pub panic_attempts: u32,
+    /// Events of this aggregate id fail on every attempt.
+    pub poison_aggregate: Option<String>,
+}
+
+/// A consumer actor that records one `effects` row per successful handling.
+#[derive(Clone)]
+pub struct Recorder {
+    pub name: String,
+    pub behaviour: Behaviour,
+}
+
+impl Actor for Recorder {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Recorder {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let me = self.clone();
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ($1, $2, $3)",
+            )
+            .bind::<Text, _>(&me.name)
+            .bind::<SqlUuid, _>(d.event_id().as_uuid())
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+            .execute(&mut *conn)
+            .await?;
+            if d.attempt() <= me.behaviour.panic_attempts {
+                panic!("injected panic in {} for {}", me.name, d.event_id());
+            }
+            if d.attempt() <= me.behaviour.fail_attempts
+                || me.behaviour.poison_aggregate.as_deref() == Some(d.aggregate_id())
+            {
+                return Err(HandlerError::retry("injected failure"));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A consumer config for tests: fast polls and millisecond retries.
+pub fn consumer(name: &str, max_attempts: u32) -> ConsumerConfig {
+    ConsumerConfig::new(name)
+        .unwrap()
+        .subscribe("ORDER_STATUS_CHANGED")
+        .retry(RetryPolicy::fixed(max_attempts, Duration::from_millis(20)))
+        .poll_interval(Duration::from_millis(100))
+}
+
+pub fn fast_runtime() -> RuntimeConfig {
+    let mut cfg = RuntimeConfig::default();
+    cfg.poll_interval = Duration::from_millis(100);
+    cfg.supervise_interval = Duration::from_millis(20);
+    cfg.shutdown_timeout = Duration::from_secs(10);
+    cfg
+}
+
+pub async fn start(db: &TestDb, consumers: Vec<(ConsumerConfig, Behaviour)>) -> OutboxRuntime {
+    start_on(db.pool.clone(), consumers).await
+}
+
+pub async fn start_on(pool: PgPool, consumers: Vec<(ConsumerConfig, Behaviour)>) -> OutboxRuntime {
+    let mut b = OutboxRuntime::builder(pool).config(fast_runtime());
+    for (cfg, behaviour) in consumers {
+        let name = cfg.name().to_string();
+        b = b.consumer(cfg, move || Recorder {
+            name: name.clone(),
+            behaviour: behaviour.clone(),
+        });
+    }
+    b.start().await.expect("start runtime")
+}
+
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// Runs `f` with a deadline so a hung test fails instead of hanging CI.
+pub async fn within<F: Future>(limit: Duration, f: F) -> F::Output {
+    actix_rt::time::timeout(limit, f)
+        .await
+        .expect("test step timed out")
+}

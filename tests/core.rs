@@ -1,0 +1,452 @@
+//! The core runtime against real PostgreSQL: outbox → publisher → registry → inbox → consumer.
+//! Every assertion counts rows; none reads logs or measures time.
+
+mod common;
+
+use std::time::Duration;
+
+use actix_outbox::{enqueue, enqueue_many, Error, Fault, NewEvent};
+use common::*;
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
+
+const EFFECTS_PER_EVENT_MAX: &str =
+    "SELECT coalesce(max(c), 0) AS n FROM (SELECT count(*) AS c FROM effects GROUP BY consumer, event_id) x";
+
+#[actix_rt::test]
+async fn business_change_and_event_commit_together_or_not_at_all() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+
+    // Committed: the order, its audit row and the event exist together.
+    conn.transaction::<_, Error, _>(async |conn| {
+        insert_order(conn, "o-ok").await?;
+        enqueue(conn, &order_event("o-ok")).await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+
+    // An error after the enqueue rolls everything back.
+    let failed = conn
+        .transaction::<(), Error, _>(async |conn| {
+            insert_order(conn, "o-bad").await?;
+            enqueue(conn, &order_event("o-bad")).await?;
+            Err(Error::Config("business rule failed after enqueue".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+
+    // A failing enqueue (invalid event) fails the caller's transaction: nothing is written.
+    let invalid = conn
+        .transaction::<_, Error, _>(async |conn| {
+            insert_order(conn, "o-invalid").await?;
+            enqueue(
+                conn,
+                &NewEvent::new("", "order", "o-invalid", serde_json::json!({})),
+            )
+            .await?;
+            Ok(())
+        })
+        .await;
+    assert_eq!(invalid.unwrap_err().code().as_str(), "EVENT_SCHEMA_INVALID");
+
+    // The same event id twice is a database error, and that transaction rolls back too.
+    let ev = order_event("o-dup");
+    let dup = conn
+        .transaction::<_, Error, _>(async |conn| {
+            insert_order(conn, "o-dup").await?;
+            enqueue_many(conn, &[ev.clone(), ev.clone()]).await?;
+            Ok(())
+        })
+        .await;
+    assert!(dup.is_err());
+    drop(conn);
+
+    assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM audit_logs").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'o-ok'")
+            .await,
+        1
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn one_event_published_three_times_gives_one_inbox_row_and_one_effect() {
+    let db = TestDb::new().await;
+    let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
+    db.produce(1, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+
+    // Publish the same event twice more, as a lost acknowledgement or an expired lease would.
+    for round in 2..=3 {
+        let mut conn = db.pool.get().await.unwrap();
+        conn.batch_execute("UPDATE outbox_events SET status = 'PENDING'")
+            .await
+            .unwrap();
+        drop(conn);
+        rt.handle().wake();
+        let published = db
+            .wait_for(
+                &format!("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = {round}"),
+                1,
+                WAIT,
+            )
+            .await;
+        assert_eq!(published, 1);
+    }
+    assert_eq!(db.count("SELECT count(*) AS n FROM inbox_events").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    assert_eq!(db.count(done).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn two_consumers_each_get_every_event_once_and_a_failing_one_blocks_nothing() {
+    let db = TestDb::new().await;
+    let broken = Behaviour {
+        fail_attempts: u32::MAX,
+        ..Default::default()
+    };
+    let rt = start(
+        &db,
+        vec![
+            (consumer("healthy", 3), Behaviour::default()),
+            (consumer("broken", 3), broken),
+        ],
+    )
+    .await;
+    db.produce(200, "o").await;
+    rt.handle().wake();
+
+    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'healthy' AND status = 'PROCESSED'";
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'broken' AND status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(healthy, 200, WAIT).await, 200);
+    assert_eq!(db.wait_for(dead, 200, WAIT).await, 200);
+
+    // Exactly max_attempts attempts, with code and error kept; and none of the broken
+    // consumer's writes survived its failures.
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'broken' AND attempt_count = 3 \
+                  AND error_code = 'INBOX_CONSUMER_FAILED' AND last_error LIKE '%injected%'")
+            .await,
+        200
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'broken'")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'healthy'")
+            .await,
+        200
+    );
+    assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_handler_error_leaves_no_partial_state_and_is_retried_until_it_succeeds() {
+    let db = TestDb::new().await;
+    let flaky = Behaviour {
+        fail_attempts: 2,
+        ..Default::default()
+    };
+    let rt = start(&db, vec![(consumer("flaky", 5), flaky)]).await;
+    db.produce(50, "o").await;
+    rt.handle().wake();
+
+    let done =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 3";
+    assert_eq!(db.wait_for(done, 50, WAIT).await, 50);
+    // The effect written by attempts 1 and 2 was rolled back with them; only attempt 3's stays.
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 50);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE attempt <> 3")
+            .await,
+        0
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
+    let db = TestDb::new().await;
+    let panicky = Behaviour {
+        panic_attempts: 1,
+        ..Default::default()
+    };
+    let rt = start(
+        &db,
+        vec![
+            (consumer("panicky", 5), panicky),
+            (consumer("calm", 5), Behaviour::default()),
+        ],
+    )
+    .await;
+    db.produce(30, "o").await;
+    rt.handle().wake();
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 60, WAIT).await, 60);
+    // Every panicking delivery rolled back; each event has exactly one effect per consumer.
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 60);
+    assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'panicky' AND attempt = 1")
+            .await,
+        0
+    );
+    // More events after the panics still flow through the rebuilt handler.
+    db.produce(10, "later").await;
+    rt.handle().wake();
+    assert_eq!(db.wait_for(done, 80, WAIT).await, 80);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
+    let db = TestDb::new().await;
+    let names = ["alpha", "beta", "gamma"];
+    let cfgs = || {
+        names
+            .iter()
+            .map(|n| {
+                (
+                    consumer(n, 5).concurrency(2).batch_size(16),
+                    Behaviour::default(),
+                )
+            })
+            .collect()
+    };
+    let other_pool = actix_outbox::connect(&db.url, 20).await.unwrap();
+    let rt1 = start(&db, cfgs()).await;
+    let rt2 = start_on(other_pool, cfgs()).await;
+
+    // Four concurrent producers, 500 business transactions each.
+    let producers: Vec<_> = (0..4)
+        .map(|p| {
+            let pool = db.pool.clone();
+            let wake = if p % 2 == 0 {
+                rt1.handle()
+            } else {
+                rt2.handle()
+            };
+            actix_rt::spawn(async move {
+                let mut conn = pool.get_owned().await.unwrap();
+                for i in 0..500 {
+                    let order = format!("p{p}-{i}");
+                    conn.transaction::<_, Error, _>(async |conn| {
+                        insert_order(conn, &order).await?;
+                        enqueue(conn, &order_event(&order)).await
+                    })
+                    .await
+                    .unwrap();
+                    wake.wake();
+                }
+            })
+        })
+        .collect();
+    for p in producers {
+        p.await.unwrap();
+    }
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 6000, WAIT).await, 6000);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        6000
+    );
+    for name in names {
+        let per =
+            format!("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = '{name}'");
+        assert_eq!(db.count(&per).await, 2000, "{name}");
+    }
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 6000);
+    assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'")
+            .await,
+        0
+    );
+    db.finish(&[&rt1, &rt2]).await;
+}
+
+#[actix_rt::test]
+async fn a_killed_publisher_is_restarted_and_the_backlog_drains() {
+    let db = TestDb::new().await;
+    let rt = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
+
+    for round in 0..4 {
+        db.produce(250, &format!("r{round}")).await;
+        let fault = if round % 2 == 0 {
+            Fault::PanicPublisher
+        } else {
+            Fault::StopPublisher
+        };
+        assert!(rt.inject_fault(fault).await, "the publisher was running");
+        rt.handle().wake();
+    }
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1000);
+    assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
+
+    let status = within(Duration::from_secs(10), rt.status()).await.unwrap();
+    assert_eq!(status.restarts.get("publisher"), Some(&4), "{status:?}");
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn every_actor_is_restarted_after_a_panic_and_delivery_continues() {
+    let db = TestDb::new().await;
+    let rt = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
+    db.produce(10, "before").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
+
+    for fault in [
+        Fault::PanicRegistry,
+        Fault::PanicConsumer("c1".into()),
+        Fault::PanicReconciler,
+    ] {
+        assert!(
+            rt.inject_fault(fault.clone()).await,
+            "{fault:?} hit a running actor"
+        );
+    }
+    db.produce(10, "after").await;
+    rt.handle().wake();
+    assert_eq!(db.wait_for(done, 20, WAIT).await, 20);
+
+    let status = rt.status().await.unwrap();
+    for child in ["registry", "consumer:c1", "reconciler"] {
+        assert_eq!(status.restarts.get(child), Some(&1), "{child}: {status:?}");
+    }
+    assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn events_committed_while_no_publisher_runs_are_delivered_after_it_starts() {
+    let db = TestDb::new().await;
+    // Before any runtime exists.
+    db.produce(40, "early").await;
+    let rt = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 40, WAIT).await, 40);
+
+    // After a shutdown, before the next start.
+    assert!(rt.shutdown().await);
+    assert!(rt.shutdown().await, "a second shutdown is a no-op");
+    db.produce(40, "between").await;
+    let rt2 = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
+    assert_eq!(db.wait_for(done, 80, WAIT).await, 80);
+
+    // While the publisher is dead and not yet replaced.
+    assert!(rt2.inject_fault(Fault::StopPublisher).await);
+    db.produce(40, "dead").await;
+    assert_eq!(db.wait_for(done, 120, WAIT).await, 120);
+    assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
+    db.finish(&[&rt2]).await;
+}
+
+#[actix_rt::test]
+async fn a_consumer_registered_on_another_instance_still_gets_inbox_rows() {
+    let db = TestDb::new().await;
+    // Instance A runs only `a`; instance B runs only `b`. Events enqueued and published by A
+    // must still reach `b` through B.
+    let rt_a = start(&db, vec![(consumer("a", 5), Behaviour::default())]).await;
+    let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
+    let rt_b = start_on(other_pool, vec![(consumer("b", 5), Behaviour::default())]).await;
+    db.produce(100, "o").await;
+    rt_a.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 200, WAIT).await, 200);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'b'")
+            .await,
+        100
+    );
+    db.finish(&[&rt_a, &rt_b]).await;
+}
+
+#[actix_rt::test]
+async fn invalid_configuration_is_rejected_with_a_stable_code() {
+    let db = TestDb::new().await;
+    let no_subscription = actix_outbox::ConsumerConfig::new("lonely").unwrap();
+    let err = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .consumer(no_subscription, || Recorder {
+            name: "lonely".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .err()
+        .expect("a consumer without subscriptions is rejected");
+    assert_eq!(err.code().as_str(), "CONFIG_INVALID");
+    assert_eq!(
+        actix_outbox::ConsumerConfig::new("bad name!")
+            .unwrap_err()
+            .code()
+            .as_str(),
+        "CONFIG_INVALID"
+    );
+    let dup = start_twice(&db).await;
+    assert_eq!(dup.code().as_str(), "CONFIG_INVALID");
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM consumer_states").await,
+        0,
+        "nothing registered"
+    );
+    db.finish(&[]).await;
+}
+
+async fn start_twice(db: &TestDb) -> Error {
+    let r = || Recorder {
+        name: "twice".into(),
+        behaviour: Behaviour::default(),
+    };
+    actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .consumer(consumer("twice", 3), r)
+        .consumer(consumer("twice", 3), r)
+        .start()
+        .await
+        .err()
+        .expect("duplicate consumer names are rejected")
+}
+
+#[actix_rt::test]
+async fn migrations_run_concurrently_and_twice_without_harm() {
+    let db = TestDb::new().await;
+    let (a, b) = futures_util::future::join(
+        actix_outbox::migrate(&db.url),
+        actix_outbox::migrate(&db.url),
+    )
+    .await;
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM __diesel_schema_migrations")
+            .await,
+        1,
+        "one migration recorded once"
+    );
+    let mut conn = db.pool.get().await.unwrap();
+    let bad = diesel::sql_query("INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, correlation_id, status) \
+                                 VALUES (gen_random_uuid(), 'X', 'a', '1', '{}', 'c', 'NOPE')")
+        .execute(&mut conn)
+        .await;
+    assert!(
+        bad.is_err(),
+        "the status CHECK constraint rejects unknown states"
+    );
+    drop(conn);
+    db.finish(&[]).await;
+}
