@@ -107,6 +107,7 @@
 mod consumer;
 mod error;
 mod event;
+mod inbox;
 mod outbox;
 mod publisher;
 mod reconciler;
@@ -117,7 +118,8 @@ pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{ConsumerName, EventId, NewEvent, MAX_PAYLOAD_BYTES};
 pub use outbox::{enqueue, enqueue_many};
-pub use reconciler::DriftReport;
+pub use inbox::{claim_key, KeyClaim};
+pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
 #[cfg(feature = "testing")]
 pub use runtime::Fault;
 pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};

@@ -1,18 +1,78 @@
 //! `ReconcilerActor`: the last layer. It periodically compares what should have happened with
-//! what did, and reports drift that slipped past the outbox, the inbox and the idempotency keys.
+//! what did, and repairs drift that slipped past the outbox, the inbox and the idempotency keys
+//! (a code path that forgot to enqueue, a consumer bug, a dead letter someone ignored).
 //!
-//! For now it runs the built-in checks only (events older than the consistency window that are
-//! not yet published or processed, and dead letters); application rules with repairs come next.
+//! Applications register [`ReconcileRule`]s. A repair runs in a transaction and must go through
+//! the same business idempotency key as the normal path ([`claim_key`](crate::claim_key)), so
+//! a repair racing the normal path never duplicates an effect. Built-in checks report outbox and
+//! inbox rows older than the consistency window and dead letters.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use diesel::sql_types::{BigInt, Double};
+use diesel::sql_types::{BigInt, Bool, Double, Integer, Text};
 use diesel::QueryableByName;
-use diesel_async::RunQueryDsl;
+use diesel_async::{AnsiTransactionManager as Tm, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+use crate::error::Result;
 use crate::runtime::Stop;
 use crate::store::PgPool;
+
+/// A boxed, sendable future, as returned by [`ReconcileRule`] methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A desired-vs-actual rule: a query that finds drift and a repair for one item.
+///
+/// ```ignore
+/// impl ReconcileRule for MissingNotification {
+///     fn name(&self) -> &str { "completed_order_without_notification" }
+///     fn interval(&self) -> Duration { Duration::from_secs(60) }
+///     fn find_drift<'a>(&'a self, conn: &'a mut AsyncPgConnection) -> BoxFuture<'a, Result<Vec<String>>> {
+///         Box::pin(async move { /* SELECT id FROM orders WHERE status = 'COMPLETED' AND … */ })
+///     }
+///     fn repair<'a>(&'a self, conn: &'a mut AsyncPgConnection, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+///         Box::pin(async move { /* claim_key(conn, "notification:{key}:COMPLETED", …) then insert */ })
+///     }
+/// }
+/// ```
+pub trait ReconcileRule: 'static {
+    /// A stable name: it keys the advisory lock, the `reconcile_runs` rows and logs.
+    fn name(&self) -> &str;
+    /// How often the rule runs.
+    fn interval(&self) -> Duration;
+    /// Returns the keys of items whose desired state lacks its actual state. The query itself
+    /// should skip items younger than the rule's consistency window (normal processing may
+    /// still be on its way). Runs in the run's transaction.
+    fn find_drift<'a>(&'a self, conn: &'a mut AsyncPgConnection) -> BoxFuture<'a, Result<Vec<String>>>;
+    /// Repairs one item inside a savepoint of the run's transaction. `Ok(true)` when it changed
+    /// something, `Ok(false)` when the effect turned out to exist already (its idempotency key
+    /// was taken). An error rolls back this item only.
+    fn repair<'a>(&'a self, conn: &'a mut AsyncPgConnection, key: &'a str) -> BoxFuture<'a, Result<bool>>;
+}
+
+/// What one run of one rule did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReconcileReport {
+    /// The rule's name.
+    pub rule: String,
+    /// Items found drifting.
+    pub found: usize,
+    /// Items repaired (0 in dry-run mode).
+    pub repaired: usize,
+    /// Repairs that failed; they are found again by the next run.
+    pub failed: usize,
+    /// Another instance held the rule's lock, so this run did nothing.
+    pub skipped: bool,
+    /// The run only reported.
+    pub dry_run: bool,
+}
+
+/// Repairs per run at most, so one run's transaction stays short; the rest wait for the next.
+const MAX_REPAIRS_PER_RUN: usize = 1000;
 
 /// What the built-in checks found on their last run.
 #[derive(Debug, Clone, Default, PartialEq, QueryableByName)]
@@ -30,24 +90,27 @@ pub struct DriftReport {
 
 pub(crate) struct ReconcilerActor {
     pool: PgPool,
+    rules: Vec<Rc<dyn ReconcileRule>>,
     interval: Duration,
-    /// How late a follow-up may be before it counts as drift.
+    /// How late a follow-up may be before the built-in checks call it drift.
     window: Duration,
+    dry_run: bool,
     last: Option<DriftReport>,
 }
 
 impl ReconcilerActor {
-    pub(crate) fn new(pool: PgPool, interval: Duration, window: Duration) -> Self {
-        ReconcilerActor {
-            pool,
-            interval,
-            window,
-            last: None,
-        }
+    pub(crate) fn new(
+        pool: PgPool,
+        rules: Vec<Rc<dyn ReconcileRule>>,
+        interval: Duration,
+        window: Duration,
+        dry_run: bool,
+    ) -> Self {
+        ReconcilerActor { pool, rules, interval, window, dry_run, last: None }
     }
 }
 
-async fn check(pool: PgPool, window: Duration) -> crate::Result<DriftReport> {
+async fn builtin_check(pool: PgPool, window: Duration) -> Result<DriftReport> {
     let mut conn = pool.get().await?;
     let report = diesel::sql_query(
         "SELECT \
@@ -64,26 +127,96 @@ async fn check(pool: PgPool, window: Duration) -> crate::Result<DriftReport> {
     Ok(report)
 }
 
+#[derive(QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Bool)]
+    locked: bool,
+}
+
+/// One run of one rule: in one transaction holding the rule's advisory lock (so only one
+/// instance runs it at a time), find the drift, repair each item in a savepoint, record the run.
+async fn run_rule(pool: PgPool, rule: Rc<dyn ReconcileRule>, dry_run: bool) -> Result<ReconcileReport> {
+    let mut report = ReconcileReport { rule: rule.name().to_owned(), dry_run, ..Default::default() };
+    let mut conn = pool.get_owned().await?;
+    // An early return drops the connection inside the transaction; the pool discards it.
+    Tm::begin_transaction(&mut *conn).await?;
+    let lock: Locked = diesel::sql_query(
+        "SELECT pg_try_advisory_xact_lock(hashtextextended('actix_outbox.reconcile:' || $1, 0)) AS locked",
+    )
+    .bind::<Text, _>(rule.name())
+    .get_result(&mut *conn)
+    .await?;
+    if !lock.locked {
+        Tm::commit_transaction(&mut *conn).await?;
+        report.skipped = true;
+        return Ok(report);
+    }
+    let keys = rule.find_drift(&mut conn).await?;
+    report.found = keys.len();
+    if !dry_run {
+        for key in keys.iter().take(MAX_REPAIRS_PER_RUN) {
+            Tm::begin_transaction(&mut *conn).await?;
+            match rule.repair(&mut conn, key).await {
+                Ok(changed) => {
+                    Tm::commit_transaction(&mut *conn).await?;
+                    report.repaired += usize::from(changed);
+                }
+                Err(e) => {
+                    Tm::rollback_transaction(&mut *conn).await?;
+                    report.failed += 1;
+                    tracing::warn!(rule = rule.name(), key, error = %e, "reconcile repair failed");
+                }
+            }
+        }
+    }
+    diesel::sql_query(
+        "INSERT INTO reconcile_runs (rule, dry_run, finished_at, found, repaired) VALUES ($1, $2, now(), $3, $4)",
+    )
+    .bind::<Text, _>(rule.name())
+    .bind::<Bool, _>(dry_run)
+    .bind::<Integer, _>(report.found as i32)
+    .bind::<Integer, _>(report.repaired as i32)
+    .execute(&mut *conn)
+    .await?;
+    Tm::commit_transaction(&mut *conn).await?;
+    if report.found > 0 {
+        tracing::warn!(rule = rule.name(), found = report.found, repaired = report.repaired, dry_run,
+            "reconciler found drift");
+    }
+    Ok(report)
+}
+
 impl Actor for ReconcilerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.run_interval(self.interval, |act, ctx| {
-            let fut = check(act.pool.clone(), act.window);
+            let fut = builtin_check(act.pool.clone(), act.window);
             ctx.spawn(fut.into_actor(act).map(|res, act, _| match res {
                 Ok(report) => {
                     if report.outbox_overdue + report.inbox_overdue + report.dead_letters > 0 {
-                        tracing::warn!(?report, "reconciler found drift");
+                        tracing::warn!(?report, "outbox or inbox rows overdue, or dead letters present");
                     }
                     act.last = Some(report);
                 }
-                Err(e) => tracing::warn!(error = %e, "reconciler check failed"),
+                Err(e) => tracing::warn!(error = %e, "built-in reconcile check failed"),
             }));
         });
+        for rule in &self.rules {
+            let rule = rule.clone();
+            ctx.run_interval(rule.interval(), move |act, ctx| {
+                let fut = run_rule(act.pool.clone(), rule.clone(), act.dry_run);
+                ctx.spawn(fut.into_actor(act).map(|res, _, _| {
+                    if let Err(e) = res {
+                        tracing::warn!(error = %e, "reconcile run failed");
+                    }
+                }));
+            });
+        }
     }
 }
 
-/// The last drift report, if a check has run.
+/// The last built-in drift report, if a check has run.
 #[derive(Message)]
 #[rtype(result = "Option<DriftReport>")]
 pub(crate) struct LastReport;
@@ -92,6 +225,25 @@ impl Handler<LastReport> for ReconcilerActor {
     type Result = Option<DriftReport>;
     fn handle(&mut self, _: LastReport, _: &mut Context<Self>) -> Option<DriftReport> {
         self.last.clone()
+    }
+}
+
+/// Run every rule now, one after another, and report.
+#[derive(Message)]
+#[rtype(result = "Vec<Result<ReconcileReport>>")]
+pub(crate) struct RunNow;
+
+impl Handler<RunNow> for ReconcilerActor {
+    type Result = ResponseFuture<Vec<Result<ReconcileReport>>>;
+    fn handle(&mut self, _: RunNow, _: &mut Context<Self>) -> Self::Result {
+        let (pool, rules, dry_run) = (self.pool.clone(), self.rules.clone(), self.dry_run);
+        Box::pin(async move {
+            let mut reports = Vec::with_capacity(rules.len());
+            for rule in rules {
+                reports.push(run_rule(pool.clone(), rule, dry_run).await);
+            }
+            reports
+        })
     }
 }
 

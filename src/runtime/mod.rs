@@ -13,9 +13,9 @@ use actix::prelude::*;
 use crate::consumer::actor::HandlerFactory;
 use crate::consumer::{ConsumerConfig, Delivery};
 use crate::error::{Error, Result};
-use crate::reconciler::DriftReport;
+use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
 use crate::store::{self, PgPool};
-use supervisor::{ConsumerSlot, GetStatus, Shutdown, SupervisorActor};
+use supervisor::{ConsumerSlot, GetStatus, ReconcileNow, Shutdown, SupervisorActor};
 
 /// There may be work: claim now instead of at the next poll.
 #[derive(Message, Debug, Clone, Copy)]
@@ -49,8 +49,11 @@ pub struct RuntimeConfig {
     pub shutdown_timeout: Duration,
     /// How often the reconciler runs its checks. Default 60 s.
     pub reconcile_interval: Duration,
-    /// How late a follow-up may be before the reconciler calls it drift. Default 5 min.
+    /// How late a follow-up may be before the reconciler's built-in checks call it drift.
+    /// Default 5 min.
     pub consistency_window: Duration,
+    /// Reconcile rules only report drift, never repair it. Default false.
+    pub reconcile_dry_run: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -62,6 +65,7 @@ impl Default for RuntimeConfig {
             shutdown_timeout: Duration::from_secs(30),
             reconcile_interval: Duration::from_secs(60),
             consistency_window: Duration::from_secs(300),
+            reconcile_dry_run: false,
         }
     }
 }
@@ -90,9 +94,16 @@ pub struct OutboxBuilder {
     pool: PgPool,
     config: RuntimeConfig,
     consumers: Vec<(ConsumerConfig, HandlerFactory)>,
+    rules: Vec<Rc<dyn ReconcileRule>>,
 }
 
 impl OutboxBuilder {
+    /// Registers a reconcile rule, run by the `ReconcilerActor` on the rule's interval.
+    pub fn reconcile(mut self, rule: impl ReconcileRule) -> Self {
+        self.rules.push(Rc::new(rule));
+        self
+    }
+
     /// Replaces the runtime settings.
     pub fn config(mut self, config: RuntimeConfig) -> Self {
         self.config = config;
@@ -147,7 +158,7 @@ impl OutboxBuilder {
                 addr: None,
             })
             .collect();
-        let supervisor = SupervisorActor::new(self.pool, self.config, slots).start();
+        let supervisor = SupervisorActor::new(self.pool, self.config, slots, self.rules).start();
         Ok(OutboxRuntime {
             handle: OutboxHandle { supervisor },
         })
@@ -167,6 +178,7 @@ impl OutboxRuntime {
             pool,
             config: RuntimeConfig::default(),
             consumers: Vec::new(),
+            rules: Vec::new(),
         }
     }
 
@@ -185,6 +197,15 @@ impl OutboxRuntime {
             .send(GetStatus)
             .await
             .map_err(|_| Error::Stopped)
+    }
+
+    /// Runs every reconcile rule now (in registration order) instead of waiting for its
+    /// interval, and returns what each run did.
+    ///
+    /// # Errors
+    /// [`Error::Stopped`] after shutdown; per rule, the error its run hit.
+    pub async fn reconcile_now(&self) -> Result<Vec<Result<ReconcileReport>>> {
+        self.handle.supervisor.send(ReconcileNow).await.map_err(|_| Error::Stopped)
     }
 
     /// Graceful shutdown: the publisher stops claiming, consumers finish the batches in flight

@@ -7,6 +7,7 @@
 //! again by the new actor's first claim.
 
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -17,7 +18,7 @@ use crate::consumer::actor::{ConsumerActor, HandlerFactory};
 use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
 use crate::consumer::ConsumerConfig;
 use crate::publisher::{PublisherActor, SetRegistry};
-use crate::reconciler::{DriftReport, LastReport, ReconcilerActor};
+use crate::reconciler::{DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow};
 use crate::store::PgPool;
 
 pub(crate) struct ConsumerSlot {
@@ -30,6 +31,7 @@ pub(crate) struct SupervisorActor {
     pool: PgPool,
     config: RuntimeConfig,
     consumers: Vec<ConsumerSlot>,
+    rules: Vec<Rc<dyn ReconcileRule>>,
     registry: Option<Addr<ConsumerRegistry>>,
     publisher: Option<Addr<PublisherActor>>,
     reconciler: Option<Addr<ReconcilerActor>>,
@@ -40,11 +42,17 @@ pub(crate) struct SupervisorActor {
 }
 
 impl SupervisorActor {
-    pub(crate) fn new(pool: PgPool, config: RuntimeConfig, consumers: Vec<ConsumerSlot>) -> Self {
+    pub(crate) fn new(
+        pool: PgPool,
+        config: RuntimeConfig,
+        consumers: Vec<ConsumerSlot>,
+        rules: Vec<Rc<dyn ReconcileRule>>,
+    ) -> Self {
         SupervisorActor {
             pool,
             config,
             consumers,
+            rules,
             registry: None,
             publisher: None,
             reconciler: None,
@@ -127,8 +135,10 @@ impl SupervisorActor {
             }
             let reconciler = ReconcilerActor::new(
                 self.pool.clone(),
+                self.rules.clone(),
                 self.config.reconcile_interval,
                 self.config.consistency_window,
+                self.config.reconcile_dry_run,
             );
             self.reconciler = Some(reconciler.start());
         }
@@ -172,6 +182,24 @@ impl Handler<GetStatus> for SupervisorActor {
                 None => None,
             };
             RuntimeStatus { restarts, drift }
+        })
+    }
+}
+
+/// Run every reconcile rule now.
+#[derive(Message)]
+#[rtype(result = "Vec<crate::Result<ReconcileReport>>")]
+pub(crate) struct ReconcileNow;
+
+impl Handler<ReconcileNow> for SupervisorActor {
+    type Result = ResponseFuture<Vec<crate::Result<ReconcileReport>>>;
+    fn handle(&mut self, _: ReconcileNow, _: &mut Context<Self>) -> Self::Result {
+        let reconciler = self.reconciler.clone();
+        Box::pin(async move {
+            match reconciler {
+                Some(r) => r.send(RunNow).await.unwrap_or_default(),
+                None => Vec::new(),
+            }
         })
     }
 }

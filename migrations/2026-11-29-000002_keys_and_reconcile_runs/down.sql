@@ -1,0 +1,2 @@
+DROP TABLE reconcile_runs;
+DROP TABLE idempotency_keys;
