@@ -33,6 +33,8 @@ impl ErrorCode {
     pub const MIGRATION_FAILED: ErrorCode = ErrorCode::from_static("MIGRATION_FAILED");
     /// The runtime was configured with invalid values.
     pub const CONFIG_INVALID: ErrorCode = ErrorCode::from_static("CONFIG_INVALID");
+    /// No consumer of that name was ever registered.
+    pub const CONSUMER_UNKNOWN: ErrorCode = ErrorCode::from_static("CONSUMER_UNKNOWN");
     /// The runtime has stopped and no longer accepts requests.
     pub const RUNTIME_STOPPED: ErrorCode = ErrorCode::from_static("RUNTIME_STOPPED");
 
@@ -78,6 +80,9 @@ pub enum Error {
     /// Applying the library's migrations failed.
     #[error("migration failed: {0}")]
     Migration(String),
+    /// No consumer of that name was ever registered.
+    #[error("unknown consumer {0}")]
+    UnknownConsumer(String),
     /// The runtime has stopped.
     #[error("the outbox runtime has stopped")]
     Stopped,
@@ -92,6 +97,7 @@ impl Error {
             Error::InvalidEvent(_) => ErrorCode::EVENT_SCHEMA_INVALID,
             Error::Config(_) => ErrorCode::CONFIG_INVALID,
             Error::Migration(_) => ErrorCode::MIGRATION_FAILED,
+            Error::UnknownConsumer(_) => ErrorCode::CONSUMER_UNKNOWN,
             Error::Stopped => ErrorCode::RUNTIME_STOPPED,
         }
     }

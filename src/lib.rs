@@ -117,8 +117,8 @@ mod store;
 pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{ConsumerName, EventId, NewEvent, MAX_PAYLOAD_BYTES};
+pub use inbox::{claim_key, pause_consumer, resume_consumer, KeyClaim};
 pub use outbox::{enqueue, enqueue_many};
-pub use inbox::{claim_key, KeyClaim};
 pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
 #[cfg(feature = "testing")]
 pub use runtime::Fault;

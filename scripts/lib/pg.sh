@@ -66,7 +66,17 @@ pg_start_private() {
     port=$(pg_free_port) || { pg_log "no free port"; return 1; }
     rm -rf "$root"
     mkdir -p "$root"
-    [ "$(id -u)" = 0 ] && chown postgres "$root"
+    if [ "$(id -u)" = 0 ]; then
+        chown postgres "$root"
+        # The server runs as `postgres`, which may not be able to reach a checkout under a
+        # private home directory; fall back to a temporary folder then.
+        if ! runuser -u postgres -- test -w "$root"; then
+            rmdir "$root"
+            root=$(mktemp -d /tmp/actix-outbox-pg.XXXXXX)
+            chown postgres "$root"
+            pg_log "target/ is not reachable by the postgres user; using $root"
+        fi
+    fi
     PG_PRIVATE_DIR="$root"
     trap pg_stop_private EXIT
     pg_log "starting a private cluster in target/pg-private on port $port"

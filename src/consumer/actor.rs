@@ -3,6 +3,7 @@
 //! costs latency (until the next poll), never an event.
 
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -28,8 +29,9 @@ pub(crate) struct ConsumerActor {
     in_flight: u32,
     /// A wake-up arrived that no running loop has answered yet: there may be due rows.
     want: bool,
-    /// Set by `Drain`: start nothing new (graceful shutdown).
-    draining: bool,
+    /// Set by `Drain`: start nothing new (graceful shutdown). Shared with the running loops so
+    /// that they stop after their current batch instead of draining the whole backlog.
+    draining: Arc<AtomicBool>,
     /// Who waits for the running loops to end.
     drained: Vec<oneshot::Sender<()>>,
 }
@@ -44,13 +46,16 @@ impl ConsumerActor {
             handler,
             in_flight: 0,
             want: true,
-            draining: false,
+            draining: Arc::new(AtomicBool::new(false)),
             drained: Vec::new(),
         }
     }
 
     fn pump(&mut self, ctx: &mut Context<Self>) {
-        if self.draining || !self.want || self.in_flight >= self.cfg.concurrency {
+        if self.draining.load(Ordering::Relaxed)
+            || !self.want
+            || self.in_flight >= self.cfg.concurrency
+        {
             return;
         }
         self.want = false;
@@ -61,7 +66,8 @@ impl ConsumerActor {
         while self.in_flight < self.cfg.concurrency {
             self.in_flight += 1;
             let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
-            let run = async move { batch_loop(&pool, &cfg, &handler).await };
+            let draining = self.draining.clone();
+            let run = async move { batch_loop(&pool, &cfg, &handler, &draining).await };
             ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
                 act.in_flight -= 1;
                 act.after_loop(outcome, ctx);
@@ -80,7 +86,7 @@ impl ConsumerActor {
         if outcome.handler_lost {
             self.want = true;
         }
-        if self.in_flight == 0 && self.draining {
+        if self.in_flight == 0 && self.draining.load(Ordering::Relaxed) {
             for tx in self.drained.drain(..) {
                 let _ = tx.send(());
             }
@@ -95,14 +101,16 @@ struct LoopOutcome {
     handler_lost: bool,
 }
 
-/// Runs batches until one comes back short: a full batch means more rows are probably due.
+/// Runs batches until one comes back short (a full batch means more rows are probably due)
+/// or a drain begins.
 async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     handler: &Recipient<Delivery>,
+    draining: &AtomicBool,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
-    loop {
+    while !draining.load(Ordering::Relaxed) {
         match worker::run_batch(pool, cfg, handler).await {
             Ok(BatchOutcome {
                 claimed,
@@ -130,6 +138,7 @@ async fn batch_loop(
             }
         }
     }
+    out
 }
 
 impl Actor for ConsumerActor {
@@ -156,7 +165,7 @@ impl Handler<Wake> for ConsumerActor {
 impl Handler<Drain> for ConsumerActor {
     type Result = ResponseFuture<()>;
     fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
-        self.draining = true;
+        self.draining.store(true, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         if self.in_flight == 0 {
             let _ = tx.send(());

@@ -5,6 +5,8 @@
 //! Each wake runs claims until a claim comes back short, so a backlog drains in batches of
 //! `publish_batch_size` without a storm of wake-ups.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -25,7 +27,8 @@ pub(crate) struct PublisherActor {
     /// A wake-up came while busy: run once more, since its rows may have committed after the
     /// running claim's snapshot.
     again: bool,
-    draining: bool,
+    /// Set by `Drain`; shared with the claim loop so it stops after the current claim.
+    draining: Arc<AtomicBool>,
     drained: Vec<oneshot::Sender<()>>,
 }
 
@@ -43,13 +46,13 @@ impl PublisherActor {
             poll_interval,
             busy: false,
             again: false,
-            draining: false,
+            draining: Arc::new(AtomicBool::new(false)),
             drained: Vec::new(),
         }
     }
 
     fn run(&mut self, ctx: &mut Context<Self>) {
-        if self.draining {
+        if self.draining.load(Ordering::Relaxed) {
             return;
         }
         if self.busy {
@@ -63,8 +66,9 @@ impl PublisherActor {
             self.registry.clone(),
             i64::from(self.batch_size),
         );
+        let draining = self.draining.clone();
         let claim = async move {
-            loop {
+            while !draining.load(Ordering::Relaxed) {
                 tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
                 let fan_out = match pool.get().await {
                     Ok(mut conn) => store::outbox::claim_and_fan_out(&mut conn, limit).await,
@@ -94,7 +98,7 @@ impl PublisherActor {
         };
         ctx.spawn(claim.into_actor(self).map(|(), act, ctx| {
             act.busy = false;
-            if act.draining {
+            if act.draining.load(Ordering::Relaxed) {
                 for tx in act.drained.drain(..) {
                     let _ = tx.send(());
                 }
@@ -137,7 +141,7 @@ impl Handler<SetRegistry> for PublisherActor {
 impl Handler<Drain> for PublisherActor {
     type Result = ResponseFuture<()>;
     fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
-        self.draining = true;
+        self.draining.store(true, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         if self.busy {
             self.drained.push(tx);

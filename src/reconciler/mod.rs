@@ -15,7 +15,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Double, Integer, Text};
 use diesel::QueryableByName;
-use diesel_async::{AnsiTransactionManager as Tm, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager as Tm, AsyncPgConnection, RunQueryDsl, TransactionManager,
+};
 
 use crate::error::Result;
 use crate::runtime::Stop;
@@ -46,11 +48,18 @@ pub trait ReconcileRule: 'static {
     /// Returns the keys of items whose desired state lacks its actual state. The query itself
     /// should skip items younger than the rule's consistency window (normal processing may
     /// still be on its way). Runs in the run's transaction.
-    fn find_drift<'a>(&'a self, conn: &'a mut AsyncPgConnection) -> BoxFuture<'a, Result<Vec<String>>>;
+    fn find_drift<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+    ) -> BoxFuture<'a, Result<Vec<String>>>;
     /// Repairs one item inside a savepoint of the run's transaction. `Ok(true)` when it changed
     /// something, `Ok(false)` when the effect turned out to exist already (its idempotency key
     /// was taken). An error rolls back this item only.
-    fn repair<'a>(&'a self, conn: &'a mut AsyncPgConnection, key: &'a str) -> BoxFuture<'a, Result<bool>>;
+    fn repair<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool>>;
 }
 
 /// What one run of one rule did.
@@ -106,7 +115,14 @@ impl ReconcilerActor {
         window: Duration,
         dry_run: bool,
     ) -> Self {
-        ReconcilerActor { pool, rules, interval, window, dry_run, last: None }
+        ReconcilerActor {
+            pool,
+            rules,
+            interval,
+            window,
+            dry_run,
+            last: None,
+        }
     }
 }
 
@@ -135,8 +151,16 @@ struct Locked {
 
 /// One run of one rule: in one transaction holding the rule's advisory lock (so only one
 /// instance runs it at a time), find the drift, repair each item in a savepoint, record the run.
-async fn run_rule(pool: PgPool, rule: Rc<dyn ReconcileRule>, dry_run: bool) -> Result<ReconcileReport> {
-    let mut report = ReconcileReport { rule: rule.name().to_owned(), dry_run, ..Default::default() };
+async fn run_rule(
+    pool: PgPool,
+    rule: Rc<dyn ReconcileRule>,
+    dry_run: bool,
+) -> Result<ReconcileReport> {
+    let mut report = ReconcileReport {
+        rule: rule.name().to_owned(),
+        dry_run,
+        ..Default::default()
+    };
     let mut conn = pool.get_owned().await?;
     // An early return drops the connection inside the transaction; the pool discards it.
     Tm::begin_transaction(&mut *conn).await?;
@@ -180,8 +204,13 @@ async fn run_rule(pool: PgPool, rule: Rc<dyn ReconcileRule>, dry_run: bool) -> R
     .await?;
     Tm::commit_transaction(&mut *conn).await?;
     if report.found > 0 {
-        tracing::warn!(rule = rule.name(), found = report.found, repaired = report.repaired, dry_run,
-            "reconciler found drift");
+        tracing::warn!(
+            rule = rule.name(),
+            found = report.found,
+            repaired = report.repaired,
+            dry_run,
+            "reconciler found drift"
+        );
     }
     Ok(report)
 }
@@ -195,7 +224,10 @@ impl Actor for ReconcilerActor {
             ctx.spawn(fut.into_actor(act).map(|res, act, _| match res {
                 Ok(report) => {
                     if report.outbox_overdue + report.inbox_overdue + report.dead_letters > 0 {
-                        tracing::warn!(?report, "outbox or inbox rows overdue, or dead letters present");
+                        tracing::warn!(
+                            ?report,
+                            "outbox or inbox rows overdue, or dead letters present"
+                        );
                     }
                     act.last = Some(report);
                 }

@@ -205,7 +205,11 @@ impl OutboxRuntime {
     /// # Errors
     /// [`Error::Stopped`] after shutdown; per rule, the error its run hit.
     pub async fn reconcile_now(&self) -> Result<Vec<Result<ReconcileReport>>> {
-        self.handle.supervisor.send(ReconcileNow).await.map_err(|_| Error::Stopped)
+        self.handle
+            .supervisor
+            .send(ReconcileNow)
+            .await
+            .map_err(|_| Error::Stopped)
     }
 
     /// Graceful shutdown: the publisher stops claiming, consumers finish the batches in flight

@@ -18,7 +18,9 @@ use crate::consumer::actor::{ConsumerActor, HandlerFactory};
 use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
 use crate::consumer::ConsumerConfig;
 use crate::publisher::{PublisherActor, SetRegistry};
-use crate::reconciler::{DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow};
+use crate::reconciler::{
+    DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow,
+};
 use crate::store::PgPool;
 
 pub(crate) struct ConsumerSlot {

@@ -160,3 +160,24 @@ fn truncate(s: &str, max: usize) -> String {
         None => s.to_owned(),
     }
 }
+
+/// Sets a consumer's pause switch. Returns false when no such consumer was ever registered.
+pub(crate) async fn set_paused(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    paused: bool,
+    by: &str,
+    reason: Option<&str>,
+) -> Result<bool> {
+    let n = diesel::sql_query(
+        "UPDATE consumer_states SET paused = $2, paused_by = $3, reason = $4, updated_at = now() \
+         WHERE consumer = $1",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<diesel::sql_types::Bool, _>(paused)
+    .bind::<Text, _>(by)
+    .bind::<Nullable<Text>, _>(reason)
+    .execute(conn)
+    .await?;
+    Ok(n == 1)
+}

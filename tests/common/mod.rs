@@ -135,6 +135,22 @@ impl TestDb {
 
     /// Enqueues `n` ORDER_STATUS_CHANGED events, one business transaction each (order row,
     /// audit row, event), and returns their ids.
+    /// Enqueues `n` events in business transactions of `per_tx` events each.
+    pub async fn produce_batched(&self, n: usize, per_tx: usize, prefix: &str) {
+        let mut conn = self.pool.get().await.unwrap();
+        for start in (0..n).step_by(per_tx) {
+            let events: Vec<_> = (start..(start + per_tx).min(n))
+                .map(|i| order_event(&format!("{prefix}-{i}")))
+                .collect();
+            conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+                actix_outbox::enqueue_many(conn, &events).await?;
+                Ok(())
+            })
+            .await
+            .unwrap();
+        }
+    }
+
     pub async fn produce(&self, n: usize, prefix: &str) -> Vec<uuid::Uuid> {
         let mut ids = Vec::with_capacity(n);
         let mut conn = self.pool.get().await.unwrap();
@@ -188,6 +204,8 @@ pub struct Behaviour {
     pub panic_attempts: u32,
     /// Events of this aggregate id fail on every attempt.
     pub poison_aggregate: Option<String>,
+    /// Work time per delivery, to keep deliveries in flight (not a wait for an effect).
+    pub work: Duration,
 }
 
 /// A consumer actor that records one `effects` row per successful handling.

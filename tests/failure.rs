@@ -1,0 +1,224 @@
+//! Failure semantics against real PostgreSQL: pause, poison events, graceful shutdown and
+//! SIGKILL of a process running the runtime. Every assertion counts rows.
+
+mod common;
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use actix_outbox::{pause_consumer, resume_consumer, ConsumerName};
+use common::*;
+
+const MAX_EFFECTS_PER_EVENT: &str =
+    "SELECT coalesce(max(c), 0) AS n FROM (SELECT count(*) AS c FROM effects GROUP BY consumer, event_id) x";
+
+#[actix_rt::test]
+async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![
+            (consumer("paused", 3), Behaviour::default()),
+            (consumer("other", 3), Behaviour::default()),
+        ],
+    )
+    .await;
+    let paused = ConsumerName::new("paused").unwrap();
+    let mut conn = db.pool.get().await.unwrap();
+    pause_consumer(&mut conn, &paused, "ops", "maintenance")
+        .await
+        .unwrap();
+    let unknown =
+        pause_consumer(&mut conn, &ConsumerName::new("nobody").unwrap(), "ops", "x").await;
+    assert_eq!(unknown.unwrap_err().code().as_str(), "CONSUMER_UNKNOWN");
+    drop(conn);
+
+    db.produce_batched(1000, 100, "o").await;
+    rt.handle().wake();
+    let other =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'other' AND status = 'PROCESSED'";
+    assert_eq!(
+        db.wait_for(other, 1000, WAIT).await,
+        1000,
+        "other consumers are unaffected"
+    );
+    // Several of the paused consumer's polls have passed meanwhile (100 ms each).
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'paused'")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'paused' AND status = 'RECEIVED' AND attempt_count = 0")
+            .await,
+        1000,
+        "nothing acknowledged, nothing dropped"
+    );
+
+    let mut conn = db.pool.get().await.unwrap();
+    resume_consumer(&mut conn, &paused, "ops").await.unwrap();
+    drop(conn);
+    let done =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'paused' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'paused'")
+            .await,
+        1000
+    );
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_poison_event_is_dead_lettered_while_healthy_events_flow() {
+    let db = TestDb::new().await;
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        ..Default::default()
+    };
+    let rt = start(&db, vec![(consumer("c1", 4).batch_size(8), behaviour)]).await;
+    // The poison event is first in line, ahead of the healthy ones.
+    let mut conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&mut conn, &order_event("poison"))
+        .await
+        .unwrap();
+    drop(conn);
+    db.produce_batched(1000, 100, "healthy").await;
+    rt.handle().wake();
+
+    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(healthy, 1000, WAIT).await, 1000);
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' AND aggregate_id = 'poison' \
+                AND attempt_count = 4 AND error_code = 'INBOX_CONSUMER_FAILED'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1000);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn graceful_shutdown_with_deliveries_in_flight_loses_and_repeats_nothing() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let cfg = || consumer("c1", 3).batch_size(10).concurrency(2);
+    let rt = start(&db, vec![(cfg(), slow.clone())]).await;
+    db.produce_batched(400, 100, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let deadline = Instant::now() + WAIT;
+    while db.count(done).await < 20 && Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        rt.shutdown().await,
+        "in-flight batches finished within the deadline"
+    );
+    let at_stop = db.count(done).await;
+    assert!(
+        at_stop < 400,
+        "the shutdown happened mid-run ({at_stop} processed)"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects").await,
+        at_stop,
+        "every finished delivery was marked"
+    );
+    assert_eq!(db.idle_in_transaction().await, 0);
+
+    let rt2 = start(&db, vec![(cfg(), slow)]).await;
+    assert_eq!(db.wait_for(done, 400, WAIT).await, 400);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 400);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt2]).await;
+}
+
+/// The process a SIGKILL test kills: runs a runtime on `AO_CHILD_DB` until killed. In a normal
+/// test run (no `AO_CHILD_DB`) it returns at once.
+#[actix_rt::test]
+async fn child_process_entry() {
+    let Ok(url) = std::env::var("AO_CHILD_DB") else {
+        return;
+    };
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let _rt = start_on(
+        pool,
+        vec![(consumer("c1", 10).batch_size(50), Behaviour::default())],
+    )
+    .await;
+    std::future::pending::<()>().await;
+}
+
+fn spawn_child(url: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_process_entry", "--nocapture"])
+        .env("AO_CHILD_DB", url)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn child runtime")
+}
+
+#[actix_rt::test]
+async fn sigkill_of_the_runtime_process_loses_nothing_and_duplicates_nothing() {
+    let db = TestDb::new().await;
+    // Register the consumer before any event exists, as a deployed service would have.
+    let setup = start(&db, vec![(consumer("c1", 10), Behaviour::default())]).await;
+    setup.shutdown().await;
+
+    let mut child = spawn_child(&db.url);
+    let producer = {
+        let db_url = db.url.clone();
+        actix_rt::spawn(async move {
+            let pool = actix_outbox::connect(&db_url, 2).await.unwrap();
+            let db = TestDb {
+                name: String::new(),
+                url: db_url,
+                pool,
+            };
+            db.produce_batched(10_000, 50, "o").await;
+        })
+    };
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let (mut kills, mut last) = (0, 0);
+    while kills < 8 && Instant::now() < deadline {
+        let now = db.count(done).await;
+        if now >= 10_000 {
+            break;
+        }
+        // Kill once the new process has made some progress, at a different point each time.
+        if now >= last + 400 + kills * 97 {
+            child.kill().expect("SIGKILL"); // Child::kill sends SIGKILL on Unix
+            child.wait().unwrap();
+            kills += 1;
+            last = now;
+            child = spawn_child(&db.url);
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    producer.await.unwrap();
+    let processed = db.wait_for(done, 10_000, Duration::from_secs(120)).await;
+    child.kill().ok();
+    child.wait().ok();
+
+    assert!(
+        kills >= 3,
+        "the run was killed {kills} times; the test needs at least 3"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events").await,
+        10_000
+    );
+    assert_eq!(processed, 10_000, "zero lost");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 10_000);
+    assert_eq!(
+        db.count(MAX_EFFECTS_PER_EVENT).await,
+        1,
+        "zero duplicate effects"
+    );
+    db.finish(&[]).await;
+}

@@ -1,0 +1,202 @@
+//! Business idempotency keys and reconcile rules against real PostgreSQL.
+
+mod common;
+
+use std::time::Duration;
+
+use actix_outbox::{claim_key, BoxFuture, KeyClaim, OutboxRuntime, ReconcileRule, RuntimeConfig};
+use common::*;
+use diesel::sql_types::Text;
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+#[actix_rt::test]
+async fn two_claims_of_one_key_give_one_effect_and_a_rolled_back_claim_frees_it() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    let first = claim_key(&mut conn, "notification:o1:COMPLETED", "test", None)
+        .await
+        .unwrap();
+    let second = claim_key(&mut conn, "notification:o1:COMPLETED", "test", None)
+        .await
+        .unwrap();
+    assert_eq!((first, second), (KeyClaim::Claimed, KeyClaim::AlreadyDone));
+
+    let rolled_back = conn
+        .transaction::<(), actix_outbox::Error, _>(async |conn| {
+            assert_eq!(
+                claim_key(conn, "k2", "test", None).await?,
+                KeyClaim::Claimed
+            );
+            Err(actix_outbox::Error::Config("roll back".into()))
+        })
+        .await;
+    assert!(rolled_back.is_err());
+    assert_eq!(
+        claim_key(&mut conn, "k2", "test", None).await.unwrap(),
+        KeyClaim::Claimed
+    );
+    assert!(claim_key(&mut conn, "", "test", None).await.is_err());
+    drop(conn);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM idempotency_keys").await,
+        2
+    );
+    db.finish(&[]).await;
+}
+
+/// COMPLETED orders without a `notify` effect get one, through the key `notify:{order}`.
+struct MissingNotification;
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = Text)]
+    id: String,
+}
+
+impl ReconcileRule for MissingNotification {
+    fn name(&self) -> &str {
+        "missing_notification"
+    }
+    fn interval(&self) -> Duration {
+        Duration::from_secs(3600)
+    }
+    fn find_drift<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+    ) -> BoxFuture<'a, actix_outbox::Result<Vec<String>>> {
+        Box::pin(async move {
+            let ids: Vec<Id> = diesel::sql_query(
+                "SELECT o.id FROM orders o WHERE o.status = 'COMPLETED' \
+                 AND NOT EXISTS (SELECT 1 FROM notifications n WHERE n.order_id = o.id) ORDER BY o.id",
+            )
+            .load(conn)
+            .await?;
+            Ok(ids.into_iter().map(|i| i.id).collect())
+        })
+    }
+    fn repair<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        key: &'a str,
+    ) -> BoxFuture<'a, actix_outbox::Result<bool>> {
+        Box::pin(async move {
+            if claim_key(conn, &format!("notify:{key}"), "missing_notification", None).await?
+                == KeyClaim::AlreadyDone
+            {
+                return Ok(false);
+            }
+            diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
+                .bind::<Text, _>(key)
+                .execute(conn)
+                .await?;
+            Ok(true)
+        })
+    }
+}
+
+async fn runtime_with_rule(db: &TestDb, dry_run: bool) -> OutboxRuntime {
+    let mut cfg = RuntimeConfig::default();
+    cfg.reconcile_dry_run = dry_run;
+    OutboxRuntime::builder(db.pool.clone())
+        .config(cfg)
+        .reconcile(MissingNotification)
+        .start()
+        .await
+        .unwrap()
+}
+
+#[actix_rt::test]
+async fn a_rule_repairs_drift_once_and_never_duplicates_an_effect_made_by_the_normal_path() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE notifications (id bigserial PRIMARY KEY, order_id text NOT NULL);
+         INSERT INTO orders (id, status) SELECT 'o' || g, 'COMPLETED' FROM generate_series(1, 30) g;
+         INSERT INTO orders (id, status) SELECT 'w' || g, 'WAITING' FROM generate_series(1, 5) g;
+         -- o1..o10 were handled by the normal path, which claimed the same key
+         INSERT INTO notifications (order_id) SELECT 'o' || g FROM generate_series(1, 10) g;
+         INSERT INTO idempotency_keys (key) SELECT 'notify:o' || g FROM generate_series(1, 10) g;
+         -- o11 claimed its key but the effect row is missing: the key wins, no duplicate
+         INSERT INTO idempotency_keys (key) VALUES ('notify:o11');",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+
+    let dry = runtime_with_rule(&db, true).await;
+    let report = dry.reconcile_now().await.unwrap().remove(0).unwrap();
+    assert_eq!(
+        (report.found, report.repaired, report.dry_run),
+        (20, 0, true)
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM notifications").await,
+        10,
+        "dry run repairs nothing"
+    );
+    dry.shutdown().await;
+
+    let rt = runtime_with_rule(&db, false).await;
+    let report = rt.reconcile_now().await.unwrap().remove(0).unwrap();
+    assert_eq!((report.found, report.repaired, report.failed), (20, 19, 0));
+    let again = rt.reconcile_now().await.unwrap().remove(0).unwrap();
+    assert_eq!(
+        (again.found, again.repaired),
+        (1, 0),
+        "o11 stays found but is never duplicated"
+    );
+
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM notifications").await,
+        29
+    );
+    assert_eq!(
+        db.count("SELECT coalesce(max(c), 0) AS n FROM (SELECT count(*) AS c FROM notifications GROUP BY order_id) x")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM reconcile_runs").await,
+        3
+    );
+    assert_eq!(
+        db.count("SELECT coalesce(sum(repaired), 0)::bigint AS n FROM reconcile_runs")
+            .await,
+        19
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_rule_held_by_another_instance_is_skipped() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE notifications (id bigserial PRIMARY KEY, order_id text NOT NULL);
+         INSERT INTO orders (id, status) VALUES ('o1', 'COMPLETED');",
+    )
+    .await
+    .unwrap();
+    let rt = runtime_with_rule(&db, false).await;
+    // Another instance is running the rule: it holds the rule's advisory lock.
+    let held = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            conn.batch_execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended('actix_outbox.reconcile:missing_notification', 0))",
+            )
+            .await?;
+            Ok(within(Duration::from_secs(10), rt.reconcile_now()).await)
+        })
+        .await
+        .unwrap()
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    assert!(held.skipped);
+    assert_eq!(db.count("SELECT count(*) AS n FROM notifications").await, 0);
+    let free = rt.reconcile_now().await.unwrap().remove(0).unwrap();
+    assert_eq!((free.skipped, free.repaired), (false, 1));
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
