@@ -433,7 +433,7 @@ async fn migrations_run_concurrently_and_twice_without_harm() {
     a.unwrap();
     b.unwrap();
     let shipped =
-        diesel_migrations::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS)
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS)
             .unwrap()
             .len();
     assert!(shipped >= 2);

@@ -1,0 +1,77 @@
+-- The order service's own tables. Applied at every start-up in one transaction holding an
+-- advisory lock (see main.rs), so it must stay idempotent: IF NOT EXISTS everywhere.
+
+CREATE TABLE IF NOT EXISTS orders (
+    id              text        PRIMARY KEY,
+    customer_id     text        NOT NULL,
+    total_cents     bigint      NOT NULL CHECK (total_cents >= 0),
+    status          text        NOT NULL
+        CHECK (status IN ('WAITING', 'PAID', 'COMPLETED', 'CANCELLED')),
+    version         bigint      NOT NULL CHECK (version >= 1),
+    -- 'api' for orders made through POST /orders; anything else was written around the
+    -- service (an import, a manual fix) and so has no events: the reconciler's business.
+    source          text        NOT NULL DEFAULT 'api',
+    -- a client's Idempotency-Key: a retried POST /orders returns the order it already made
+    idempotency_key text        UNIQUE,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS orders_completed_updated ON orders (updated_at)
+    WHERE status = 'COMPLETED';
+
+CREATE TABLE IF NOT EXISTS audit_logs (
+    id             bigserial   PRIMARY KEY,
+    order_id       text        NOT NULL,
+    action         text        NOT NULL,
+    from_status    text,
+    to_status      text        NOT NULL,
+    version        bigint      NOT NULL,
+    correlation_id text,
+    created_at     timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS audit_logs_order ON audit_logs (order_id);
+
+-- Work for the notification worker. Deliberately no UNIQUE (order_id, status): the business
+-- idempotency key is what must keep the effect single, and a constraint would turn a
+-- duplicate into an error the demo's invariant check could no longer see.
+CREATE TABLE IF NOT EXISTS notification_jobs (
+    id              bigserial   PRIMARY KEY,
+    order_id        text        NOT NULL,
+    status          text        NOT NULL,
+    key             text        NOT NULL,
+    state           text        NOT NULL DEFAULT 'PENDING'
+        CHECK (state IN ('PENDING', 'SENDING', 'SENT', 'FAILED')),
+    attempts        integer     NOT NULL DEFAULT 0,
+    -- when PENDING: not before; when SENDING: the lease's end, after which another worker
+    -- may take the job over (its sender died)
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    last_error      text,
+    created_by      text        NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    sent_at         timestamptz,
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS notification_jobs_due ON notification_jobs (next_attempt_at)
+    WHERE state IN ('PENDING', 'SENDING');
+CREATE INDEX IF NOT EXISTS notification_jobs_order ON notification_jobs (order_id, status);
+
+CREATE TABLE IF NOT EXISTS order_status_counts (
+    status text   PRIMARY KEY,
+    count  bigint NOT NULL
+);
+
+-- Observability only: how often a handler was called per (consumer, event). Written outside
+-- the inbox transaction so that calls whose transaction died with the process still count;
+-- calls beyond the inbox's attempt count are redeliveries whose effects were rolled back.
+CREATE TABLE IF NOT EXISTS handler_calls (
+    consumer text    NOT NULL,
+    event_id uuid    NOT NULL,
+    calls    integer NOT NULL DEFAULT 1,
+    PRIMARY KEY (consumer, event_id)
+);
+
+-- Counters written inside business transactions, for /stats.
+CREATE TABLE IF NOT EXISTS service_counters (
+    name text   PRIMARY KEY,
+    n    bigint NOT NULL
+);
