@@ -104,10 +104,12 @@
 
 #![warn(missing_docs)]
 
+mod admin;
 mod consumer;
 mod error;
 mod event;
 mod inbox;
+mod maintenance;
 mod outbox;
 mod publisher;
 mod reconciler;

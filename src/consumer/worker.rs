@@ -16,6 +16,7 @@ use tokio::sync::Mutex;
 
 use super::{ConsumerConfig, Delivery, HandlerError, RetryPolicy};
 use crate::error::Result;
+use crate::maintenance::metrics;
 use crate::store::inbox::{self, Failure, InboxRow};
 use crate::store::{OwnedConn, PgPool};
 
@@ -101,7 +102,7 @@ pub(crate) async fn run_batch(
         match result {
             Ok(()) => {
                 Tm::commit_transaction(&mut *back).await?; // RELEASE SAVEPOINT
-                processed.push(row.id);
+                processed.push(row);
             }
             Err(err) => {
                 Tm::rollback_transaction(&mut *back).await?; // ROLLBACK TO SAVEPOINT
@@ -117,9 +118,11 @@ pub(crate) async fn run_batch(
         }
     }
 
-    inbox::mark_processed(&mut conn, &processed).await?;
+    let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
+    inbox::mark_processed(&mut conn, &ids).await?;
     inbox::mark_failed(&mut conn, &failures).await?;
     Tm::commit_transaction(&mut *conn).await?;
+    record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
     out.failed += failures.len();
     out.next_retry = failures
@@ -156,6 +159,26 @@ pub(crate) fn decide(policy: &RetryPolicy, row: &InboxRow, err: &HandlerError) -
         code: err.code().as_str().to_owned(),
         message: err.message().to_owned(),
     }
+}
+
+/// Logs and counts what a committed batch did; nothing is reported for a batch that rolled back.
+fn record_committed(cfg: &ConsumerConfig, processed: &[InboxRow], failures: &[Failure]) {
+    let consumer = cfg.name.as_str();
+    let now = chrono::Utc::now();
+    for row in processed {
+        let latency = (now - row.event_created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+        metrics::delivery_latency(consumer, latency.max(0.0));
+        tracing::debug!(
+            name: "consumer.completed",
+            consumer, event_id = %row.event_id, event_type = %row.event_type,
+            aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
+            causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
+            "consumer.completed"
+        );
+    }
+    metrics::inbox_processed(consumer, processed.len() as u64);
+    metrics::inbox_failed(consumer, failures.len() as u64);
+    metrics::inbox_dead_lettered(consumer, failures.iter().filter(|f| f.dead).count() as u64);
 }
 
 fn log_failure(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {

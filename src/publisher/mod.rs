@@ -13,6 +13,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten};
+use crate::maintenance::metrics;
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::{self, PgPool};
 
@@ -76,6 +77,15 @@ impl PublisherActor {
                 };
                 match fan_out {
                     Ok(f) => {
+                        metrics::outbox_published(f.published as u64);
+                        for (consumer, n) in &f.delivered {
+                            metrics::inbox_received(consumer, *n as u64);
+                        }
+                        for (consumer, n) in &f.duplicates {
+                            metrics::inbox_duplicate(consumer, *n as u64);
+                            tracing::info!(name: "event.duplicate", consumer, duplicates = n,
+                                "event.duplicate: already in the inbox, absorbed");
+                        }
                         if f.published > 0 {
                             tracing::debug!(name: "outbox.published", published = f.published, "outbox.published");
                         }
@@ -89,6 +99,7 @@ impl PublisherActor {
                         }
                     }
                     Err(e) => {
+                        metrics::outbox_publish_failed(1);
                         tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(),
                             "outbox.publish.failed");
                         return;

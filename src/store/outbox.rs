@@ -65,6 +65,8 @@ struct FanOutRow {
     #[diesel(sql_type = Nullable<Text>)]
     consumer: Option<String>,
     #[diesel(sql_type = BigInt)]
+    wanted: i64,
+    #[diesel(sql_type = BigInt)]
     rows: i64,
 }
 
@@ -75,6 +77,8 @@ pub(crate) struct FanOut {
     pub published: usize,
     /// New inbox rows per consumer.
     pub delivered: Vec<(String, usize)>,
+    /// Inbox rows that already existed (the event had been fanned out before), per consumer.
+    pub duplicates: Vec<(String, usize)>,
 }
 
 /// The in-process transport in one statement: claim up to `limit` due outbox rows in `seq`
@@ -110,9 +114,15 @@ pub(crate) async fn claim_and_fan_out(conn: &mut AsyncPgConnection, limit: i64) 
              ORDER BY p.seq, s.consumer \
              ON CONFLICT (event_id, consumer) DO NOTHING \
              RETURNING consumer \
+         ), wanted AS ( \
+             SELECT s.consumer, count(*) AS n \
+             FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
+             GROUP BY s.consumer \
          ) \
-         SELECT consumer, count(*) AS rows FROM delivered GROUP BY consumer \
-         UNION ALL SELECT NULL, count(*) FROM published",
+         SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w \
+             LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d \
+             USING (consumer) \
+         UNION ALL SELECT NULL, 0, count(*) FROM published",
     )
     .bind::<BigInt, _>(limit)
     .load(conn)
@@ -120,7 +130,15 @@ pub(crate) async fn claim_and_fan_out(conn: &mut AsyncPgConnection, limit: i64) 
     let mut out = FanOut::default();
     for row in rows {
         match row.consumer {
-            Some(consumer) => out.delivered.push((consumer, row.rows as usize)),
+            Some(consumer) => {
+                if row.wanted > row.rows {
+                    out.duplicates
+                        .push((consumer.clone(), (row.wanted - row.rows) as usize));
+                }
+                if row.rows > 0 {
+                    out.delivered.push((consumer, row.rows as usize));
+                }
+            }
             None => out.published = row.rows as usize,
         }
     }

@@ -1,0 +1,1 @@
+//! The operator API: an actix-web scope the application mounts.

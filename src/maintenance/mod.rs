@@ -1,0 +1,3 @@
+//! Maintenance: metrics, the stats sampler, lag health, retention.
+
+pub(crate) mod metrics;
