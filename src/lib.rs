@@ -100,7 +100,8 @@
 //!
 //! ## Features
 //!
-//! - `testing`: [`OutboxRuntime::inject_fault`] for crash tests.
+//! - `testing`: [`OutboxRuntime::inject_fault`] for crash tests and [`testing::ScriptedTransport`],
+//!   an external transport that fails, hangs or crashes on cue.
 
 #![warn(missing_docs)]
 
@@ -115,12 +116,15 @@ mod publisher;
 mod reconciler;
 mod runtime;
 mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{ConsumerName, EventId, NewEvent, MAX_PAYLOAD_BYTES};
-pub use inbox::{claim_key, pause_consumer, resume_consumer, KeyClaim};
+pub use inbox::{claim_key, pause_consumer, receive, resume_consumer, KeyClaim, Received};
 pub use outbox::{enqueue, enqueue_many};
+pub use publisher::{ExternalConfig, OutboxEvent, Transport, TransportError};
 pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
 #[cfg(feature = "testing")]
 pub use runtime::Fault;

@@ -100,3 +100,37 @@ async fn set(
         Err(crate::Error::UnknownConsumer(consumer.to_string()))
     }
 }
+
+/// What [`receive`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Received {
+    /// New inbox rows (one per subscribed consumer that did not have the event yet).
+    pub new: usize,
+    /// Consumers that already had the event: duplicates absorbed (`DUPLICATE_EVENT`, info).
+    pub duplicates: usize,
+}
+
+/// The receiving side of an external transport: records `event` in the inbox of every consumer
+/// subscribed to its type, in the caller's transaction. Receiving the same event again changes
+/// nothing, so a broker may redeliver freely; acknowledge the broker only after this commits.
+///
+/// # Errors
+/// [`Error::Database`](crate::Error::Database) when the insert fails.
+pub async fn receive(
+    conn: &mut AsyncPgConnection,
+    event: &crate::publisher::OutboxEvent,
+) -> Result<Received> {
+    let (new, duplicates) = store::inbox::receive(conn, event).await?;
+    if duplicates > 0 {
+        tracing::info!(name: "event.duplicate", event_id = %event.id, event_type = %event.event_type,
+            aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
+            causation_id = event.causation_id.as_deref(), duplicates, code = "DUPLICATE_EVENT", "event.duplicate");
+        crate::maintenance::metrics::inbox_duplicate("*", duplicates as u64);
+    }
+    if new > 0 {
+        tracing::debug!(name: "event.received", event_id = %event.id, event_type = %event.event_type, new,
+            "event.received");
+    }
+    Ok(Received { new, duplicates })
+}

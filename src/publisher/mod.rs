@@ -4,7 +4,13 @@
 //! and on a poll tick, the backstop for rows committed by other processes or while it was down.
 //! Each wake runs claims until a claim comes back short, so a backlog drains in batches of
 //! `publish_batch_size` without a storm of wake-ups.
+//!
+//! Claimed events take one of two routes: in-process (the default; claim, fan-out to the inbox
+//! and mark are one statement) or an external [`Transport`] under a lease.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,12 +21,27 @@ use tokio::sync::oneshot;
 use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten};
 use crate::maintenance::metrics;
 use crate::runtime::{Drain, Stop, Wake};
-use crate::store::{self, PgPool};
+use crate::store::{self, lease, PgPool};
+
+mod external;
+mod transport;
+
+pub use transport::{ExternalConfig, OutboxEvent, Transport, TransportError};
+
+/// Where claimed events go.
+#[derive(Clone)]
+pub(crate) enum Route {
+    /// The default: fan out to this database's inboxes in the claim statement.
+    InProcess,
+    /// Publish to a broker under a lease.
+    External(Rc<dyn Transport>, Rc<ExternalConfig>),
+}
 
 pub(crate) struct PublisherActor {
     pool: PgPool,
     /// Where fan-out results go; set again by the supervisor if the registry restarts.
     registry: Addr<ConsumerRegistry>,
+    route: Route,
     batch_size: u32,
     poll_interval: Duration,
     /// A claim loop is running; a wake-up now only sets `again`.
@@ -37,12 +58,14 @@ impl PublisherActor {
     pub(crate) fn new(
         pool: PgPool,
         registry: Addr<ConsumerRegistry>,
+        route: Route,
         batch_size: u32,
         poll_interval: Duration,
     ) -> Self {
         PublisherActor {
             pool,
             registry,
+            route,
             batch_size,
             poll_interval,
             busy: false,
@@ -62,49 +85,35 @@ impl PublisherActor {
         }
         self.busy = true;
         self.again = false;
-        let (pool, registry, limit) = (
-            self.pool.clone(),
-            self.registry.clone(),
-            i64::from(self.batch_size),
-        );
-        let draining = self.draining.clone();
-        let claim = async move {
-            while !draining.load(Ordering::Relaxed) {
-                tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
-                let fan_out = match pool.get().await {
-                    Ok(mut conn) => store::outbox::claim_and_fan_out(&mut conn, limit).await,
-                    Err(e) => Err(e.into()),
-                };
-                match fan_out {
-                    Ok(f) => {
-                        metrics::outbox_published(f.published as u64);
-                        for (consumer, n) in &f.delivered {
-                            metrics::inbox_received(consumer, *n as u64);
-                        }
-                        for (consumer, n) in &f.duplicates {
-                            metrics::inbox_duplicate(consumer, *n as u64);
-                            tracing::info!(name: "event.duplicate", consumer, duplicates = n,
-                                "event.duplicate: already in the inbox, absorbed");
-                        }
-                        if f.published > 0 {
-                            tracing::debug!(name: "outbox.published", published = f.published, "outbox.published");
-                        }
-                        if !f.delivered.is_empty() {
-                            registry.do_send(InboxRowsWritten {
-                                consumers: f.delivered,
-                            });
-                        }
-                        if (f.published as i64) < limit {
+        let (pool, draining) = (self.pool.clone(), self.draining.clone());
+        let claim: Pin<Box<dyn Future<Output = ()>>> = match &self.route {
+            Route::InProcess => {
+                let registry = self.registry.clone();
+                let limit = i64::from(self.batch_size);
+                Box::pin(async move {
+                    while !draining.load(Ordering::Relaxed) {
+                        if !claim_in_process(&pool, &registry, limit).await {
                             return;
                         }
                     }
-                    Err(e) => {
-                        metrics::outbox_publish_failed(1);
-                        tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(),
-                            "outbox.publish.failed");
-                        return;
+                })
+            }
+            Route::External(transport, cfg) => {
+                let (transport, cfg) = (transport.clone(), cfg.clone());
+                Box::pin(async move {
+                    while !draining.load(Ordering::Relaxed) {
+                        match external::publish_batch(&pool, &*transport, &cfg).await {
+                            Ok(claimed) if claimed == cfg.batch_size as usize => continue,
+                            Ok(_) => return,
+                            Err(e) => {
+                                metrics::outbox_publish_failed(1);
+                                tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(),
+                                    "outbox.publish.failed");
+                                return;
+                            }
+                        }
                     }
-                }
+                })
             }
         };
         ctx.spawn(claim.into_actor(self).map(|(), act, ctx| {
@@ -120,11 +129,69 @@ impl PublisherActor {
     }
 }
 
+/// One in-process claim: claim, fan out and mark in one statement, then wake the consumers
+/// that got rows. Returns whether the batch was full (more rows are probably due).
+async fn claim_in_process(pool: &PgPool, registry: &Addr<ConsumerRegistry>, limit: i64) -> bool {
+    tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
+    let fan_out = match pool.get().await {
+        Ok(mut conn) => store::outbox::claim_and_fan_out(&mut conn, limit).await,
+        Err(e) => Err(e.into()),
+    };
+    match fan_out {
+        Ok(f) => {
+            metrics::outbox_published(f.published as u64);
+            for (consumer, n) in &f.delivered {
+                metrics::inbox_received(consumer, *n as u64);
+            }
+            for (consumer, n) in &f.duplicates {
+                metrics::inbox_duplicate(consumer, *n as u64);
+                tracing::info!(name: "event.duplicate", consumer, duplicates = n,
+                    "event.duplicate: already in the inbox, absorbed");
+            }
+            if f.published > 0 {
+                tracing::debug!(name: "outbox.published", published = f.published, "outbox.published");
+            }
+            let full = f.published as i64 >= limit;
+            if !f.delivered.is_empty() {
+                registry.do_send(InboxRowsWritten {
+                    consumers: f.delivered,
+                });
+            }
+            full
+        }
+        Err(e) => {
+            metrics::outbox_publish_failed(1);
+            tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(), "outbox.publish.failed");
+            false
+        }
+    }
+}
+
 impl Actor for PublisherActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.run_interval(self.poll_interval, |act, ctx| act.run(ctx));
+        if let Route::External(_, cfg) = &self.route {
+            let max_attempts = cfg.retry.max_attempts.min(i32::MAX as u32) as i32;
+            ctx.run_interval(cfg.reap_interval, move |act, ctx| {
+                let pool = act.pool.clone();
+                let reap = async move {
+                    let reaped = match pool.get().await {
+                        Ok(mut conn) => lease::reap_expired(&mut conn, max_attempts, 1000).await,
+                        Err(e) => Err(e.into()),
+                    };
+                    match reaped {
+                        Ok(0) => {}
+                        Ok(n) => {
+                            tracing::warn!(reaped = n, "expired outbox leases returned for retry")
+                        }
+                        Err(e) => tracing::warn!(error = %e, "lease reaper failed"),
+                    }
+                };
+                ctx.spawn(reap.into_actor(act));
+            });
+        }
         // Rows committed while no publisher ran are found at once, not at the first tick.
         self.run(ctx);
     }

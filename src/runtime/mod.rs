@@ -13,6 +13,7 @@ use actix::prelude::*;
 use crate::consumer::actor::HandlerFactory;
 use crate::consumer::{ConsumerConfig, Delivery};
 use crate::error::{Error, Result};
+use crate::publisher::{ExternalConfig, Route, Transport};
 use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
 use crate::store::{self, PgPool};
 use supervisor::{ConsumerSlot, GetStatus, ReconcileNow, Shutdown, SupervisorActor};
@@ -95,9 +96,18 @@ pub struct OutboxBuilder {
     config: RuntimeConfig,
     consumers: Vec<(ConsumerConfig, HandlerFactory)>,
     rules: Vec<Rc<dyn ReconcileRule>>,
+    route: Route,
 }
 
 impl OutboxBuilder {
+    /// Publishes events through an external `transport` (a broker) under leases, instead of
+    /// fanning them out to this database's inboxes. Consumers in this process then receive
+    /// events through the transport's receiving side ([`receive`](crate::receive)).
+    pub fn external_transport(mut self, transport: impl Transport, config: ExternalConfig) -> Self {
+        self.route = Route::External(Rc::new(transport), Rc::new(config));
+        self
+    }
+
     /// Registers a reconcile rule, run by the `ReconcilerActor` on the rule's interval.
     pub fn reconcile(mut self, rule: impl ReconcileRule) -> Self {
         self.rules.push(Rc::new(rule));
@@ -132,6 +142,9 @@ impl OutboxBuilder {
     /// [`Error::Pool`] when the subscriptions cannot be written.
     pub async fn start(self) -> Result<OutboxRuntime> {
         self.config.validate()?;
+        if let Route::External(_, cfg) = &self.route {
+            cfg.validate()?;
+        }
         let mut names = std::collections::HashSet::new();
         for (cfg, _) in &self.consumers {
             cfg.validate()?;
@@ -158,7 +171,8 @@ impl OutboxBuilder {
                 addr: None,
             })
             .collect();
-        let supervisor = SupervisorActor::new(self.pool, self.config, slots, self.rules).start();
+        let supervisor =
+            SupervisorActor::new(self.pool, self.config, slots, self.rules, self.route).start();
         Ok(OutboxRuntime {
             handle: OutboxHandle { supervisor },
         })
@@ -179,6 +193,7 @@ impl OutboxRuntime {
             config: RuntimeConfig::default(),
             consumers: Vec::new(),
             rules: Vec::new(),
+            route: Route::InProcess,
         }
     }
 

@@ -17,7 +17,7 @@ use super::{Drain, RuntimeConfig, RuntimeStatus, Stop, Wake};
 use crate::consumer::actor::{ConsumerActor, HandlerFactory};
 use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
 use crate::consumer::ConsumerConfig;
-use crate::publisher::{PublisherActor, SetRegistry};
+use crate::publisher::{PublisherActor, Route, SetRegistry};
 use crate::reconciler::{
     DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow,
 };
@@ -34,6 +34,7 @@ pub(crate) struct SupervisorActor {
     config: RuntimeConfig,
     consumers: Vec<ConsumerSlot>,
     rules: Vec<Rc<dyn ReconcileRule>>,
+    route: Route,
     registry: Option<Addr<ConsumerRegistry>>,
     publisher: Option<Addr<PublisherActor>>,
     reconciler: Option<Addr<ReconcilerActor>>,
@@ -49,12 +50,14 @@ impl SupervisorActor {
         config: RuntimeConfig,
         consumers: Vec<ConsumerSlot>,
         rules: Vec<Rc<dyn ReconcileRule>>,
+        route: Route,
     ) -> Self {
         SupervisorActor {
             pool,
             config,
             consumers,
             rules,
+            route,
             registry: None,
             publisher: None,
             reconciler: None,
@@ -125,6 +128,7 @@ impl SupervisorActor {
             let publisher = PublisherActor::new(
                 self.pool.clone(),
                 registry,
+                self.route.clone(),
                 self.config.publish_batch_size,
                 self.config.poll_interval,
             );

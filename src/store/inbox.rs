@@ -181,3 +181,44 @@ pub(crate) async fn set_paused(
     .await?;
     Ok(n == 1)
 }
+
+#[derive(QueryableByName)]
+struct ReceiveRow {
+    #[diesel(sql_type = BigInt)]
+    wanted: i64,
+    #[diesel(sql_type = BigInt)]
+    rows: i64,
+}
+
+/// The receiving side of an external transport: one inbox row per consumer subscribed to the
+/// event's type. Returns (new rows, rows that already existed).
+pub(crate) async fn receive(
+    conn: &mut AsyncPgConnection,
+    e: &crate::publisher::OutboxEvent,
+) -> Result<(usize, usize)> {
+    let r: ReceiveRow = diesel::sql_query(
+        "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \
+         ins AS ( \
+             INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
+                 aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id, \
+                 event_created_at) \
+             SELECT $1, consumer, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 FROM subs \
+             ON CONFLICT (event_id, consumer) DO NOTHING RETURNING 1 \
+         ) \
+         SELECT (SELECT count(*) FROM subs) AS wanted, (SELECT count(*) FROM ins) AS rows",
+    )
+    .bind::<SqlUuid, _>(e.id.as_uuid())
+    .bind::<Text, _>(&e.event_type)
+    .bind::<Integer, _>(e.event_version)
+    .bind::<Text, _>(&e.aggregate_type)
+    .bind::<Text, _>(&e.aggregate_id)
+    .bind::<Nullable<BigInt>, _>(e.aggregate_version)
+    .bind::<Jsonb, _>(&e.payload)
+    .bind::<Jsonb, _>(&e.metadata)
+    .bind::<Text, _>(&e.correlation_id)
+    .bind::<Nullable<Text>, _>(e.causation_id.as_deref())
+    .bind::<Timestamptz, _>(e.created_at)
+    .get_result(conn)
+    .await?;
+    Ok((r.rows as usize, (r.wanted - r.rows).max(0) as usize))
+}

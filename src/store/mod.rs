@@ -2,6 +2,7 @@
 //! machines of ARCHITECTURE §4 can be read in one place. Internal; users see only [`PgPool`].
 
 pub(crate) mod inbox;
+pub(crate) mod lease;
 pub(crate) mod migrate;
 pub(crate) mod outbox;
 

@@ -99,10 +99,12 @@ impl TestDb {
         }
     }
 
-    /// Sessions of this database left idle inside a transaction.
+    /// Sessions of this database left idle inside a transaction: idle there for over a second,
+    /// so a batch caught between its BEGIN and its first statement does not count.
     pub async fn idle_in_transaction(&self) -> i64 {
         self.count(&format!(
-            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+             AND state LIKE 'idle in transaction%' AND state_change < now() - interval '1 second'",
             self.name
         ))
         .await

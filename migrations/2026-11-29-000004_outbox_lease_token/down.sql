@@ -1,0 +1,1 @@
+DROP SEQUENCE outbox_lease_token_seq;

@@ -1,0 +1,118 @@
+//! The external-transport claim loop: lease a batch, publish each event with a timeout outside
+//! any transaction, mark each outcome fenced on the lease token.
+
+use std::time::Duration;
+
+use super::transport::{ExternalConfig, OutboxEvent, Transport, TransportError};
+use crate::error::{ErrorCode, Result};
+use crate::maintenance::metrics;
+use crate::store::lease::{self, LeasedRow};
+use crate::store::PgPool;
+use futures_util::future::join_all;
+
+/// Leases and publishes one batch. Returns how many rows were claimed.
+pub(crate) async fn publish_batch(
+    pool: &PgPool,
+    transport: &dyn Transport,
+    cfg: &ExternalConfig,
+) -> Result<usize> {
+    let lease_ms = cfg.lease.as_millis().min(i64::MAX as u128) as i64;
+    let rows = {
+        let mut conn = pool.get().await?;
+        lease::claim_leased(&mut conn, &cfg.owner, i64::from(cfg.batch_size), lease_ms).await?
+    };
+    let claimed = rows.len();
+    // Concurrently, so a whole batch finishes within one publish timeout and so within the
+    // lease (validated to be longer); one at a time, a slow broker would make later rows of
+    // the batch outlive their lease and be published twice.
+    let results = join_all(
+        rows.into_iter()
+            .map(|row| publish_one(pool, transport, cfg, row)),
+    )
+    .await;
+    for r in results {
+        r?;
+    }
+    Ok(claimed)
+}
+
+async fn publish_one(
+    pool: &PgPool,
+    transport: &dyn Transport,
+    cfg: &ExternalConfig,
+    row: LeasedRow,
+) -> Result<()> {
+    let token = row.lease_token;
+    let event = OutboxEvent::from(row);
+    tracing::debug!(name: "outbox.publish.started", event_id = %event.id, event_type = %event.event_type,
+        aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
+        causation_id = event.causation_id.as_deref(), attempt = event.attempt, "outbox.publish.started");
+    // (error, whether it was our timeout): the code differs, the retry decision does not.
+    let failure = match tokio::time::timeout(cfg.publish_timeout, transport.publish(&event)).await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some((e, false)),
+        Err(_) => Some((
+            TransportError::Retryable(format!("no answer within {:?}", cfg.publish_timeout)),
+            true,
+        )),
+    };
+    let mut conn = pool.get().await?;
+    let marked = match &failure {
+        None => {
+            metrics::outbox_published(1);
+            lease::mark_published(&mut conn, event.id.as_uuid(), token).await?
+        }
+        Some((err, timed_out)) => {
+            metrics::outbox_publish_failed(1);
+            let (dead, delay, code) = decide(cfg, &event, err, *timed_out);
+            tracing::warn!(name: "outbox.publish.failed", event_id = %event.id, event_type = %event.event_type,
+                aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
+                attempt = event.attempt, error_code = %code, error = %err, dead, "outbox.publish.failed");
+            let delay_ms = delay.as_millis().min(i64::MAX as u128) as i64;
+            lease::mark_failed(
+                &mut conn,
+                event.id.as_uuid(),
+                token,
+                dead,
+                delay_ms,
+                code.as_str(),
+                &err.to_string(),
+            )
+            .await?
+        }
+    };
+    if !marked {
+        // The lease expired and the row was reaped or claimed again: the newer owner
+        // decides its fate. A publish we made meanwhile is a duplicate the inbox absorbs.
+        tracing::warn!(event_id = %event.id, owner = %cfg.owner, "lease lost before the mark; nothing changed");
+    } else if failure.is_none() {
+        tracing::debug!(name: "outbox.published", event_id = %event.id, event_type = %event.event_type,
+            attempt = event.attempt, "outbox.published");
+    }
+    Ok(())
+}
+
+/// Retry or dead letter, by error type and the attempt count already incremented at claim.
+fn decide(
+    cfg: &ExternalConfig,
+    event: &OutboxEvent,
+    err: &TransportError,
+    timed_out: bool,
+) -> (bool, Duration, ErrorCode) {
+    match err {
+        TransportError::Permanent { code, .. } => (true, Duration::ZERO, code.clone()),
+        TransportError::Retryable(_) => {
+            let code = if timed_out {
+                ErrorCode::OUTBOX_PUBLISH_TIMEOUT
+            } else {
+                ErrorCode::OUTBOX_PUBLISH_FAILED
+            };
+            if cfg.retry.exhausted(event.attempt) {
+                (true, Duration::ZERO, code)
+            } else {
+                let (a, b) = event.id.as_uuid().as_u64_pair();
+                (false, cfg.retry.delay(event.attempt, a ^ b), code)
+            }
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! External transports: publishing outbox events to a broker (for consumers in other services)
+//! under a lease, with fenced marks.
+//!
+//! The publish happens outside any database transaction, so its outcome can be unknown: a
+//! publisher may die after the broker accepted the event and before the row was marked. The
+//! lease makes that safe: the row stays PROCESSING until the lease expires, the reaper returns
+//! it to RETRY_PENDING, and the event is published again. That duplicate is expected; the
+//! receiving side ([`receive`](crate::receive)) writes into an inbox that absorbs it.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::consumer::RetryPolicy;
+use crate::error::{Error, ErrorCode};
+use crate::event::EventId;
+use crate::reconciler::BoxFuture;
+use crate::store::lease::LeasedRow;
+
+/// An event as a transport publishes it and a receiving side records it. Serializable, so a
+/// broker can carry it as JSON; the id is the outbox id, unchanged through every retry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct OutboxEvent {
+    /// The event id, the inbox's deduplication key.
+    pub id: EventId,
+    /// The event type.
+    pub event_type: String,
+    /// The payload's schema version.
+    pub event_version: i32,
+    /// The aggregate type.
+    pub aggregate_type: String,
+    /// The aggregate id.
+    pub aggregate_id: String,
+    /// The aggregate's version after the change.
+    pub aggregate_version: Option<i64>,
+    /// The payload.
+    pub payload: serde_json::Value,
+    /// Trace context and other metadata.
+    pub metadata: serde_json::Value,
+    /// The correlation id.
+    pub correlation_id: String,
+    /// The causation id.
+    pub causation_id: Option<String>,
+    /// When the producer's transaction wrote it.
+    pub created_at: DateTime<Utc>,
+    /// This publish attempt, from 1.
+    pub attempt: u32,
+}
+
+impl From<LeasedRow> for OutboxEvent {
+    fn from(r: LeasedRow) -> Self {
+        OutboxEvent {
+            id: EventId::from_uuid(r.id),
+            event_type: r.event_type,
+            event_version: r.event_version,
+            aggregate_type: r.aggregate_type,
+            aggregate_id: r.aggregate_id,
+            aggregate_version: r.aggregate_version,
+            payload: r.payload,
+            metadata: r.metadata,
+            correlation_id: r.correlation_id,
+            causation_id: r.causation_id,
+            created_at: r.created_at,
+            attempt: r.attempt_count.max(1) as u32,
+        }
+    }
+}
+
+/// Why a publish failed; decides between retry and dead letter.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The broker may accept it later (unreachable, overloaded): retried with backoff.
+    #[error("publish failed: {0}")]
+    Retryable(String),
+    /// The broker will never accept it (rejected as malformed): dead-lettered at once.
+    #[error("publish rejected: {message}")]
+    Permanent {
+        /// Stored as `error_code`.
+        code: ErrorCode,
+        /// Stored as `last_error`.
+        message: String,
+    },
+}
+
+/// Publishes outbox events to something outside the database.
+pub trait Transport: 'static {
+    /// Publishes one event. Called outside any transaction and cancelled at
+    /// [`ExternalConfig::publish_timeout`]. It may be called more than once for one event
+    /// (after a timeout or a crash), always with the same [`OutboxEvent::id`].
+    fn publish<'a>(&'a self, event: &'a OutboxEvent) -> BoxFuture<'a, Result<(), TransportError>>;
+}
+
+/// How the publisher uses an external transport.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ExternalConfig {
+    /// This publisher's name in `locked_by`. Default `publisher-<random>`.
+    pub owner: String,
+    /// How long a claim holds a row. Must be well above `publish_timeout`. Default 60 s.
+    pub lease: Duration,
+    /// How long one publish may take. Default 10 s.
+    pub publish_timeout: Duration,
+    /// Retry policy for failed publishes. Default [`RetryPolicy::default`].
+    pub retry: RetryPolicy,
+    /// How often expired leases are reaped. Default 5 s.
+    pub reap_interval: Duration,
+    /// Rows claimed per lease. Default 100.
+    pub batch_size: u32,
+}
+
+impl Default for ExternalConfig {
+    fn default() -> Self {
+        ExternalConfig {
+            owner: format!("publisher-{}", uuid::Uuid::now_v7().simple()),
+            lease: Duration::from_secs(60),
+            publish_timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            reap_interval: Duration::from_secs(5),
+            batch_size: 100,
+        }
+    }
+}
+
+impl ExternalConfig {
+    pub(crate) fn validate(&self) -> crate::Result<()> {
+        self.retry.validate()?;
+        if self.publish_timeout.is_zero() || self.reap_interval.is_zero() || self.batch_size == 0 {
+            return Err(Error::Config(
+                "publish_timeout, reap_interval and batch_size must be positive".into(),
+            ));
+        }
+        if self.lease <= self.publish_timeout {
+            return Err(Error::Config(
+                "the lease must be longer than the publish timeout, or a slow publish loses its lease".into(),
+            ));
+        }
+        Ok(())
+    }
+}

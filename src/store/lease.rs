@@ -1,0 +1,151 @@
+//! Outbox statements for external transports: the leased claim, the fenced marks and the
+//! reaper. `PENDING|RETRY_PENDING → PROCESSING (lease) → PUBLISHED | RETRY_PENDING | DEAD_LETTER`.
+//! Every time comparison uses the database clock (`now()`), never the process's.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{
+    BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+
+/// One leased outbox row.
+#[derive(Debug, Clone, QueryableByName)]
+pub(crate) struct LeasedRow {
+    #[diesel(sql_type = SqlUuid)]
+    pub id: uuid::Uuid,
+    #[diesel(sql_type = BigInt)]
+    pub lease_token: i64,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Integer)]
+    pub event_version: i32,
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub aggregate_version: Option<i64>,
+    #[diesel(sql_type = Jsonb)]
+    pub payload: serde_json::Value,
+    #[diesel(sql_type = Jsonb)]
+    pub metadata: serde_json::Value,
+    #[diesel(sql_type = Text)]
+    pub correlation_id: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub causation_id: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    /// Attempts including this one (counted at claim, before any outcome).
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+}
+
+/// Claims up to `limit` due rows for `owner` with a lease of `lease_ms`, in one statement.
+/// The attempt is counted here, so a publisher that dies mid-publish still used an attempt.
+pub(crate) async fn claim_leased(
+    conn: &mut AsyncPgConnection,
+    owner: &str,
+    limit: i64,
+    lease_ms: i64,
+) -> Result<Vec<LeasedRow>> {
+    let rows = diesel::sql_query(
+        "WITH due AS ( \
+             SELECT id FROM outbox_events \
+             WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
+             ORDER BY seq LIMIT $1 \
+             FOR UPDATE SKIP LOCKED \
+         ) \
+         UPDATE outbox_events o \
+         SET status = 'PROCESSING', locked_by = $2, \
+             locked_until = now() + $3 * interval '1 millisecond', \
+             lease_token = nextval('outbox_lease_token_seq'), \
+             attempt_count = o.attempt_count + 1, updated_at = now() \
+         FROM due WHERE o.id = due.id \
+         RETURNING o.id, o.lease_token, o.event_type, o.event_version, o.aggregate_type, \
+             o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
+             o.causation_id, o.created_at, o.attempt_count",
+    )
+    .bind::<BigInt, _>(limit)
+    .bind::<Text, _>(owner)
+    .bind::<BigInt, _>(lease_ms)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// Marks a leased row PUBLISHED. Returns false when the lease was lost (expired and reaped, or
+/// claimed by another publisher): then nothing changed.
+pub(crate) async fn mark_published(
+    conn: &mut AsyncPgConnection,
+    id: uuid::Uuid,
+    token: i64,
+) -> Result<bool> {
+    let n = diesel::sql_query(
+        "UPDATE outbox_events SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
+             locked_by = NULL, locked_until = NULL, last_error = NULL, error_code = NULL \
+         WHERE id = $1 AND status = 'PROCESSING' AND lease_token = $2",
+    )
+    .bind::<SqlUuid, _>(id)
+    .bind::<BigInt, _>(token)
+    .execute(conn)
+    .await?;
+    Ok(n == 1)
+}
+
+/// Records a failed publish of a leased row: RETRY_PENDING at `now() + delay_ms`, or
+/// DEAD_LETTER. Fenced like [`mark_published`].
+pub(crate) async fn mark_failed(
+    conn: &mut AsyncPgConnection,
+    id: uuid::Uuid,
+    token: i64,
+    dead: bool,
+    delay_ms: i64,
+    code: &str,
+    message: &str,
+) -> Result<bool> {
+    let n = diesel::sql_query(
+        "UPDATE outbox_events SET \
+             status = CASE WHEN $3 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
+             next_attempt_at = now() + $4 * interval '1 millisecond', \
+             locked_by = NULL, locked_until = NULL, error_code = $5, last_error = $6, updated_at = now() \
+         WHERE id = $1 AND status = 'PROCESSING' AND lease_token = $2",
+    )
+    .bind::<SqlUuid, _>(id)
+    .bind::<BigInt, _>(token)
+    .bind::<Bool, _>(dead)
+    .bind::<BigInt, _>(delay_ms)
+    .bind::<Text, _>(code)
+    .bind::<Text, _>(message)
+    .execute(conn)
+    .await?;
+    Ok(n == 1)
+}
+
+/// The lease reaper: rows whose lease has expired (their publisher died or hung after
+/// claiming) go back to RETRY_PENDING, due at once, or to DEAD_LETTER when their attempts are
+/// used up. Their event may already have been published; publishing it again is expected and
+/// the receiving inbox absorbs the duplicate. Returns how many rows were reset.
+pub(crate) async fn reap_expired(
+    conn: &mut AsyncPgConnection,
+    max_attempts: i32,
+    limit: i64,
+) -> Result<usize> {
+    let n = diesel::sql_query(
+        "UPDATE outbox_events o SET \
+             status = CASE WHEN o.attempt_count >= $1 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
+             next_attempt_at = now(), locked_by = NULL, locked_until = NULL, \
+             error_code = 'OUTBOX_PUBLISH_TIMEOUT', \
+             last_error = 'lease of ' || coalesce(o.locked_by, '?') || ' expired before the publish was marked', \
+             updated_at = now() \
+         WHERE o.id IN (SELECT id FROM outbox_events WHERE status = 'PROCESSING' AND locked_until < now() \
+                        ORDER BY locked_until LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind::<Integer, _>(max_attempts)
+    .bind::<BigInt, _>(limit)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}

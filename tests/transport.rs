@@ -1,0 +1,215 @@
+//! External transports against real PostgreSQL: leases, timeouts, crashes after publish,
+//! fencing and dead letters. Effects are counted in the database.
+
+mod common;
+
+use std::time::Duration;
+
+use actix_outbox::testing::{ScriptedTransport, Step};
+use actix_outbox::{ExternalConfig, OutboxRuntime, RetryPolicy};
+use common::*;
+
+fn external(lease_ms: u64, timeout_ms: u64, max_attempts: u32) -> ExternalConfig {
+    let mut cfg = ExternalConfig::default();
+    cfg.lease = Duration::from_millis(lease_ms);
+    cfg.publish_timeout = Duration::from_millis(timeout_ms);
+    cfg.retry = RetryPolicy::fixed(max_attempts, Duration::from_millis(150));
+    cfg.reap_interval = Duration::from_millis(50);
+    cfg
+}
+
+async fn start_external(
+    db: &TestDb,
+    transport: &ScriptedTransport,
+    cfg: ExternalConfig,
+    pool: actix_outbox::PgPool,
+) -> OutboxRuntime {
+    OutboxRuntime::builder(pool)
+        .config(fast_runtime())
+        .consumer(consumer("c1", 5), || Recorder {
+            name: "c1".into(),
+            behaviour: Behaviour::default(),
+        })
+        .external_transport(transport.clone(), cfg)
+        .start()
+        .await
+        .map_err(|e| panic!("start on {}: {e}", db.name))
+        .unwrap()
+}
+
+const PUBLISHED: &str = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+
+#[actix_rt::test]
+async fn a_publish_timeout_is_retried_after_its_backoff_with_the_same_id_and_delivered_once() {
+    let db = TestDb::new().await;
+    let transport = ScriptedTransport::new(db.pool.clone());
+    transport.script([Step::Hang(Duration::from_secs(5))]);
+    let rt = start_external(&db, &transport, external(2_000, 100, 5), db.pool.clone()).await;
+    let ids = db.produce(1, "o").await;
+
+    assert_eq!(db.wait_for(PUBLISHED, 1, WAIT).await, 1);
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+
+    let calls = transport.calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(
+        calls.iter().all(|c| c.event_id.as_uuid() == ids[0]),
+        "same event id on every attempt"
+    );
+    assert_eq!(
+        (calls[0].attempt, calls[0].finished),
+        (1, false),
+        "the first call was cancelled"
+    );
+    assert_eq!((calls[1].attempt, calls[1].finished), (2, true));
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE attempt_count = 2")
+            .await,
+        1
+    );
+    // The retry waited for its backoff: published no earlier than 100 ms (timeout) + 150 ms
+    // (backoff) after the event was created, by the database's clock.
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE published_at - created_at >= interval '250 milliseconds'")
+            .await,
+        1
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_crash_after_publish_is_published_again_after_the_lease_and_the_inbox_absorbs_it() {
+    let db = TestDb::new().await;
+    let transport = ScriptedTransport::new(db.pool.clone());
+    transport.script([Step::CrashAfterPublish]);
+    let rt = start_external(&db, &transport, external(300, 100, 5), db.pool.clone()).await;
+    db.produce(1, "o").await;
+
+    assert_eq!(db.wait_for(PUBLISHED, 1, WAIT).await, 1);
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    let calls = transport.calls();
+    assert_eq!(
+        calls.len(),
+        2,
+        "published twice: before the crash and after the lease expired"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        1,
+        "the duplicate was absorbed"
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    let status = rt.status().await.unwrap();
+    assert_eq!(status.restarts.get("publisher"), Some(&1), "{status:?}");
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
+    let db = TestDb::new().await;
+    // Publisher A stalls between its publish and its mark (its only pool connection is taken,
+    // as under pool exhaustion) until its lease has expired and B has reclaimed and published.
+    let pool_a = actix_outbox::connect(&db.url, 1).await.unwrap();
+    let slow = ScriptedTransport::new(db.pool.clone());
+    slow.script([Step::Hang(Duration::from_millis(300))]);
+    let rt_a = OutboxRuntime::builder(pool_a.clone())
+        .config(fast_runtime())
+        .external_transport(slow.clone(), external(600, 500, 5))
+        .start()
+        .await
+        .unwrap();
+    db.produce(1, "o").await;
+    let processing = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PROCESSING'";
+    assert_eq!(db.wait_for(processing, 1, WAIT).await, 1);
+    let stall = pool_a.get_owned().await.unwrap();
+    assert!(
+        !slow.calls()[0].finished,
+        "the stall began while A was publishing"
+    );
+
+    let fast = ScriptedTransport::new(db.pool.clone());
+    let rt_b = start_external(&db, &fast, external(600, 500, 5), db.pool.clone()).await;
+    let by_b =
+        "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 2";
+    assert_eq!(db.wait_for(by_b, 1, WAIT).await, 1);
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    assert!(
+        slow.calls()[0].finished,
+        "A published too, before it stalled"
+    );
+    let marks = "SELECT (extract(epoch FROM updated_at) * 1000000)::bigint AS n FROM outbox_events";
+    let b_mark = db.count(marks).await;
+
+    // A is waiting for a connection to mark its row.
+    let waiting = |st: bb8::State| {
+        st.statistics.get_started - st.statistics.get_direct - st.statistics.get_waited
+    };
+    assert!(
+        waiting(pool_a.state()) >= 1,
+        "A's mark is queued on the pool"
+    );
+    let waited_before = pool_a.state().statistics.get_waited;
+
+    // A gets its connection back, makes its (fenced) mark and returns the connection.
+    drop(stall);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let st = pool_a.state();
+        let marked = st.statistics.get_waited > waited_before && st.idle_connections == 1;
+        if marked || std::time::Instant::now() > deadline {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        pool_a.state().statistics.get_waited > waited_before,
+        "A's mark ran"
+    );
+    assert_eq!(
+        db.count(marks).await,
+        b_mark,
+        "A's late mark changed nothing"
+    );
+    assert_eq!(db.count(by_b).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        1,
+        "A's publish was absorbed"
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    db.finish(&[&rt_a, &rt_b]).await;
+}
+
+#[actix_rt::test]
+async fn exhausted_publishes_and_rejections_are_dead_lettered_with_their_codes() {
+    let db = TestDb::new().await;
+    let transport = ScriptedTransport::new(db.pool.clone());
+    // Event 1 fails three times (the limit); event 2 is rejected outright.
+    transport.script([Step::Fail, Step::Reject, Step::Fail, Step::Fail]);
+    let mut cfg = external(2_000, 100, 3);
+    cfg.batch_size = 1;
+    let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
+    db.produce(2, "o").await;
+
+    let dead = "SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(dead, 2, WAIT).await, 2);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'o-0' AND attempt_count = 3 \
+                  AND error_code = 'OUTBOX_PUBLISH_FAILED' AND last_error LIKE '%scripted failure%'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'o-1' AND attempt_count = 1 \
+                  AND error_code = 'SCRIPTED_REJECT'")
+            .await,
+        1
+    );
+    assert_eq!(transport.calls().len(), 4);
+    assert_eq!(db.count("SELECT count(*) AS n FROM inbox_events").await, 0);
+    db.finish(&[&rt]).await;
+}
