@@ -21,6 +21,9 @@ impl ErrorCode {
     /// No code can read this version of the event type.
     pub const EVENT_VERSION_UNSUPPORTED: ErrorCode =
         ErrorCode::from_static("EVENT_VERSION_UNSUPPORTED");
+    /// The event is older than the aggregate version its consumer already applied; recorded,
+    /// not applied. Informational, not an error.
+    pub const EVENT_STALE: ErrorCode = ErrorCode::from_static("EVENT_STALE");
     /// A consumer's handler failed (returned an error, panicked or timed out).
     pub const INBOX_CONSUMER_FAILED: ErrorCode = ErrorCode::from_static("INBOX_CONSUMER_FAILED");
     /// The event had already been processed by this consumer; informational, not an error.

@@ -121,13 +121,17 @@ pub mod testing;
 
 pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
 pub use error::{Error, ErrorCode, Result};
-pub use event::{ConsumerName, EventId, NewEvent, MAX_PAYLOAD_BYTES};
+pub use event::{
+    ConsumerName, Event, EventId, EventRegistry, NewEvent, DEFAULT_SENSITIVE_KEYS,
+    MAX_PAYLOAD_BYTES,
+};
 pub use inbox::{claim_key, pause_consumer, receive, resume_consumer, KeyClaim, Received};
-pub use outbox::{enqueue, enqueue_many};
+pub use outbox::{enqueue, enqueue_many, timeline};
 pub use publisher::{ExternalConfig, OutboxEvent, Transport, TransportError};
 pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
 #[cfg(feature = "testing")]
 pub use runtime::Fault;
 pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};
 pub use store::migrate::{migrate, MIGRATIONS};
+pub use store::timeline::TimelineEntry;
 pub use store::{connect, PgPool};

@@ -23,7 +23,7 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 pub use retry::RetryPolicy;
 
 use crate::error::{Error, ErrorCode};
-use crate::event::{ConsumerName, EventId, NewEvent};
+use crate::event::{ConsumerName, Event, EventId, EventRegistry, NewEvent};
 use crate::store::inbox::InboxRow;
 use crate::store::OwnedConn;
 
@@ -118,6 +118,48 @@ impl Delivery {
                 format!("{} payload does not decode: {e}", self.row.event_type),
             )
         })
+    }
+
+    /// Decodes the payload as the typed event `E`, checking type and version first. After the
+    /// runtime's upcasting a registered type always arrives at its current version.
+    ///
+    /// # Errors
+    /// A permanent [`HandlerError`]: `EVENT_SCHEMA_INVALID` for another type or a payload that
+    /// does not decode, `EVENT_VERSION_UNSUPPORTED` for another version.
+    pub fn event<E: Event>(&self) -> Result<E, HandlerError> {
+        if self.row.event_type != E::TYPE {
+            return Err(HandlerError::permanent(
+                ErrorCode::EVENT_SCHEMA_INVALID,
+                format!(
+                    "delivered {}, the handler reads {}",
+                    self.row.event_type,
+                    E::TYPE
+                ),
+            ));
+        }
+        if self.row.event_version != E::VERSION {
+            return Err(HandlerError::permanent(
+                ErrorCode::EVENT_VERSION_UNSUPPORTED,
+                format!(
+                    "{} v{} delivered, the handler reads v{}",
+                    E::TYPE,
+                    self.row.event_version,
+                    E::VERSION
+                ),
+            ));
+        }
+        self.decode()
+    }
+
+    /// Enqueues `event` as caused by this delivery — same correlation id, this event's id as
+    /// causation id — in the delivery's transaction, so it commits with the inbox mark.
+    ///
+    /// # Errors
+    /// As [`enqueue`](crate::enqueue), as a [`HandlerError`].
+    pub async fn enqueue(&self, event: NewEvent) -> Result<EventId, HandlerError> {
+        let event = self.follow_up(event);
+        let mut conn = self.conn().await?;
+        Ok(crate::enqueue(&mut conn, &event).await?)
     }
 
     /// An event caused by this one: same correlation id, this event's id as causation id.
@@ -266,6 +308,9 @@ pub struct ConsumerConfig {
     pub(crate) mailbox_capacity: usize,
     pub(crate) handler_timeout: Duration,
     pub(crate) poll_interval: Duration,
+    pub(crate) skip_stale: bool,
+    /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
+    pub(crate) events: Option<Arc<EventRegistry>>,
 }
 
 impl ConsumerConfig {
@@ -285,6 +330,8 @@ impl ConsumerConfig {
             mailbox_capacity: 64,
             handler_timeout: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
+            skip_stale: false,
+            events: None,
         })
     }
     /// Subscribes to an event type.
@@ -322,6 +369,15 @@ impl ConsumerConfig {
     /// How often the inbox is polled without a wake-up.
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
+        self
+    }
+    /// Stale-event detection: per aggregate, the last applied aggregate version is recorded in
+    /// the delivery's transaction, and an event whose aggregate version is not above it is
+    /// recorded as PROCESSED with `EVENT_STALE` without calling the handler. For consumers
+    /// that project state (a late `SENT` must not overwrite `DELIVERED`); leave it off for
+    /// consumers that must see every event, such as counters. Default off.
+    pub fn skip_stale(mut self, on: bool) -> Self {
+        self.skip_stale = on;
         self
     }
     /// The consumer's name.

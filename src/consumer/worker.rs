@@ -15,9 +15,10 @@ use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
 use tokio::sync::Mutex;
 
 use super::{ConsumerConfig, Delivery, HandlerError, RetryPolicy};
-use crate::error::Result;
+use crate::error::{ErrorCode, Result};
+use crate::event::Upcast;
 use crate::maintenance::metrics;
-use crate::store::inbox::{self, Failure, InboxRow};
+use crate::store::inbox::{self, Advance, Failure, InboxRow};
 use crate::store::{OwnedConn, PgPool};
 
 /// What one batch did, for the actor's bookkeeping.
@@ -26,6 +27,8 @@ pub(crate) struct BatchOutcome {
     pub claimed: usize,
     pub processed: usize,
     pub failed: usize,
+    /// Rows left for a later batch because another batch held their aggregate.
+    pub deferred: usize,
     /// The soonest retry this batch scheduled, so the actor can wake for it.
     pub next_retry: Option<Duration>,
     /// The handler actor stopped (panicked) during the batch and must be replaced.
@@ -34,6 +37,9 @@ pub(crate) struct BatchOutcome {
     /// open, or timed out mid-query); the unmarked rows will be claimed again.
     pub abandoned: bool,
 }
+
+/// When to look again at rows deferred because another batch held their aggregate.
+const DEFER_DELAY: Duration = Duration::from_millis(10);
 
 /// Transaction depth while a handler runs: the batch transaction plus the row's savepoint.
 const HANDLER_DEPTH: u32 = 2;
@@ -55,9 +61,43 @@ pub(crate) async fn run_batch(
     };
     let mut processed = Vec::with_capacity(rows.len());
     let mut failures = Vec::new();
+    let mut stale = Vec::new();
 
-    for row in rows {
+    for mut row in rows {
+        if let Err(err) = upcast(cfg, &mut row) {
+            // Never handed to the handler: no code here can read it, and retrying cannot help.
+            log_failure(cfg, &row, &err);
+            failures.push(decide(&cfg.retry, &row, &err));
+            continue;
+        }
         Tm::begin_transaction(&mut *conn).await?;
+        if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
+            let name = cfg.name.as_str();
+            match inbox::advance_version(
+                &mut conn,
+                name,
+                &row.aggregate_type,
+                &row.aggregate_id,
+                version,
+            )
+            .await?
+            {
+                Advance::Applied => {}
+                Advance::Stale(current) => {
+                    Tm::commit_transaction(&mut *conn).await?;
+                    tracing::info!(consumer = name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
+                        version, current, code = "EVENT_STALE", "stale event recorded, not applied");
+                    stale.push((row.id, current));
+                    continue;
+                }
+                Advance::Busy => {
+                    // Left unmarked: the row is unlocked at commit and claimed again shortly.
+                    Tm::rollback_transaction(&mut *conn).await?;
+                    out.deferred += 1;
+                    continue;
+                }
+            }
+        }
         let slot = Arc::new(Mutex::new(Some(conn)));
         let delivery = Delivery {
             row: row.clone(),
@@ -120,17 +160,42 @@ pub(crate) async fn run_batch(
 
     let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
     inbox::mark_processed(&mut conn, &ids).await?;
+    inbox::mark_stale(&mut conn, &stale).await?;
     inbox::mark_failed(&mut conn, &failures).await?;
     Tm::commit_transaction(&mut *conn).await?;
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
     out.failed += failures.len();
+    // Deferred rows are due again as soon as the batch holding their aggregate commits.
+    let deferred = (out.deferred > 0).then_some(DEFER_DELAY);
     out.next_retry = failures
         .iter()
         .filter(|f| !f.dead)
         .map(|f| Duration::from_millis(f.delay_ms.max(0) as u64))
+        .chain(deferred)
         .min();
     Ok(out)
+}
+
+/// Lifts the row's payload to the current version of its registered type, if the runtime has
+/// an [`EventRegistry`](crate::EventRegistry).
+pub(crate) fn upcast(cfg: &ConsumerConfig, row: &mut InboxRow) -> Result<(), HandlerError> {
+    let Some(registry) = &cfg.events else {
+        return Ok(());
+    };
+    match registry.upcast(&row.event_type, row.event_version, &row.payload) {
+        Upcast::Unregistered => Ok(()),
+        Upcast::Current(version, payload) => {
+            row.event_version = version;
+            row.payload = payload;
+            Ok(())
+        }
+        Upcast::Unsupported(m) => Err(HandlerError::permanent(
+            ErrorCode::EVENT_VERSION_UNSUPPORTED,
+            m,
+        )),
+        Upcast::Invalid(m) => Err(HandlerError::permanent(ErrorCode::EVENT_SCHEMA_INVALID, m)),
+    }
 }
 
 fn depth(conn: &mut OwnedConn) -> Option<u32> {

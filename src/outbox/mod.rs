@@ -6,7 +6,7 @@
 use diesel_async::AsyncPgConnection;
 
 use crate::error::Result;
-use crate::event::{EventId, NewEvent};
+use crate::event::{EventId, NewEvent, PayloadRules};
 use crate::store;
 
 /// Writes one event to the outbox on `conn`, which should be inside the caller's transaction.
@@ -17,20 +17,17 @@ use crate::store;
 /// [`OutboxHandle::wake`](crate::OutboxHandle::wake) after the commit for immediate delivery
 /// (otherwise the next poll finds it).
 ///
+/// This checks the envelope and the payload's size and keys (nothing secret-looking); for type,
+/// version and payload-shape checks against registered types, enqueue through an
+/// [`EventRegistry`](crate::EventRegistry).
+///
 /// # Errors
 /// [`Error::InvalidEvent`](crate::Error::InvalidEvent) (`EVENT_SCHEMA_INVALID`) before any write
 /// when the event is malformed; [`Error::Database`](crate::Error::Database) when the insert
 /// fails (e.g. the same event id twice).
 pub async fn enqueue(conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<EventId> {
-    event.validate()?;
-    store::outbox::insert_events(conn, std::slice::from_ref(event)).await?;
-    tracing::debug!(
-        name: "outbox.created",
-        event_id = %event.id,
-        event_type = %event.event_type,
-        aggregate_id = %event.aggregate_id,
-        "outbox.created"
-    );
+    event.validate(&PayloadRules::default())?;
+    insert_validated(conn, std::slice::from_ref(event)).await?;
     Ok(event.id)
 }
 
@@ -43,9 +40,39 @@ pub async fn enqueue_many(
     conn: &mut AsyncPgConnection,
     events: &[NewEvent],
 ) -> Result<Vec<EventId>> {
+    let rules = PayloadRules::default();
     for event in events {
-        event.validate()?;
+        event.validate(&rules)?;
     }
-    store::outbox::insert_events(conn, events).await?;
+    insert_validated(conn, events).await?;
     Ok(events.iter().map(|e| e.id).collect())
+}
+
+/// The one insert path, shared with [`EventRegistry`](crate::EventRegistry).
+pub(crate) async fn insert_validated(
+    conn: &mut AsyncPgConnection,
+    events: &[NewEvent],
+) -> Result<()> {
+    store::outbox::insert_events(conn, events).await?;
+    for e in events {
+        tracing::debug!(
+            name: "outbox.created",
+            event_id = %e.id, event_type = %e.event_type, aggregate_id = %e.aggregate_id,
+            correlation_id = e.correlation_id.as_deref(), causation_id = e.causation_id.as_deref(),
+            "outbox.created"
+        );
+    }
+    Ok(())
+}
+
+/// Every outbox and inbox record of `correlation_id` (at most 1,000), ordered by time: what one
+/// request caused, which consumers handled it, and what they caused in turn.
+///
+/// # Errors
+/// [`Error::Database`](crate::Error::Database) when the query fails.
+pub async fn timeline(
+    conn: &mut AsyncPgConnection,
+    correlation_id: &str,
+) -> Result<Vec<store::timeline::TimelineEntry>> {
+    store::timeline::timeline(conn, correlation_id).await
 }

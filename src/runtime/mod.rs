@@ -13,6 +13,7 @@ use actix::prelude::*;
 use crate::consumer::actor::HandlerFactory;
 use crate::consumer::{ConsumerConfig, Delivery};
 use crate::error::{Error, Result};
+use crate::event::EventRegistry;
 use crate::publisher::{ExternalConfig, Route, Transport};
 use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
 use crate::store::{self, PgPool};
@@ -97,9 +98,18 @@ pub struct OutboxBuilder {
     consumers: Vec<(ConsumerConfig, HandlerFactory)>,
     rules: Vec<Rc<dyn ReconcileRule>>,
     route: Route,
+    events: Option<Arc<EventRegistry>>,
 }
 
 impl OutboxBuilder {
+    /// Gives the runtime the application's event types: deliveries of an older version are
+    /// upcast to the current one before the handler sees them, and a version nobody can read
+    /// is dead-lettered on its first attempt with `EVENT_VERSION_UNSUPPORTED`.
+    pub fn events(mut self, registry: EventRegistry) -> Self {
+        self.events = Some(Arc::new(registry));
+        self
+    }
+
     /// Publishes events through an external `transport` (a broker) under leases, instead of
     /// fanning them out to this database's inboxes. Consumers in this process then receive
     /// events through the transport's receiving side ([`receive`](crate::receive)).
@@ -165,10 +175,13 @@ impl OutboxBuilder {
         let slots = self
             .consumers
             .into_iter()
-            .map(|(cfg, factory)| ConsumerSlot {
-                cfg: Arc::new(cfg),
-                factory,
-                addr: None,
+            .map(|(mut cfg, factory)| {
+                cfg.events = self.events.clone();
+                ConsumerSlot {
+                    cfg: Arc::new(cfg),
+                    factory,
+                    addr: None,
+                }
             })
             .collect();
         let supervisor =
@@ -194,6 +207,7 @@ impl OutboxRuntime {
             consumers: Vec::new(),
             rules: Vec::new(),
             route: Route::InProcess,
+            events: None,
         }
     }
 

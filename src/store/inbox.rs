@@ -154,7 +154,7 @@ pub(crate) async fn mark_failed(
     Ok(n)
 }
 
-fn truncate(s: &str, max: usize) -> String {
+pub(crate) fn truncate(s: &str, max: usize) -> String {
     match s.char_indices().nth(max) {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_owned(),
@@ -221,4 +221,89 @@ pub(crate) async fn receive(
     .get_result(conn)
     .await?;
     Ok((r.rows as usize, (r.wanted - r.rows).max(0) as usize))
+}
+
+#[derive(QueryableByName)]
+struct AdvanceRow {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    locked: bool,
+    #[diesel(sql_type = BigInt)]
+    applied: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    current: Option<i64>,
+}
+
+/// The outcome of [`advance_version`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Advance {
+    /// Newer than what the consumer applied: recorded, apply the event.
+    Applied,
+    /// Not newer: the consumer is already at this version.
+    Stale(i64),
+    /// Another in-flight batch of this consumer holds the aggregate: try the row later.
+    Busy,
+}
+
+/// Records that `consumer` applies `version` of an aggregate, if it is newer than what it
+/// applied before. Runs in the delivery's savepoint, so a failed handler leaves the version
+/// where it was.
+///
+/// The aggregate is first locked with a non-blocking advisory lock held to the batch's end.
+/// Without it two concurrent batches touching two aggregates in opposite orders deadlock
+/// (each waits for the other's version row); with it the second batch defers the row instead.
+pub(crate) async fn advance_version(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    version: i64,
+) -> Result<Advance> {
+    let r: AdvanceRow = diesel::sql_query(
+        "WITH l AS ( \
+             SELECT pg_try_advisory_xact_lock( \
+                 hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 7)) AS ok \
+         ), up AS ( \
+             INSERT INTO aggregate_versions (consumer, aggregate_type, aggregate_id, version) \
+             SELECT $1, $2, $3, $4 FROM l WHERE l.ok \
+             ON CONFLICT (consumer, aggregate_type, aggregate_id) DO UPDATE \
+                 SET version = EXCLUDED.version, updated_at = now() \
+                 WHERE aggregate_versions.version < EXCLUDED.version \
+             RETURNING 1 \
+         ) \
+         SELECT (SELECT ok FROM l) AS locked, (SELECT count(*) FROM up) AS applied, \
+                (SELECT version FROM aggregate_versions \
+                 WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3) AS current",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<Text, _>(aggregate_type)
+    .bind::<Text, _>(aggregate_id)
+    .bind::<BigInt, _>(version)
+    .get_result(conn)
+    .await?;
+    Ok(match (r.locked, r.applied) {
+        (false, _) => Advance::Busy,
+        (true, 1) => Advance::Applied,
+        (true, _) => Advance::Stale(r.current.unwrap_or(version)),
+    })
+}
+
+/// Marks stale rows: PROCESSED (nothing is left to do) but with `EVENT_STALE` and the version
+/// the consumer was already at, so they stay visible and countable.
+pub(crate) async fn mark_stale(conn: &mut AsyncPgConnection, stale: &[(i64, i64)]) -> Result<()> {
+    if stale.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = stale.iter().map(|s| s.0).collect();
+    let current: Vec<i64> = stale.iter().map(|s| s.1).collect();
+    diesel::sql_query(
+        "UPDATE inbox_events i SET status = 'PROCESSED', attempt_count = i.attempt_count + 1, \
+             processed_at = now(), updated_at = now(), error_code = 'EVENT_STALE', \
+             last_error = 'stale: the consumer already applied aggregate version ' || s.current \
+         FROM unnest($1::int8[], $2::int8[]) AS s(id, current) WHERE i.id = s.id",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .bind::<Array<BigInt>, _>(current)
+    .execute(conn)
+    .await?;
+    Ok(())
 }

@@ -5,6 +5,7 @@ pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;
 pub(crate) mod outbox;
+pub(crate) mod timeline;
 
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::AsyncPgConnection;

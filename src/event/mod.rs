@@ -6,6 +6,11 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 
+mod registry;
+
+pub(crate) use registry::Upcast;
+pub use registry::{Event, EventRegistry};
+
 /// The id of one logical event. Made once by the producer (UUID v7) and kept through every
 /// retry, transport and consumer, so it is the key the inbox deduplicates on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -162,9 +167,22 @@ impl NewEvent {
         self.id
     }
 
+    /// An event from a typed value: type, version and aggregate come from [`Event`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidEvent`] when the value does not serialize.
+    pub fn typed<E: Event>(event: &E) -> Result<Self> {
+        let payload = serde_json::to_value(event)
+            .map_err(|e| Error::InvalidEvent(format!("{} does not serialize: {e}", E::TYPE)))?;
+        let mut new = NewEvent::new(E::TYPE, E::AGGREGATE_TYPE, event.aggregate_id(), payload)
+            .version(E::VERSION);
+        new.aggregate_version = event.aggregate_version();
+        Ok(new)
+    }
+
     /// Rejects what must never reach the table. Runs before any write, so a rejected event
     /// fails the caller's transaction instead of failing every consumer later.
-    pub(crate) fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self, rules: &PayloadRules) -> Result<()> {
         let bad = |why: String| {
             Err(Error::InvalidEvent(format!(
                 "{} {}: {why}",
@@ -191,11 +209,121 @@ impl NewEvent {
         let size = serde_json::to_vec(&self.payload)
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
-        if size > MAX_PAYLOAD_BYTES {
+        if size > rules.max_payload_bytes {
             return bad(format!(
-                "payload is {size} bytes, the limit is {MAX_PAYLOAD_BYTES}"
+                "payload is {size} bytes, the limit is {}",
+                rules.max_payload_bytes
+            ));
+        }
+        if let Some(path) = rules.find_sensitive(&self.payload) {
+            return bad(format!(
+                "payload key {path} looks like a secret or personal data; carry an id instead"
             ));
         }
         Ok(())
+    }
+}
+
+/// What any payload must satisfy, checked at enqueue.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PayloadRules {
+    pub max_payload_bytes: usize,
+    /// Lower-case fragments; a key containing one (ignoring `_` and `-`) is rejected.
+    pub sensitive_keys: Vec<String>,
+}
+
+/// Keys rejected by default: payloads carry ids, never secrets or personal data.
+pub const DEFAULT_SENSITIVE_KEYS: &[&str] = &[
+    "password",
+    "token",
+    "secret",
+    "api_key",
+    "authorization",
+    "phone",
+    "email",
+];
+
+impl Default for PayloadRules {
+    fn default() -> Self {
+        PayloadRules {
+            max_payload_bytes: MAX_PAYLOAD_BYTES,
+            sensitive_keys: DEFAULT_SENSITIVE_KEYS
+                .iter()
+                .map(|k| normalize_key(k))
+                .collect(),
+        }
+    }
+}
+
+pub(crate) fn normalize_key(key: &str) -> String {
+    key.chars()
+        .filter(|c| *c != '_' && *c != '-')
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+impl PayloadRules {
+    /// The path of the first object key, at any depth, that looks sensitive.
+    fn find_sensitive(&self, value: &serde_json::Value) -> Option<String> {
+        match value {
+            serde_json::Value::Object(map) => map.iter().find_map(|(k, v)| {
+                let norm = normalize_key(k);
+                if self
+                    .sensitive_keys
+                    .iter()
+                    .any(|s| norm.contains(s.as_str()))
+                {
+                    Some(k.clone())
+                } else {
+                    self.find_sensitive(v).map(|inner| format!("{k}.{inner}"))
+                }
+            }),
+            serde_json::Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(i, v)| self.find_sensitive(v).map(|inner| format!("[{i}].{inner}"))),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn check(payload: serde_json::Value) -> Result<()> {
+        NewEvent::new("T", "a", "1", payload).validate(&PayloadRules::default())
+    }
+
+    #[test]
+    fn secret_looking_keys_are_rejected_at_any_depth() {
+        assert!(check(json!({"order_id": "o1", "status": "PAID"})).is_ok());
+        for bad in [
+            json!({"password": "x"}),
+            json!({"customer": {"Email": "a@b"}}),
+            json!({"items": [{"API-Key": "k"}]}),
+            json!({"accessToken": "t"}),
+            json!({"phone_number": "1"}),
+        ] {
+            let err = check(bad.clone()).unwrap_err();
+            assert_eq!(err.code().as_str(), "EVENT_SCHEMA_INVALID", "{bad}");
+        }
+    }
+
+    #[test]
+    fn oversized_payloads_and_bad_envelopes_are_rejected() {
+        let big = json!({"blob": "x".repeat(MAX_PAYLOAD_BYTES)});
+        assert!(check(big).is_err());
+        assert!(NewEvent::new("", "a", "1", json!({}))
+            .validate(&PayloadRules::default())
+            .is_err());
+        assert!(NewEvent::new("T", "a", "1", json!({}))
+            .version(0)
+            .validate(&PayloadRules::default())
+            .is_err());
+        assert!(NewEvent::new("T", "", "1", json!({}))
+            .validate(&PayloadRules::default())
+            .is_err());
     }
 }

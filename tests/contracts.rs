@@ -1,0 +1,435 @@
+//! Event contracts against real PostgreSQL: validation at enqueue, versions and upcasting,
+//! stale events, business idempotency keys, correlation and causation.
+
+mod common;
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_outbox::{
+    claim_key, enqueue, ConsumerConfig, Delivery, Error, Event, EventRegistry, HandlerError,
+    KeyClaim, NewEvent, OutboxRuntime, RetryPolicy,
+};
+use common::*;
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// Version 2 of the event; version 1 called `status` `state`.
+#[derive(Debug, Serialize, Deserialize)]
+struct StatusChanged {
+    order_id: String,
+    status: String,
+    version: i64,
+}
+
+impl Event for StatusChanged {
+    const TYPE: &'static str = "ORDER_STATUS_CHANGED";
+    const VERSION: i32 = 2;
+    const AGGREGATE_TYPE: &'static str = "order";
+    fn aggregate_id(&self) -> String {
+        self.order_id.clone()
+    }
+    fn aggregate_version(&self) -> Option<i64> {
+        Some(self.version)
+    }
+}
+
+fn registry() -> EventRegistry {
+    EventRegistry::new()
+        .register::<StatusChanged>()
+        .upcaster("ORDER_STATUS_CHANGED", 1, |mut v| {
+            let state = v
+                .get_mut("state")
+                .map(serde_json::Value::take)
+                .ok_or("v1 payload without state")?;
+            v["status"] = state;
+            Ok(v)
+        })
+}
+
+fn changed(order: &str, status: &str, version: i64) -> NewEvent {
+    NewEvent::typed(&StatusChanged {
+        order_id: order.into(),
+        status: status.into(),
+        version,
+    })
+    .unwrap()
+}
+
+/// Projects the order's status; with `notify` it also creates a notification through the
+/// business key `notification:{order}:{status}`, and with `follow_up` it causes a
+/// NOTIFICATION_REQUESTED event.
+#[derive(Clone, Default)]
+struct Projector {
+    notify: bool,
+    follow_up: bool,
+}
+
+impl Actor for Projector {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Projector {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let me = self.clone();
+        Box::pin(async move {
+            let e: StatusChanged = d.event()?;
+            {
+                let mut conn = d.conn().await?;
+                diesel::sql_query(
+                    "INSERT INTO projections (order_id, status, version) VALUES ($1, $2, $3) \
+                     ON CONFLICT (order_id) DO UPDATE SET status = EXCLUDED.status, version = EXCLUDED.version",
+                )
+                .bind::<Text, _>(&e.order_id)
+                .bind::<Text, _>(&e.status)
+                .bind::<BigInt, _>(e.version)
+                .execute(&mut *conn)
+                .await?;
+                if me.notify {
+                    let key = format!("notification:{}:{}", e.order_id, e.status);
+                    if claim_key(&mut conn, &key, "projector", Some(d.event_id())).await?
+                        == KeyClaim::Claimed
+                    {
+                        diesel::sql_query(
+                            "INSERT INTO notifications (order_id, status) VALUES ($1, $2)",
+                        )
+                        .bind::<Text, _>(&e.order_id)
+                        .bind::<Text, _>(&e.status)
+                        .execute(&mut *conn)
+                        .await?;
+                    }
+                }
+            }
+            if me.follow_up {
+                d.enqueue(NewEvent::new(
+                    "NOTIFICATION_REQUESTED",
+                    "order",
+                    e.order_id.clone(),
+                    json!({"order_id": e.order_id}),
+                ))
+                .await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+async fn setup(db: &TestDb) {
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE projections (order_id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL);
+         CREATE TABLE notifications (id bigserial PRIMARY KEY, order_id text NOT NULL, status text NOT NULL);",
+    )
+    .await
+    .unwrap();
+}
+
+fn projector_config(name: &str) -> ConsumerConfig {
+    ConsumerConfig::new(name)
+        .unwrap()
+        .subscribe("ORDER_STATUS_CHANGED")
+        .retry(RetryPolicy::fixed(3, Duration::from_millis(20)))
+        .poll_interval(Duration::from_millis(50))
+}
+
+async fn start_projector(db: &TestDb, cfg: ConsumerConfig, p: Projector) -> OutboxRuntime {
+    OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .events(registry())
+        .consumer(cfg, move || p.clone())
+        .start()
+        .await
+        .unwrap()
+}
+
+#[actix_rt::test]
+async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
+    let db = TestDb::new().await;
+    let reg = registry();
+    let mut conn = db.pool.get().await.unwrap();
+    let cases = [
+        ("bad-payload", NewEvent::new("ORDER_STATUS_CHANGED", "order", "x", json!({"order_id": 1})).version(2)),
+        ("unknown-type", NewEvent::new("ORDER_TELEPORTED", "order", "x", json!({}))),
+        ("old-version", changed("x", "PAID", 1).version(1)),
+        ("secret", NewEvent::new("ORDER_STATUS_CHANGED", "order", "x",
+            json!({"order_id": "x", "status": "PAID", "version": 1, "customer": {"email": "a@b.c"}})).version(2)),
+    ];
+    for (order, event) in cases {
+        let res = conn
+            .transaction::<_, Error, _>(async |conn| {
+                insert_order(conn, order).await?;
+                reg.enqueue(conn, &event).await
+            })
+            .await;
+        assert_eq!(
+            res.unwrap_err().code().as_str(),
+            "EVENT_SCHEMA_INVALID",
+            "{order}"
+        );
+    }
+    // The plain enqueue rejects secrets too, without a registry.
+    let res = conn
+        .transaction::<_, Error, _>(async |conn| {
+            insert_order(conn, "plain").await?;
+            enqueue(
+                conn,
+                &NewEvent::new("X", "order", "plain", json!({"password": "hunter2"})),
+            )
+            .await
+        })
+        .await;
+    assert_eq!(res.unwrap_err().code().as_str(), "EVENT_SCHEMA_INVALID");
+    // A valid one goes through.
+    conn.transaction::<_, Error, _>(async |conn| {
+        insert_order(conn, "good").await?;
+        reg.enqueue(conn, &changed("good", "PAID", 2)).await
+    })
+    .await
+    .unwrap();
+    drop(conn);
+    assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM audit_logs").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 1);
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn an_unreadable_version_is_dead_lettered_after_one_attempt_and_v1_is_upcast() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let mut conn = db.pool.get().await.unwrap();
+    // Rows already in the table: a v1 (readable through the upcaster) and a v9 (from a newer
+    // build, unreadable here). The plain enqueue writes any version.
+    let v1 = NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        "o1",
+        json!({"order_id": "o1", "state": "PAID", "version": 2}),
+    )
+    .version(1);
+    let v9 = NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        "o9",
+        json!({"whatever": true}),
+    )
+    .version(9);
+    enqueue(&mut conn, &v1).await.unwrap();
+    enqueue(&mut conn, &v9).await.unwrap();
+    drop(conn);
+    let rt = start_projector(&db, projector_config("projector"), Projector::default()).await;
+
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' AND attempt_count = 1 \
+                AND error_code = 'EVENT_VERSION_UNSUPPORTED' AND aggregate_id = 'o9'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let done =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND aggregate_id = 'o1'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM projections WHERE order_id = 'o1' AND status = 'PAID'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM projections").await,
+        1,
+        "the v9 event was never applied"
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_stale_event_is_recorded_and_state_never_moves_backwards() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let rt = start_projector(
+        &db,
+        projector_config("projector").skip_stale(true),
+        Projector::default(),
+    )
+    .await;
+    let reg = registry();
+    let mut conn = db.pool.get().await.unwrap();
+    reg.enqueue(&mut conn, &changed("o1", "DELIVERED", 13))
+        .await
+        .unwrap();
+    drop(conn);
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    let mut conn = db.pool.get().await.unwrap();
+    reg.enqueue(&mut conn, &changed("o1", "SENT", 12))
+        .await
+        .unwrap();
+    drop(conn);
+    rt.handle().wake();
+    assert_eq!(db.wait_for(done, 2, WAIT).await, 2);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM projections WHERE status = 'DELIVERED' AND version = 13"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE' AND aggregate_version = 12 \
+                  AND last_error LIKE '%version 13%'")
+            .await,
+        1
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn shuffled_events_end_in_the_state_of_each_aggregates_latest_version() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    // 50 aggregates × 20 versions, enqueued in a shuffled order (fixed seed).
+    let mut events: Vec<NewEvent> = (0..50)
+        .flat_map(|a| (1..=20).map(move |v| changed(&format!("agg{a}"), &format!("S{v}"), v)))
+        .collect();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    for i in (1..events.len()).rev() {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        events.swap(i, (seed % (i as u64 + 1)) as usize);
+    }
+    let reg = registry();
+    let mut conn = db.pool.get().await.unwrap();
+    for chunk in events.chunks(37) {
+        reg.enqueue_many(&mut conn, chunk).await.unwrap();
+    }
+    drop(conn);
+    let cfg = projector_config("projector")
+        .skip_stale(true)
+        .concurrency(2)
+        .batch_size(16);
+    let rt = start_projector(&db, cfg, Projector::default()).await;
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM projections WHERE status = 'S20' AND version = 20")
+            .await,
+        50
+    );
+    let stale = db
+        .count("SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE'")
+        .await;
+    assert!(
+        stale > 0 && stale < 1000,
+        "some events arrived late and were recorded stale ({stale})"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM aggregate_versions WHERE version = 20")
+            .await,
+        50
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn two_different_events_with_one_business_key_cause_one_effect() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let rt = start_projector(
+        &db,
+        projector_config("projector"),
+        Projector {
+            notify: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let reg = registry();
+    let mut conn = db.pool.get().await.unwrap();
+    // Two distinct events (different ids and versions) that both mean "o1 is COMPLETED".
+    reg.enqueue(&mut conn, &changed("o1", "COMPLETED", 3))
+        .await
+        .unwrap();
+    reg.enqueue(&mut conn, &changed("o1", "COMPLETED", 4))
+        .await
+        .unwrap();
+    drop(conn);
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 2, WAIT).await, 2);
+    assert_eq!(db.count("SELECT count(*) AS n FROM notifications").await, 1);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM idempotency_keys WHERE key = 'notification:o1:COMPLETED'"
+        )
+        .await,
+        1
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_chain_keeps_one_correlation_id_and_links_causation() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .events(registry())
+        .consumer(projector_config("projector"), || Projector {
+            follow_up: true,
+            ..Default::default()
+        })
+        .consumer(
+            consumer("notifier", 3).subscribe("NOTIFICATION_REQUESTED"),
+            || Recorder {
+                name: "notifier".into(),
+                behaviour: Behaviour::default(),
+            },
+        )
+        .start()
+        .await
+        .unwrap();
+    // The request's id is the correlation id.
+    let first = changed("o1", "COMPLETED", 2).correlation_id("req-123");
+    let mut conn = db.pool.get().await.unwrap();
+    registry().enqueue(&mut conn, &first).await.unwrap();
+    drop(conn);
+    rt.handle().wake();
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    // projector and notifier get ORDER_STATUS_CHANGED; notifier gets NOTIFICATION_REQUESTED.
+    assert_eq!(db.wait_for(done, 3, WAIT).await, 3);
+    let second = format!(
+        "SELECT count(*) AS n FROM outbox_events WHERE event_type = 'NOTIFICATION_REQUESTED' \
+         AND correlation_id = 'req-123' AND causation_id = '{}'",
+        first.id()
+    );
+    assert_eq!(db.count(&second).await, 1);
+
+    let mut conn = db.pool.get().await.unwrap();
+    let timeline = actix_outbox::timeline(&mut conn, "req-123").await.unwrap();
+    drop(conn);
+    let kinds: Vec<(String, String, Option<String>)> = timeline
+        .iter()
+        .map(|t| (t.kind.clone(), t.event_type.clone(), t.consumer.clone()))
+        .collect();
+    assert_eq!(timeline.len(), 5, "{kinds:?}");
+    assert_eq!(
+        kinds[0],
+        ("outbox".into(), "ORDER_STATUS_CHANGED".into(), None)
+    );
+    assert_eq!(timeline.iter().filter(|t| t.kind == "inbox").count(), 3);
+    let follow = timeline
+        .iter()
+        .find(|t| t.kind == "outbox" && t.event_type == "NOTIFICATION_REQUESTED")
+        .unwrap();
+    assert_eq!(
+        follow.causation_id.as_deref(),
+        Some(first.id().to_string().as_str())
+    );
+    assert!(timeline
+        .iter()
+        .all(|t| t.status == "PUBLISHED" || t.status == "PROCESSED"));
+    db.finish(&[&rt]).await;
+}
