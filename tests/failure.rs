@@ -222,3 +222,38 @@ async fn sigkill_of_the_runtime_process_loses_nothing_and_duplicates_nothing() {
     );
     db.finish(&[]).await;
 }
+
+#[actix_rt::test]
+async fn a_rate_limited_consumer_drains_a_backlog_at_its_rate() {
+    let db = TestDb::new().await;
+    db.produce_batched(300, 100, "o").await;
+    // 150 events/s over two concurrent loops: 300 events take at least ~2 s.
+    let cfg = consumer("paced", 3)
+        .batch_size(10)
+        .concurrency(2)
+        .rate_limit(150.0);
+    let rt = start(
+        &db,
+        vec![
+            (cfg, Behaviour::default()),
+            (consumer("free", 3), Behaviour::default()),
+        ],
+    )
+    .await;
+    let done =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'paced'";
+    assert_eq!(db.wait_for(done, 300, WAIT).await, 300);
+    // Measured on the database clock: the span between the first and last processed rows.
+    let span_ms =
+        "SELECT (extract(epoch FROM max(processed_at) - min(processed_at)) * 1000)::bigint AS n \
+                   FROM inbox_events WHERE consumer = 'paced'";
+    let paced = db.count(span_ms).await;
+    assert!(paced >= 1_700, "300 events at 150/s took only {paced} ms");
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'free'").await,
+        300,
+        "the unlimited consumer was not held back"
+    );
+    db.finish(&[&rt]).await;
+}

@@ -111,7 +111,18 @@ async fn batch_loop(
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
     while !draining.load(Ordering::Relaxed) {
-        match worker::run_batch(pool, cfg, handler).await {
+        let started = std::time::Instant::now();
+        let batch = worker::run_batch(pool, cfg, handler).await;
+        if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
+            // Pace this loop to its share of the consumer's rate: a backlog after an outage
+            // drains at a steady rate instead of as a storm on whatever the handler calls.
+            let share = rate / f64::from(cfg.concurrency);
+            let min = std::time::Duration::from_secs_f64(b.claimed as f64 / share);
+            if let Some(rest) = min.checked_sub(started.elapsed()) {
+                tokio::time::sleep(rest).await;
+            }
+        }
+        match batch {
             Ok(BatchOutcome {
                 claimed,
                 next_retry,

@@ -309,6 +309,7 @@ pub struct ConsumerConfig {
     pub(crate) handler_timeout: Duration,
     pub(crate) poll_interval: Duration,
     pub(crate) skip_stale: bool,
+    pub(crate) rate_limit: Option<f64>,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
     pub(crate) events: Option<Arc<EventRegistry>>,
 }
@@ -331,6 +332,7 @@ impl ConsumerConfig {
             handler_timeout: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
             skip_stale: false,
+            rate_limit: None,
             events: None,
         })
     }
@@ -371,6 +373,13 @@ impl ConsumerConfig {
         self.poll_interval = d;
         self
     }
+    /// Handles at most `per_second` events per second on this instance (split evenly over the
+    /// concurrent batches), so that a backlog drains without a storm on what the handler calls.
+    /// Default: unlimited.
+    pub fn rate_limit(mut self, per_second: f64) -> Self {
+        self.rate_limit = Some(per_second);
+        self
+    }
     /// Stale-event detection: per aggregate, the last applied aggregate version is recorded in
     /// the delivery's transaction, and an event whose aggregate version is not above it is
     /// recorded as PROCESSED with `EVENT_STALE` without calling the handler. For consumers
@@ -398,6 +407,9 @@ impl ConsumerConfig {
         }
         if self.mailbox_capacity == 0 {
             return bad("mailbox_capacity must be at least 1");
+        }
+        if self.rate_limit.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+            return bad("rate_limit must be a positive number of events per second");
         }
         if self.handler_timeout.is_zero() || self.poll_interval.is_zero() {
             return bad("handler_timeout and poll_interval must be positive");
