@@ -116,13 +116,14 @@ impl Error {
 }
 
 /// Connection loss and serialization failures go away on retry; constraint violations and
-/// syntax errors do not.
+/// syntax errors do not. diesel reports SQLSTATEs it does not know as `Unknown`, which includes
+/// syntax errors and missing tables, so `Unknown` is not transient.
 pub(crate) fn is_transient_db_error(e: &diesel::result::Error) -> bool {
     use diesel::result::{DatabaseErrorKind as K, Error as D};
     matches!(
         e,
         D::DatabaseError(
-            K::SerializationFailure | K::ClosedConnection | K::Unknown,
+            K::SerializationFailure | K::ClosedConnection | K::UnableToSendCommand,
             _
         ) | D::BrokenTransactionManager
     )

@@ -54,7 +54,7 @@
 //! let url = "postgres://localhost/app";
 //! actix_outbox::migrate(url).await?;
 //! let pool = actix_outbox::connect(url, 10).await?;
-//! let runtime = OutboxRuntime::builder(pool.clone())
+//! let runtime = OutboxRuntime::builder(actix_outbox::connect(url, 8).await?)
 //!     .consumer(ConsumerConfig::new("notification")?.subscribe("ORDER_COMPLETED"), || Notifier)
 //!     .start()
 //!     .await?;
@@ -83,9 +83,13 @@
 //!   `RETRY_PENDING` after a failure (backoff from the consumer's [`RetryPolicy`]) and
 //!   `DEAD_LETTER` once attempts run out or on a [`HandlerError::Permanent`].
 //! - **Mailboxes are a fast path.** Every actor also polls; a lost message costs latency only.
-//! - **Supervision.** The supervisor rebuilds any actor that stopped or panicked; a panic in a
-//!   consumer's handler fails that delivery (retried like an error) and the handler actor is
-//!   rebuilt from its factory.
+//! - **Supervision.** The supervisor rebuilds any actor that stopped or panicked. A panic in a
+//!   consumer's handler fails that delivery (retried like an error); if it killed the handler
+//!   actor (a panic in `handle` itself, not in the future it returns), the actor is rebuilt
+//!   from its factory.
+//! - **Pools.** Give the runtime a pool of its own, created outside the actix-web workers:
+//!   a diesel-async connection runs its I/O on the runtime that opened it, and actix-web stops
+//!   its workers before the outbox runtime has drained.
 //! - **Several processes** may run the runtime on one database: claims use `SKIP LOCKED`, and
 //!   subscriptions live in the database, so any instance fans out to every consumer.
 //!
@@ -102,6 +106,8 @@
 //!
 //! - `testing`: [`OutboxRuntime::inject_fault`] for crash tests and [`testing::ScriptedTransport`],
 //!   an external transport that fails, hangs or crashes on cue.
+//! - `testing`: [`testing::Harness`], an in-memory outbox, inbox and consumer runtime with a
+//!   manual clock, for deterministic tests of consumer actors (no database in the handlers).
 
 #![warn(missing_docs)]
 
@@ -126,7 +132,7 @@ pub use event::{
     MAX_PAYLOAD_BYTES,
 };
 pub use inbox::{claim_key, pause_consumer, receive, resume_consumer, KeyClaim, Received};
-pub use outbox::{enqueue, enqueue_many, timeline};
+pub use outbox::{enqueue, enqueue_many, notify_publishers, timeline};
 pub use publisher::{ExternalConfig, OutboxEvent, Transport, TransportError};
 pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
 #[cfg(feature = "testing")]

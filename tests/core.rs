@@ -181,10 +181,16 @@ async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
         panic_attempts: 1,
         ..Default::default()
     };
+    // Panics in `handle` kill the handler actor; it is rebuilt from its factory.
+    let killer = Behaviour {
+        kill_attempts: 1,
+        ..Default::default()
+    };
     let rt = start(
         &db,
         vec![
             (consumer("panicky", 5), panicky),
+            (consumer("killer", 5), killer),
             (consumer("calm", 5), Behaviour::default()),
         ],
     )
@@ -193,19 +199,25 @@ async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
     rt.handle().wake();
 
     let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
-    assert_eq!(db.wait_for(done, 60, WAIT).await, 60);
+    assert_eq!(db.wait_for(done, 90, WAIT).await, 90);
     // Every panicking delivery rolled back; each event has exactly one effect per consumer.
-    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 60);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 90);
     assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'panicky' AND attempt = 1")
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer IN ('panicky', 'killer') AND attempt = 1")
             .await,
         0
     );
-    // More events after the panics still flow through the rebuilt handler.
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'killer' AND attempt_count = 2")
+            .await,
+        30,
+        "each event cost the killed actor exactly one attempt"
+    );
+    // More events after the panics still flow.
     db.produce(10, "later").await;
     rt.handle().wake();
-    assert_eq!(db.wait_for(done, 80, WAIT).await, 80);
+    assert_eq!(db.wait_for(done, 120, WAIT).await, 120);
     db.finish(&[&rt]).await;
 }
 
@@ -454,4 +466,37 @@ async fn migrations_run_concurrently_and_twice_without_harm() {
     );
     drop(conn);
     db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll() {
+    let db = TestDb::new().await;
+    // B polls every 30 s; only the LISTEN/NOTIFY path can wake it within the deadline.
+    let mut slow = fast_runtime();
+    slow.poll_interval = Duration::from_secs(30);
+    let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
+    let rt_b = actix_outbox::OutboxRuntime::builder(other_pool)
+        .config(slow)
+        .consumer(
+            consumer("b", 3).poll_interval(Duration::from_secs(30)),
+            || Recorder {
+                name: "b".into(),
+                behaviour: Behaviour::default(),
+            },
+        )
+        .start()
+        .await
+        .unwrap();
+    let rt_a = start(&db, vec![(consumer("a", 3), Behaviour::default())]).await;
+    // Let B's listener and first (empty) claims settle before the events exist.
+    let listening =
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN actix_outbox_inbox%'";
+    assert!(db.wait_for(listening, 2, WAIT).await >= 1);
+
+    db.produce(20, "o").await;
+    rt_a.handle().wake();
+    let done_b =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'b' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done_b, 20, Duration::from_secs(10)).await, 20);
+    db.finish(&[&rt_a, &rt_b]).await;
 }

@@ -115,8 +115,11 @@ async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
     let pool_a = actix_outbox::connect(&db.url, 1).await.unwrap();
     let slow = ScriptedTransport::new(db.pool.clone());
     slow.script([Step::Hang(Duration::from_millis(300))]);
+    // No LISTEN connection: the publisher's one connection is the only one A has.
+    let mut no_listen = fast_runtime();
+    no_listen.listen = false;
     let rt_a = OutboxRuntime::builder(pool_a.clone())
-        .config(fast_runtime())
+        .config(no_listen)
         .external_transport(slow.clone(), external(600, 500, 5))
         .start()
         .await

@@ -69,9 +69,3 @@ CREATE TABLE IF NOT EXISTS handler_calls (
     calls    integer NOT NULL DEFAULT 1,
     PRIMARY KEY (consumer, event_id)
 );
-
--- Counters written inside business transactions, for /stats.
-CREATE TABLE IF NOT EXISTS service_counters (
-    name text   PRIMARY KEY,
-    n    bigint NOT NULL
-);

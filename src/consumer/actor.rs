@@ -14,8 +14,9 @@ use super::{ConsumerConfig, Delivery};
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::PgPool;
 
-/// Builds the user's handler actor. Called again whenever that actor has died (a panic in a
-/// handler stops the actor; the next delivery goes to a fresh one).
+/// Builds the user's handler actor. Called again whenever that actor has died (a panic in its
+/// `handle` stops it, and so does the actor stopping itself; the next delivery goes to a fresh
+/// one).
 pub(crate) type HandlerFactory = Rc<dyn Fn() -> Recipient<Delivery>>;
 
 pub(crate) struct ConsumerActor {

@@ -282,17 +282,19 @@ impl From<diesel::result::Error> for HandlerError {
 }
 
 impl From<Error> for HandlerError {
+    /// Database and pool errors are retried, like [`diesel::result::Error`]s, whichever way
+    /// they reached the handler; errors that no retry can fix (an invalid follow-up event)
+    /// are permanent with their code.
     fn from(e: Error) -> Self {
-        if e.is_transient() {
-            HandlerError::Retry {
+        match e {
+            Error::Database(_) | Error::Pool(_) => HandlerError::Retry {
                 code: e.code(),
                 message: e.to_string(),
-            }
-        } else {
-            HandlerError::Permanent {
+            },
+            _ => HandlerError::Permanent {
                 code: e.code(),
                 message: e.to_string(),
-            }
+            },
         }
     }
 }

@@ -38,6 +38,17 @@ pub(crate) struct BatchOutcome {
     pub abandoned: bool,
 }
 
+/// Stored as `last_error` when a handler panicked or stopped while handling.
+pub(crate) const HANDLER_LOST: &str = "the handler panicked or stopped while handling";
+
+/// The failure of a handler that overran its timeout.
+pub(crate) fn handler_timed_out(cfg: &ConsumerConfig) -> HandlerError {
+    HandlerError::retry(format!(
+        "the handler did not finish within {:?}",
+        cfg.handler_timeout
+    ))
+}
+
 /// When to look again at rows deferred because another batch held their aggregate.
 const DEFER_DELAY: Duration = Duration::from_millis(10);
 
@@ -64,6 +75,12 @@ pub(crate) async fn run_batch(
     let mut stale = Vec::new();
 
     for mut row in rows {
+        if !handler.connected() {
+            // The handler actor stopped itself after its last reply. This row was never
+            // offered to it, so it costs no attempt: it is left for the replacement actor.
+            out.handler_lost = true;
+            break;
+        }
         if let Err(err) = upcast(cfg, &mut row) {
             // Never handed to the handler: no code here can read it, and retrying cannot help.
             log_failure(cfg, &row, &err);
@@ -115,15 +132,15 @@ pub(crate) async fn run_batch(
         let result = match sent {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => {
-                out.handler_lost = true;
+                // A panic in `handle` kills the actor; one inside a returned future only kills
+                // that future's task. Either way this delivery failed; only a dead actor needs
+                // replacing.
+                out.handler_lost = !handler.connected();
                 Err(HandlerError::retry(
-                    "the handler actor stopped while handling (panic?)",
+                    "the handler panicked or stopped while handling",
                 ))
             }
-            Err(_) => Err(HandlerError::retry(format!(
-                "the handler did not finish within {:?}",
-                cfg.handler_timeout
-            ))),
+            Err(_) => Err(handler_timed_out(cfg)),
         };
         // Take the connection back. If the handler still holds it (a query in flight after a
         // timeout, a guard kept alive), nothing on it can be trusted: abandon the batch.

@@ -76,3 +76,16 @@ pub async fn timeline(
 ) -> Result<Vec<store::timeline::TimelineEntry>> {
     store::timeline::timeline(conn, correlation_id).await
 }
+
+/// Wakes the publishers of every instance that listens ([`RuntimeConfig::listen`](crate::RuntimeConfig::listen))
+/// when the caller's transaction commits. For producers that run no runtime of their own
+/// (a separate web tier); a process with a runtime calls [`OutboxHandle::wake`](crate::OutboxHandle::wake)
+/// instead. Several calls in one transaction send one notification, but every NOTIFY takes a
+/// lock at commit that serialises committing transactions, so use it where latency across
+/// processes matters more than peak enqueue rate; otherwise the publishers' poll finds the rows.
+///
+/// # Errors
+/// [`Error::Database`](crate::Error::Database) when the statement fails.
+pub async fn notify_publishers(conn: &mut AsyncPgConnection) -> Result<()> {
+    store::outbox::notify(conn, crate::runtime::OUTBOX_CHANNEL, "").await
+}

@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten};
 use crate::maintenance::metrics;
-use crate::runtime::{Drain, Stop, Wake};
+use crate::runtime::{Drain, Stop, Wake, INBOX_CHANNEL};
 use crate::store::{self, lease, PgPool};
 
 mod external;
@@ -42,6 +42,9 @@ pub(crate) struct PublisherActor {
     /// Where fan-out results go; set again by the supervisor if the registry restarts.
     registry: Addr<ConsumerRegistry>,
     route: Route,
+    /// This instance's id, when other instances listen: after a fan-out one NOTIFY (per batch,
+    /// not per event) tells them which consumers got rows. Their own notifications are ignored.
+    notify_as: Option<Arc<str>>,
     batch_size: u32,
     poll_interval: Duration,
     /// A claim loop is running; a wake-up now only sets `again`.
@@ -61,11 +64,13 @@ impl PublisherActor {
         route: Route,
         batch_size: u32,
         poll_interval: Duration,
+        notify_as: Option<Arc<str>>,
     ) -> Self {
         PublisherActor {
             pool,
             registry,
             route,
+            notify_as,
             batch_size,
             poll_interval,
             busy: false,
@@ -90,9 +95,10 @@ impl PublisherActor {
             Route::InProcess => {
                 let registry = self.registry.clone();
                 let limit = i64::from(self.batch_size);
+                let notify_as = self.notify_as.clone();
                 Box::pin(async move {
                     while !draining.load(Ordering::Relaxed) {
-                        if !claim_in_process(&pool, &registry, limit).await {
+                        if !claim_in_process(&pool, &registry, limit, notify_as.as_deref()).await {
                             return;
                         }
                     }
@@ -131,10 +137,29 @@ impl PublisherActor {
 
 /// One in-process claim: claim, fan out and mark in one statement, then wake the consumers
 /// that got rows. Returns whether the batch was full (more rows are probably due).
-async fn claim_in_process(pool: &PgPool, registry: &Addr<ConsumerRegistry>, limit: i64) -> bool {
+async fn claim_in_process(
+    pool: &PgPool,
+    registry: &Addr<ConsumerRegistry>,
+    limit: i64,
+    notify_as: Option<&str>,
+) -> bool {
     tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
     let fan_out = match pool.get().await {
-        Ok(mut conn) => store::outbox::claim_and_fan_out(&mut conn, limit).await,
+        Ok(mut conn) => {
+            let f = store::outbox::claim_and_fan_out(&mut conn, limit).await;
+            if let (Ok(f), Some(me)) = (&f, notify_as) {
+                if !f.delivered.is_empty() {
+                    let consumers: Vec<&str> =
+                        f.delivered.iter().map(|(c, _)| c.as_str()).collect();
+                    let payload = format!("{me}|{}", consumers.join(","));
+                    if let Err(e) = store::outbox::notify(&mut conn, INBOX_CHANNEL, &payload).await
+                    {
+                        tracing::debug!(error = %e, "NOTIFY after fan-out failed; other instances will poll");
+                    }
+                }
+            }
+            f
+        }
         Err(e) => Err(e.into()),
     };
     match fan_out {

@@ -47,12 +47,12 @@ pub trait ReconcileRule: 'static {
     fn interval(&self) -> Duration;
     /// Returns the keys of items whose desired state lacks its actual state. The query itself
     /// should skip items younger than the rule's consistency window (normal processing may
-    /// still be on its way). Runs in the run's transaction.
+    /// still be on its way).
     fn find_drift<'a>(
         &'a self,
         conn: &'a mut AsyncPgConnection,
     ) -> BoxFuture<'a, Result<Vec<String>>>;
-    /// Repairs one item inside a savepoint of the run's transaction. `Ok(true)` when it changed
+    /// Repairs one item inside a transaction of its own. `Ok(true)` when it changed
     /// something, `Ok(false)` when the effect turned out to exist already (its idempotency key
     /// was taken). An error rolls back this item only.
     fn repair<'a>(
@@ -149,8 +149,10 @@ struct Locked {
     locked: bool,
 }
 
-/// One run of one rule: in one transaction holding the rule's advisory lock (so only one
-/// instance runs it at a time), find the drift, repair each item in a savepoint, record the run.
+/// One run of one rule. The rule's advisory lock is held at session level for the whole run,
+/// so only one instance runs it at a time; the search and each repair get transactions of their
+/// own. One transaction for the whole run would hold every idempotency key it claimed until
+/// the end, blocking (and deadlocking with) the consumers that claim the same keys.
 async fn run_rule(
     pool: PgPool,
     rule: Rc<dyn ReconcileRule>,
@@ -162,31 +164,59 @@ async fn run_rule(
         ..Default::default()
     };
     let mut conn = pool.get_owned().await?;
-    // An early return drops the connection inside the transaction; the pool discards it.
-    Tm::begin_transaction(&mut *conn).await?;
     let lock: Locked = diesel::sql_query(
-        "SELECT pg_try_advisory_xact_lock(hashtextextended('actix_outbox.reconcile:' || $1, 0)) AS locked",
+        "SELECT pg_try_advisory_lock(hashtextextended('actix_outbox.reconcile:' || $1, 0)) AS locked",
     )
     .bind::<Text, _>(rule.name())
     .get_result(&mut *conn)
     .await?;
     if !lock.locked {
-        Tm::commit_transaction(&mut *conn).await?;
         report.skipped = true;
         return Ok(report);
     }
-    let keys = rule.find_drift(&mut conn).await?;
+    let outcome = repair_all(&mut conn, &*rule, dry_run, &mut report).await;
+    let unlocked = diesel::sql_query(
+        "SELECT pg_advisory_unlock(hashtextextended('actix_outbox.reconcile:' || $1, 0))",
+    )
+    .bind::<Text, _>(rule.name())
+    .execute(&mut *conn)
+    .await;
+    if unlocked.is_err() {
+        // A session lock must not outlive the run on a pooled connection: mark the connection
+        // broken so the pool closes it, which releases the lock.
+        Tm::transaction_manager_status_mut(&mut *conn).set_in_error();
+    }
+    outcome?;
+    if report.found > 0 {
+        tracing::warn!(
+            rule = rule.name(),
+            found = report.found,
+            repaired = report.repaired,
+            dry_run,
+            "reconciler found drift"
+        );
+    }
+    Ok(report)
+}
+
+async fn repair_all(
+    conn: &mut AsyncPgConnection,
+    rule: &dyn ReconcileRule,
+    dry_run: bool,
+    report: &mut ReconcileReport,
+) -> Result<()> {
+    let keys = rule.find_drift(conn).await?;
     report.found = keys.len();
     if !dry_run {
         for key in keys.iter().take(MAX_REPAIRS_PER_RUN) {
-            Tm::begin_transaction(&mut *conn).await?;
-            match rule.repair(&mut conn, key).await {
+            Tm::begin_transaction(conn).await?;
+            match rule.repair(conn, key).await {
                 Ok(changed) => {
-                    Tm::commit_transaction(&mut *conn).await?;
+                    Tm::commit_transaction(conn).await?;
                     report.repaired += usize::from(changed);
                 }
                 Err(e) => {
-                    Tm::rollback_transaction(&mut *conn).await?;
+                    Tm::rollback_transaction(conn).await?;
                     report.failed += 1;
                     tracing::warn!(rule = rule.name(), key, error = %e, "reconcile repair failed");
                 }
@@ -200,19 +230,9 @@ async fn run_rule(
     .bind::<Bool, _>(dry_run)
     .bind::<Integer, _>(report.found as i32)
     .bind::<Integer, _>(report.repaired as i32)
-    .execute(&mut *conn)
+    .execute(conn)
     .await?;
-    Tm::commit_transaction(&mut *conn).await?;
-    if report.found > 0 {
-        tracing::warn!(
-            rule = rule.name(),
-            found = report.found,
-            repaired = report.repaired,
-            dry_run,
-            "reconciler found drift"
-        );
-    }
-    Ok(report)
+    Ok(())
 }
 
 impl Actor for ReconcilerActor {

@@ -1,7 +1,10 @@
 //! The runtime: configuration, the builder that registers consumers, the handle the
 //! application keeps, and the supervisor that owns the actors.
 
+mod listener;
 mod supervisor;
+
+pub(crate) use listener::{INBOX_CHANNEL, OUTBOX_CHANNEL};
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -56,6 +59,10 @@ pub struct RuntimeConfig {
     pub consistency_window: Duration,
     /// Reconcile rules only report drift, never repair it. Default false.
     pub reconcile_dry_run: bool,
+    /// Hold one pooled connection in `LISTEN`, so other instances' fan-outs (and
+    /// [`notify_publishers`](crate::notify_publishers) calls) wake this one at once instead of
+    /// at its next poll. Default true.
+    pub listen: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -68,6 +75,7 @@ impl Default for RuntimeConfig {
             reconcile_interval: Duration::from_secs(60),
             consistency_window: Duration::from_secs(300),
             reconcile_dry_run: false,
+            listen: true,
         }
     }
 }
@@ -131,8 +139,9 @@ impl OutboxBuilder {
     }
 
     /// Registers a consumer: `make` builds the actor that handles its [`Delivery`] messages.
-    /// It is called once at start and again whenever that actor has died (a handler panic),
-    /// so it should build a fresh actor from cheap, cloneable parts.
+    /// It is called once at start and again whenever that actor has died (a panic in its
+    /// `handle`, or the actor stopping itself), so it should build a fresh actor from cheap,
+    /// cloneable parts.
     pub fn consumer<A, F>(mut self, config: ConsumerConfig, make: F) -> Self
     where
         A: Actor<Context = Context<A>> + Handler<Delivery>,
@@ -199,7 +208,8 @@ pub struct OutboxRuntime {
 
 impl OutboxRuntime {
     /// Starts building a runtime on `pool`. The pool should allow at least
-    /// 2 + Σ consumer concurrency connections besides what the application uses.
+    /// 3 + Σ consumer concurrency connections besides what the application uses (one is held
+    /// in `LISTEN`, see [`RuntimeConfig::listen`]).
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,

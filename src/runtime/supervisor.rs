@@ -13,9 +13,10 @@ use std::sync::Arc;
 use actix::prelude::*;
 use futures_util::future::join_all;
 
+use super::listener::{Heard, ListenerActor};
 use super::{Drain, RuntimeConfig, RuntimeStatus, Stop, Wake};
 use crate::consumer::actor::{ConsumerActor, HandlerFactory};
-use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
+use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten, SetMailbox};
 use crate::consumer::ConsumerConfig;
 use crate::publisher::{PublisherActor, Route, SetRegistry};
 use crate::reconciler::{
@@ -38,6 +39,10 @@ pub(crate) struct SupervisorActor {
     registry: Option<Addr<ConsumerRegistry>>,
     publisher: Option<Addr<PublisherActor>>,
     reconciler: Option<Addr<ReconcilerActor>>,
+    /// Holds a connection in LISTEN when `RuntimeConfig::listen` is on.
+    listener: Option<Addr<ListenerActor>>,
+    /// This runtime's id in notifications, so it can ignore its own.
+    instance: Arc<str>,
     /// Restarts per child name, for status and tests that count them.
     restarts: BTreeMap<String, u32>,
     /// Shutdown has begun: dead children stay dead.
@@ -61,6 +66,8 @@ impl SupervisorActor {
             registry: None,
             publisher: None,
             reconciler: None,
+            listener: None,
+            instance: Arc::from(uuid::Uuid::now_v7().simple().to_string()),
             restarts: BTreeMap::new(),
             stopping: false,
         }
@@ -131,6 +138,7 @@ impl SupervisorActor {
                 self.route.clone(),
                 self.config.publish_batch_size,
                 self.config.poll_interval,
+                self.config.listen.then(|| self.instance.clone()),
             );
             self.publisher = Some(publisher.start());
         }
@@ -148,6 +156,27 @@ impl SupervisorActor {
             );
             self.reconciler = Some(reconciler.start());
         }
+
+    }
+}
+
+impl SupervisorActor {
+    fn ensure_listener(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping
+            || !self.config.listen
+            || self.listener.as_ref().is_some_and(|a| a.connected())
+        {
+            return;
+        }
+        if self.listener.is_some() {
+            self.restarted("listener");
+        }
+        let listener = ListenerActor::new(
+            self.pool.clone(),
+            self.instance.clone(),
+            ctx.address().recipient(),
+        );
+        self.listener = Some(listener.start());
     }
 }
 
@@ -156,9 +185,31 @@ impl Actor for SupervisorActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.ensure_children();
-        ctx.run_interval(self.config.supervise_interval, |act, _| {
-            act.ensure_children()
+        self.ensure_listener(ctx);
+        ctx.run_interval(self.config.supervise_interval, |act, ctx| {
+            act.ensure_children();
+            act.ensure_listener(ctx);
         });
+    }
+}
+
+impl Handler<Heard> for SupervisorActor {
+    type Result = ();
+    fn handle(&mut self, heard: Heard, _: &mut Context<Self>) {
+        match heard {
+            Heard::Outbox => {
+                if let Some(p) = &self.publisher {
+                    let _ = p.try_send(Wake);
+                }
+            }
+            Heard::Inbox(consumers) => {
+                if let Some(r) = &self.registry {
+                    // The registry wakes only the consumers this instance runs.
+                    let consumers = consumers.into_iter().map(|c| (c, 0)).collect();
+                    let _ = r.try_send(InboxRowsWritten { consumers });
+                }
+            }
+        }
     }
 }
 

@@ -92,7 +92,7 @@ pub(crate) async fn mark_processed(conn: &mut AsyncPgConnection, ids: &[i64]) ->
     }
     diesel::sql_query(
         "UPDATE inbox_events SET status = 'PROCESSED', attempt_count = attempt_count + 1, \
-             processed_at = now(), updated_at = now(), last_error = NULL, error_code = NULL \
+             processed_at = clock_timestamp(), updated_at = now(), last_error = NULL, error_code = NULL \
          WHERE id = ANY($1)",
     )
     .bind::<Array<BigInt>, _>(ids)
@@ -114,7 +114,8 @@ pub(crate) struct Failure {
 }
 
 /// Records failed attempts: the counter goes up by one, and the row becomes RETRY_PENDING at
-/// `now() + delay` (database clock) or DEAD_LETTER. Fenced on the attempt count seen at claim,
+/// `clock_timestamp() + delay` (the database clock at the mark, not at the batch's start, so a
+/// row failing late in a long batch still waits its full backoff) or DEAD_LETTER. Fenced on the attempt count seen at claim,
 /// so a mark made outside the claiming transaction cannot overwrite a newer outcome.
 pub(crate) async fn mark_failed(
     conn: &mut AsyncPgConnection,
@@ -136,7 +137,7 @@ pub(crate) async fn mark_failed(
         "UPDATE inbox_events i \
          SET attempt_count = i.attempt_count + 1, \
              status = CASE WHEN f.dead THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
-             next_attempt_at = now() + f.delay_ms * interval '1 millisecond', \
+             next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
              error_code = f.code, last_error = f.message, updated_at = now() \
          FROM unnest($1::int8[], $2::int4[], $3::bool[], $4::int8[], $5::text[], $6::text[]) \
              AS f(id, attempts, dead, delay_ms, code, message) \
@@ -297,7 +298,7 @@ pub(crate) async fn mark_stale(conn: &mut AsyncPgConnection, stale: &[(i64, i64)
     let current: Vec<i64> = stale.iter().map(|s| s.1).collect();
     diesel::sql_query(
         "UPDATE inbox_events i SET status = 'PROCESSED', attempt_count = i.attempt_count + 1, \
-             processed_at = now(), updated_at = now(), error_code = 'EVENT_STALE', \
+             processed_at = clock_timestamp(), updated_at = now(), error_code = 'EVENT_STALE', \
              last_error = 'stale: the consumer already applied aggregate version ' || s.current \
          FROM unnest($1::int8[], $2::int8[]) AS s(id, current) WHERE i.id = s.id",
     )

@@ -4,6 +4,11 @@
 //! succeed, fail, hang past the timeout, or "crash" after a successful publish and before the
 //! mark. A successful publish records the event in this database's inboxes through
 //! [`receive`](crate::receive), as a broker delivering to a consumer service would.
+//!
+//! [`Harness`] runs consumer actors against an in-memory outbox and inbox with a manual clock.
+
+mod harness;
+pub use harness::{Harness, InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

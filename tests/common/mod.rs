@@ -202,8 +202,10 @@ pub async fn insert_order(
 pub struct Behaviour {
     /// Attempts 1..=n return a retryable error.
     pub fail_attempts: u32,
-    /// Attempts 1..=n panic.
+    /// Attempts 1..=n panic inside the returned future (the actor survives).
     pub panic_attempts: u32,
+    /// Attempts 1..=n panic in `handle` itself, which kills the handler actor.
+    pub kill_attempts: u32,
     /// Events of this aggregate id fail on every attempt.
     pub poison_aggregate: Option<String>,
     /// Work time per delivery, to keep deliveries in flight (not a wait for an effect).
@@ -225,6 +227,13 @@ impl Handler<Delivery> for Recorder {
     type Result = ResponseFuture<Result<(), HandlerError>>;
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        if d.attempt() <= self.behaviour.kill_attempts {
+            panic!(
+                "injected panic in handle of {} for {}",
+                self.name,
+                d.event_id()
+            );
+        }
         let me = self.clone();
         Box::pin(async move {
             let mut conn = d.conn().await?;
@@ -289,4 +298,43 @@ pub async fn within<F: Future>(limit: Duration, f: F) -> F::Output {
     actix_rt::time::timeout(limit, f)
         .await
         .expect("test step timed out")
+}
+
+#[derive(QueryableByName)]
+struct InboxStateRow {
+    #[diesel(sql_type = SqlUuid)]
+    event_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    consumer: String,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    attempt_count: i32,
+    #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+    error_code: Option<String>,
+}
+
+/// One inbox row's outcome: status, attempt count, error code.
+pub type InboxState = (String, u32, Option<String>);
+
+/// Every inbox row's outcome, keyed by (event id, consumer), for comparing a run against the
+/// in-memory harness.
+pub async fn inbox_states(
+    db: &TestDb,
+) -> std::collections::BTreeMap<(uuid::Uuid, String), InboxState> {
+    let mut conn = db.pool.get().await.unwrap();
+    let rows: Vec<InboxStateRow> = diesel::sql_query(
+        "SELECT event_id, consumer, status, attempt_count, error_code FROM inbox_events",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|r| {
+            (
+                (r.event_id, r.consumer),
+                (r.status, r.attempt_count as u32, r.error_code),
+            )
+        })
+        .collect()
 }

@@ -1,0 +1,199 @@
+//! An order service built on actix-outbox: the system under load in `scripts/demo`.
+//!
+//! - `POST /orders`, `POST /orders/{id}/status`, `GET /orders/{id}`: each change writes the
+//!   order, an audit row and an `ORDER_STATUS_CHANGED` event in one transaction.
+//! - Consumers: `notification` turns each status change into a `notification_jobs` row, guarded
+//!   by the business key `notification:{order}:{status}`; `analytics` counts changes per status.
+//! - A notification worker sends the jobs to a fake provider, outside any inbox transaction.
+//! - A reconcile rule gives COMPLETED orders that have no COMPLETED notification one, through
+//!   the same business key.
+//! - `GET /stats` reports what the demo needs; `GET /health` says the service is up.
+//!
+//! Configuration (environment): `DATABASE_URL` (required), `BIND` (default `127.0.0.1:8080`),
+//! `ADMIN_TOKEN`, `PROVIDER_FAIL_RATE` and `CONSUMER_FAIL_RATE` (0.0–1.0, default 0),
+//! `RECONCILE_WINDOW_MS` (default 5000), `RUST_LOG`.
+//!
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/orders cargo run --example order_service
+//! ```
+//!
+//! It creates what it needs at start-up and may be killed at any moment: everything it knows
+//! is in PostgreSQL.
+
+mod api;
+mod consumers;
+mod reconcile;
+mod rng;
+mod stats;
+mod worker;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use actix::Actor;
+use actix_outbox::{ConsumerConfig, OutboxRuntime, PgPool, RetryPolicy, RuntimeConfig};
+use actix_web::{web, App, HttpServer};
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
+
+const SCHEMA: &str = include_str!("schema.sql");
+
+/// Serialises the schema script between instances starting at once: `CREATE TABLE IF NOT
+/// EXISTS` is not safe against a concurrent create of the same table.
+const SCHEMA_LOCK_KEY: i64 = 0x6f72_6465_7273_7663; // "ordersvc"
+
+/// The event every status change (including creation) writes.
+pub const ORDER_STATUS_CHANGED: &str = "ORDER_STATUS_CHANGED";
+
+struct Config {
+    database_url: String,
+    bind: String,
+    admin_token: Option<String>,
+    provider_fail_rate: f64,
+    consumer_fail_rate: f64,
+    reconcile_window: Duration,
+}
+
+impl Config {
+    fn from_env() -> Result<Config, String> {
+        let database_url = std::env::var("DATABASE_URL")
+            .map_err(|_| "DATABASE_URL must be set (postgres://user@host:port/db)".to_owned())?;
+        let reconcile_window_ms = match std::env::var("RECONCILE_WINDOW_MS") {
+            Ok(v) => v
+                .parse::<u64>()
+                .map_err(|_| format!("RECONCILE_WINDOW_MS={v:?} is not a number of ms"))?,
+            Err(_) => 5000,
+        };
+        Ok(Config {
+            database_url,
+            bind: std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:8080".into()),
+            admin_token: std::env::var("ADMIN_TOKEN").ok().filter(|t| !t.is_empty()),
+            provider_fail_rate: rate("PROVIDER_FAIL_RATE")?,
+            consumer_fail_rate: rate("CONSUMER_FAIL_RATE")?,
+            reconcile_window: Duration::from_millis(reconcile_window_ms),
+        })
+    }
+}
+
+fn rate(name: &str) -> Result<f64, String> {
+    match std::env::var(name) {
+        Err(_) => Ok(0.0),
+        Ok(v) => match v.parse::<f64>() {
+            Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+            _ => Err(format!("{name}={v:?} must be a number within 0.0..=1.0")),
+        },
+    }
+}
+
+#[actix_web::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "order service failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let cfg = Config::from_env()?;
+    rng::seed();
+
+    actix_outbox::migrate(&cfg.database_url).await?;
+    // Two pools on purpose. A pooled connection's I/O task lives on the runtime that opened it,
+    // and every actix-web worker is a runtime of its own that stops with the HTTP server, before
+    // the outbox runtime drains. The outbox's actors therefore get a pool only they (on this,
+    // the main runtime) ever open connections from.
+    let outbox_pool = actix_outbox::connect(&cfg.database_url, 12).await?;
+    let http_pool = actix_outbox::connect(&cfg.database_url, 16).await?;
+    // The consumers' handler-call counter changes a session setting; see consumers.rs.
+    let metrics_pool = actix_outbox::connect(&cfg.database_url, 4).await?;
+    apply_schema(&outbox_pool).await?;
+
+    let mut runtime_cfg = RuntimeConfig::default();
+    runtime_cfg.shutdown_timeout = Duration::from_secs(10);
+    runtime_cfg.reconcile_interval = Duration::from_secs(10);
+    runtime_cfg.consistency_window = Duration::from_secs(30);
+
+    let fail_rate = cfg.consumer_fail_rate;
+    let notification = ConsumerConfig::new("notification")?
+        .subscribe(ORDER_STATUS_CHANGED)
+        // A job insert is cheap and independent per order: retry soon, many times.
+        .retry(RetryPolicy {
+            max_attempts: 10,
+            base: Duration::from_millis(100),
+            factor: 2.0,
+            cap: Duration::from_secs(5),
+            jitter: 0.2,
+        })
+        .batch_size(50)
+        .concurrency(2);
+    // Analytics is one hot row per status: a single batch at a time, retried at a steady pace.
+    let analytics = ConsumerConfig::new("analytics")?
+        .subscribe(ORDER_STATUS_CHANGED)
+        .retry(RetryPolicy::fixed(10, Duration::from_millis(250)))
+        .batch_size(100);
+
+    let runtime = OutboxRuntime::builder(outbox_pool.clone())
+        .config(runtime_cfg)
+        .consumer(notification, {
+            let metrics_pool = metrics_pool.clone();
+            move || consumers::NotificationConsumer::new(metrics_pool.clone(), fail_rate)
+        })
+        .consumer(analytics, move || {
+            consumers::AnalyticsConsumer::new(metrics_pool.clone(), fail_rate)
+        })
+        .reconcile(reconcile::CompletedWithoutNotification::new(
+            cfg.reconcile_window,
+        ))
+        .start()
+        .await?;
+    let notifier =
+        worker::NotificationWorker::new(outbox_pool.clone(), cfg.provider_fail_rate).start();
+
+    let state = web::Data::new(api::AppState {
+        pool: http_pool,
+        outbox: runtime.handle(),
+        admin_token: cfg.admin_token.clone(),
+    });
+    tracing::info!(
+        bind = %cfg.bind,
+        admin_token = cfg.admin_token.is_some(),
+        provider_fail_rate = cfg.provider_fail_rate,
+        consumer_fail_rate = cfg.consumer_fail_rate,
+        reconcile_window_ms = cfg.reconcile_window.as_millis() as u64,
+        "order service listening"
+    );
+    // actix-web stops on SIGTERM / SIGINT by itself, finishing requests in flight.
+    HttpServer::new(move || App::new().app_data(state.clone()).configure(api::routes))
+        .bind(&cfg.bind)?
+        .shutdown_timeout(10)
+        .run()
+        .await?;
+
+    tracing::info!("HTTP stopped; draining the notification worker and the outbox runtime");
+    let _ = notifier.send(worker::Stop).await;
+    let finished = runtime.shutdown().await;
+    tracing::info!(finished, "order service stopped");
+    Ok(())
+}
+
+async fn apply_schema(pool: &PgPool) -> actix_outbox::Result<()> {
+    let mut conn = pool.get().await?;
+    conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+        diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
+            .bind::<BigInt, _>(SCHEMA_LOCK_KEY)
+            .execute(conn)
+            .await?;
+        conn.batch_execute(SCHEMA).await?;
+        Ok(())
+    })
+    .await
+}

@@ -1,0 +1,878 @@
+//! The in-memory actor harness (feature `testing`): the runtime's delivery logic without
+//! PostgreSQL and without real time, so that consumer actors and the runtime's own rules
+//! (retry timing, pause, handler supervision, fan-out) are tested fast and deterministically.
+//!
+//! It models the outbox and inbox state machines of `store/outbox.rs` and `store/inbox.rs` in
+//! memory and reuses the runtime's decisions (`worker::decide`, `worker::upcast`, the
+//! [`RetryPolicy`](crate::RetryPolicy) math) instead of copying them. Its limits: handlers get
+//! no database connection, transactions are not modelled (a failed attempt's in-memory side
+//! effects stay), consumers and rows are driven one at a time. `tests/harness.rs` runs one
+//! scripted scenario through this model and through the runtime on PostgreSQL and compares
+//! every inbox row, which keeps the model honest. The user-facing docs are on [`Harness`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use chrono::{DateTime, TimeDelta, Utc};
+use tokio::sync::Mutex;
+
+use crate::consumer::worker::{decide, handler_timed_out, upcast, HANDLER_LOST};
+use crate::consumer::{ConsumerConfig, Delivery, HandlerError};
+use crate::error::{Error, ErrorCode, Result};
+use crate::event::{ConsumerName, EventId, EventRegistry, NewEvent, PayloadRules};
+use crate::store::inbox::{truncate, Failure, InboxRow};
+
+/// An inbox row's state, as in the `inbox_events.status` column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum InboxStatus {
+    /// Written by the fan-out, not yet attempted.
+    Received,
+    /// Handled (or recorded as stale); never delivered again.
+    Processed,
+    /// Failed; due again at its `next_attempt_at`.
+    RetryPending,
+    /// Failed for good: attempts ran out or the error was permanent.
+    DeadLetter,
+}
+
+impl InboxStatus {
+    /// The value stored in the database.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            InboxStatus::Received => "RECEIVED",
+            InboxStatus::Processed => "PROCESSED",
+            InboxStatus::RetryPending => "RETRY_PENDING",
+            InboxStatus::DeadLetter => "DEAD_LETTER",
+        }
+    }
+
+    /// Whether a claim may still pick the row (`status IN ('RECEIVED', 'RETRY_PENDING')`).
+    fn claimable(self) -> bool {
+        matches!(self, InboxStatus::Received | InboxStatus::RetryPending)
+    }
+}
+
+/// An outbox row's state, as in the `outbox_events.status` column. The harness models the
+/// in-process transport only, where a claim publishes and fans out in one statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OutboxStatus {
+    /// Committed, not yet published.
+    Pending,
+    /// Fanned out to the subscribed consumers' inboxes.
+    Published,
+}
+
+impl OutboxStatus {
+    /// The value stored in the database.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            OutboxStatus::Pending => "PENDING",
+            OutboxStatus::Published => "PUBLISHED",
+        }
+    }
+}
+
+/// One consumer's inbox row, as an operator would see it.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct InboxView {
+    /// The event.
+    pub event_id: EventId,
+    /// The event type.
+    pub event_type: String,
+    /// The row's state.
+    pub status: InboxStatus,
+    /// Attempts made so far (`attempt_count`).
+    pub attempts: u32,
+    /// The last failure's code; cleared when the row is processed (except `EVENT_STALE`).
+    pub error_code: Option<ErrorCode>,
+    /// The last failure's message, cut at 2000 characters as in the database.
+    pub last_error: Option<String>,
+    /// When a claim may pick the row (for RECEIVED rows: when it was received).
+    pub next_attempt_at: DateTime<Utc>,
+}
+
+/// One outbox row.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxView {
+    /// The event.
+    pub event_id: EventId,
+    /// The event type.
+    pub event_type: String,
+    /// The row's state.
+    pub status: OutboxStatus,
+    /// Publish cycles that took the row (`attempt_count`).
+    pub attempts: u32,
+    /// When the row was last published.
+    pub published_at: Option<DateTime<Utc>>,
+}
+
+/// What one delivery of one inbox row did.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Outcome {
+    /// The consumer.
+    pub consumer: ConsumerName,
+    /// The event.
+    pub event_id: EventId,
+    /// The attempt number the delivery carried ([`Delivery::attempt`]).
+    pub attempt: u32,
+    /// What the handler returned, or the error the runtime records in its place (the handler
+    /// actor stopped, the handler overran its timeout, the event's version cannot be read).
+    /// `Ok` for an event recorded as stale.
+    pub result: std::result::Result<(), HandlerError>,
+    /// The row's state after the delivery.
+    pub status: InboxStatus,
+    /// Whether the handler actor was called (not for a stale or unreadable event).
+    pub handler_ran: bool,
+    /// The handler actor stopped while handling (a panic in `handle`); it is rebuilt from its
+    /// factory before the next delivery.
+    pub handler_lost: bool,
+    /// The delivery's transaction was rolled back ([`Harness::redeliver`]): the row is as it
+    /// was before.
+    pub rolled_back: bool,
+}
+
+struct OutboxEntry {
+    event: NewEvent,
+    correlation_id: String,
+    created_at: DateTime<Utc>,
+    status: OutboxStatus,
+    attempts: i32,
+    published_at: Option<DateTime<Utc>>,
+}
+
+struct InboxEntry {
+    /// The row as a claim returns it; `row.id` orders claims like the `bigserial` does.
+    row: InboxRow,
+    consumer: ConsumerName,
+    status: InboxStatus,
+    next_attempt_at: DateTime<Utc>,
+    error_code: Option<String>,
+    last_error: Option<String>,
+}
+
+/// Builds a consumer's handler actor, as `OutboxBuilder::consumer`'s factory does.
+type Factory = Box<dyn Fn() -> Recipient<Delivery>>;
+
+struct ConsumerSlot {
+    cfg: ConsumerConfig,
+    factory: Factory,
+    /// The live handler; replaced through `factory` once found disconnected, at the points
+    /// where the runtime's `ConsumerActor::pump` looks.
+    handler: Recipient<Delivery>,
+    /// The `consumer_states.paused` switch.
+    paused: bool,
+    restarts: u32,
+    duplicates: usize,
+    /// `aggregate_versions` for this consumer: (aggregate type, aggregate id) → last applied.
+    versions: HashMap<(String, String), i64>,
+}
+
+/// An in-memory outbox, inbox and consumer runtime with a manual clock: the runtime's
+/// delivery logic without PostgreSQL and without real time, for fast, deterministic tests of
+/// consumer actors.
+///
+/// The harness keeps an outbox and an inbox in memory that follow the runtime's SQL state
+/// machines step for step, and it hands rows to *real* actix
+/// actors as real [`Delivery`] messages. What it decides is decided by the same code the
+/// runtime runs: the retry decision, the [`RetryPolicy`](crate::RetryPolicy) math, the
+/// upcasting of old event versions, the handler-timeout and lost-handler rules. The test drives
+/// it one step at a time:
+///
+/// - [`Harness::publish`] is one publisher cycle: every pending outbox row becomes PUBLISHED and
+///   gets one inbox row per subscribed consumer; a row that already exists is absorbed and
+///   counted as a duplicate ([`Harness::duplicates`]).
+/// - [`Harness::deliver`] is one delivery cycle: every inbox row due by the manual clock, per
+///   consumer in claim order, goes to that consumer's actor; the outcome is marked as the
+///   runtime would mark it (PROCESSED, RETRY_PENDING at `now + delay`, DEAD_LETTER).
+/// - [`Harness::advance`] moves the manual clock; a retry fires only once the clock has passed
+///   its `next_attempt_at`. Nothing ever sleeps.
+/// - [`Harness::deliver_out_of_order`] and [`Harness::redeliver`] deliver chosen events in a
+///   chosen order, or again, as concurrency and crashes do in production.
+/// - [`Harness::pause`] / [`Harness::resume`] are the consumer's pause switch.
+///
+/// A handler actor that stops while handling (a panic in `handle`) fails that attempt exactly as
+/// in the runtime and is rebuilt from its factory before the next delivery
+/// ([`Harness::handler_restarts`] counts the rebuilds). A panic inside the future a handler
+/// returns (`ResponseFuture`) fails the attempt too, but does not stop the actor: actix runs
+/// that future as a task of its own, so nothing is rebuilt, in the runtime as here.
+///
+/// # Limits
+///
+/// - **No database in handlers.** A [`Delivery`] made by the harness has no connection:
+///   [`Delivery::conn`] (and everything built on it, such as [`Delivery::enqueue`]) returns a
+///   retryable [`HandlerError`], so such an attempt fails. Keep the decision logic of a consumer
+///   in code that takes its inputs from the delivery and writes through a port the test can
+///   observe, and test the database writes with the real runtime against PostgreSQL.
+/// - **Transactions are not modelled.** A failed attempt's in-memory side effects stay; in the
+///   runtime only the database writes made through [`Delivery::conn`] roll back.
+/// - **One process, one handler at a time.** Consumers are driven one after the other and rows
+///   one after the other. The runtime's `concurrency`, `batch_size` and `rate_limit` are not
+///   modelled: they change how fast rows are handled, not what happens to them. Nor are the
+///   runtime's own actors (publisher, registry, `ConsumerActor`) and their supervisor restarts;
+///   only the handler actors are real.
+/// - **Handler timeouts use the real clock**, as in the runtime: a handler that does not finish
+///   within [`ConsumerConfig::handler_timeout`] fails its attempt. Set a short timeout in a test
+///   that exercises it.
+///
+/// Whether the model stays faithful is checked by `tests/harness.rs`, which runs one scripted
+/// scenario through the harness and through the runtime on PostgreSQL and compares every
+/// inbox row's status, attempt count and error code.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use actix::prelude::*;
+/// use actix_outbox::testing::{Harness, InboxStatus};
+/// use actix_outbox::{ConsumerConfig, Delivery, HandlerError, NewEvent, RetryPolicy};
+///
+/// /// Fails the first attempt of every event.
+/// struct Mailer;
+/// impl Actor for Mailer {
+///     type Context = Context<Self>;
+/// }
+/// impl Handler<Delivery> for Mailer {
+///     type Result = Result<(), HandlerError>;
+///     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+///         if d.attempt() == 1 {
+///             return Err(HandlerError::retry("mail server busy"));
+///         }
+///         Ok(())
+///     }
+/// }
+///
+/// # fn main() -> actix_outbox::Result<()> {
+/// actix_rt::System::new().block_on(async {
+///     let mut h = Harness::new();
+///     let retry = RetryPolicy::fixed(3, Duration::from_secs(60));
+///     h.consumer(ConsumerConfig::new("mailer")?.subscribe("ORDER_PLACED").retry(retry), || Mailer)?;
+///
+///     let id = h.enqueue(&NewEvent::new("ORDER_PLACED", "order", "o1", serde_json::json!({})))?;
+///     assert_eq!(h.publish(), 1);
+///     h.deliver().await; // attempt 1 fails
+///     assert_eq!(h.row("mailer", id).unwrap().status, InboxStatus::RetryPending);
+///
+///     h.advance(Duration::from_secs(59));
+///     assert!(h.deliver().await.is_empty(), "not due before its backoff");
+///     h.advance(Duration::from_secs(1));
+///     h.deliver().await; // attempt 2 succeeds
+///     let row = h.row("mailer", id).unwrap();
+///     assert_eq!((row.status, row.attempts), (InboxStatus::Processed, 2));
+///     Ok(())
+/// })
+/// # }
+/// ```
+///
+/// Must be used inside an actix system (`#[actix_rt::test]`, `actix_rt::System::new()`):
+/// consumers are real actors.
+pub struct Harness {
+    now: DateTime<Utc>,
+    /// In `seq` order.
+    outbox: Vec<OutboxEntry>,
+    /// In `id` order.
+    inbox: Vec<InboxEntry>,
+    next_inbox_id: i64,
+    /// In registration order, which is the order [`Harness::deliver`] visits them in.
+    consumers: Vec<ConsumerSlot>,
+    events: Option<Arc<EventRegistry>>,
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Harness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness")
+            .field("now", &self.now)
+            .field("outbox", &self.outbox.len())
+            .field("inbox", &self.inbox.len())
+            .field(
+                "consumers",
+                &self
+                    .consumers
+                    .iter()
+                    .map(|c| &c.cfg.name)
+                    .collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Harness {
+    /// An empty harness whose clock reads 2030-01-01T00:00:00Z until advanced.
+    pub fn new() -> Self {
+        Harness {
+            now: DateTime::from_timestamp(1_893_456_000, 0).unwrap_or_default(),
+            outbox: Vec::new(),
+            inbox: Vec::new(),
+            next_inbox_id: 1,
+            consumers: Vec::new(),
+            events: None,
+        }
+    }
+
+    /// The manual clock: the `now()` of every state transition.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.now
+    }
+
+    /// Moves the clock forward by `by`. Nothing runs; the next [`Harness::deliver`] sees the
+    /// rows that have fallen due.
+    pub fn advance(&mut self, by: Duration) {
+        let by = TimeDelta::from_std(by).unwrap_or(TimeDelta::MAX);
+        self.now = self
+            .now
+            .checked_add_signed(by)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+    }
+
+    /// Gives the harness the application's event types, as
+    /// [`OutboxBuilder::events`](crate::OutboxBuilder::events) does: deliveries of an older
+    /// version are upcast before the handler sees them, an unreadable version is dead-lettered.
+    pub fn events(&mut self, registry: EventRegistry) -> &mut Self {
+        let registry = Arc::new(registry);
+        for slot in &mut self.consumers {
+            slot.cfg.events = Some(registry.clone());
+        }
+        self.events = Some(registry);
+        self
+    }
+
+    /// Registers a consumer as [`OutboxBuilder::consumer`](crate::OutboxBuilder::consumer)
+    /// does: its subscriptions take effect for events published from now on, and `make` builds
+    /// its handler actor now and again whenever that actor has stopped.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid configuration or a name registered twice.
+    pub fn consumer<A, F>(&mut self, config: ConsumerConfig, make: F) -> Result<&mut Self>
+    where
+        A: Actor<Context = Context<A>> + Handler<Delivery>,
+        F: Fn() -> A + 'static,
+    {
+        config.validate()?;
+        if self.slot(config.name.as_str()).is_some() {
+            return Err(Error::Config(format!(
+                "consumer {} registered twice",
+                config.name
+            )));
+        }
+        let mut cfg = config;
+        cfg.events = self.events.clone();
+        let factory: Factory = Box::new(move || make().start().recipient());
+        let handler = factory();
+        self.consumers.push(ConsumerSlot {
+            cfg,
+            factory,
+            handler,
+            paused: false,
+            restarts: 0,
+            duplicates: 0,
+            versions: HashMap::new(),
+        });
+        Ok(self)
+    }
+
+    /// Writes an event to the outbox as [`enqueue`](crate::enqueue) does, with the same checks.
+    ///
+    /// # Errors
+    /// [`Error::InvalidEvent`] for a malformed event; [`Error::Database`] (a unique violation)
+    /// when an event with the same id is already in the outbox.
+    pub fn enqueue(&mut self, event: &NewEvent) -> Result<EventId> {
+        self.enqueue_many(std::slice::from_ref(event))
+            .map(|ids| ids[0])
+    }
+
+    /// Writes several events as [`enqueue_many`](crate::enqueue_many) does: all or none.
+    ///
+    /// # Errors
+    /// As [`Harness::enqueue`].
+    pub fn enqueue_many(&mut self, events: &[NewEvent]) -> Result<Vec<EventId>> {
+        let rules = PayloadRules::default();
+        for (i, event) in events.iter().enumerate() {
+            event.validate(&rules)?;
+            let seen_before = events[..i].iter().any(|e| e.id == event.id)
+                || self.outbox.iter().any(|o| o.event.id == event.id);
+            if seen_before {
+                return Err(unique_violation(format!(
+                    "duplicate key value violates unique constraint \"outbox_events_pkey\": {}",
+                    event.id
+                )));
+            }
+        }
+        for event in events {
+            self.outbox.push(OutboxEntry {
+                // An event that starts a chain is its own correlation root.
+                correlation_id: event
+                    .correlation_id
+                    .clone()
+                    .unwrap_or_else(|| event.id.to_string()),
+                event: event.clone(),
+                created_at: self.now,
+                status: OutboxStatus::Pending,
+                attempts: 0,
+                published_at: None,
+            });
+        }
+        Ok(events.iter().map(|e| e.id).collect())
+    }
+
+    /// One publisher cycle (`claim_and_fan_out`): every PENDING outbox row, in enqueue order,
+    /// becomes PUBLISHED and gets one RECEIVED inbox row per consumer subscribed to its type.
+    /// A consumer that already has the event keeps its row; the duplicate is counted.
+    ///
+    /// Returns the number of outbox rows published.
+    pub fn publish(&mut self) -> usize {
+        let mut subscribers: Vec<usize> = (0..self.consumers.len()).collect();
+        // The fan-out inserts in (seq, consumer) order; the inbox ids, and so claim order, follow.
+        subscribers.sort_by(|a, b| {
+            self.consumers[*a]
+                .cfg
+                .name
+                .cmp(&self.consumers[*b].cfg.name)
+        });
+        let mut published = 0;
+        for o in 0..self.outbox.len() {
+            if self.outbox[o].status != OutboxStatus::Pending {
+                continue;
+            }
+            published += 1;
+            let entry = &mut self.outbox[o];
+            entry.status = OutboxStatus::Published;
+            entry.attempts += 1;
+            entry.published_at = Some(self.now);
+            for &c in &subscribers {
+                let entry = &self.outbox[o];
+                let slot = &self.consumers[c];
+                if !slot.cfg.event_types.contains(&entry.event.event_type) {
+                    continue;
+                }
+                let exists = self.inbox.iter().any(|i| {
+                    i.row.event_id == entry.event.id.as_uuid() && i.consumer == slot.cfg.name
+                });
+                if exists {
+                    self.consumers[c].duplicates += 1;
+                    continue;
+                }
+                let e = &entry.event;
+                let row = InboxRow {
+                    id: self.next_inbox_id,
+                    event_id: e.id.as_uuid(),
+                    event_type: e.event_type.clone(),
+                    event_version: e.event_version,
+                    aggregate_type: e.aggregate_type.clone(),
+                    aggregate_id: e.aggregate_id.clone(),
+                    aggregate_version: e.aggregate_version,
+                    payload: e.payload.clone(),
+                    metadata: e.metadata.clone(),
+                    correlation_id: entry.correlation_id.clone(),
+                    causation_id: e.causation_id.clone(),
+                    event_created_at: entry.created_at,
+                    attempt_count: 0,
+                };
+                self.next_inbox_id += 1;
+                self.inbox.push(InboxEntry {
+                    row,
+                    consumer: slot.cfg.name.clone(),
+                    status: InboxStatus::Received,
+                    next_attempt_at: self.now,
+                    error_code: None,
+                    last_error: None,
+                });
+            }
+        }
+        published
+    }
+
+    /// Puts a published event back to PENDING, as an expired lease or a lost acknowledgement
+    /// does; the next [`Harness::publish`] fans it out again and the inboxes absorb it.
+    /// Returns false when the outbox has no such event.
+    pub fn republish(&mut self, event_id: EventId) -> bool {
+        match self.outbox.iter_mut().find(|o| o.event.id == event_id) {
+            Some(o) => {
+                o.status = OutboxStatus::Pending;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One delivery cycle: for each consumer that is not paused, in registration order, every
+    /// inbox row due by the clock (RECEIVED or RETRY_PENDING with `next_attempt_at <= now`),
+    /// in claim order (`next_attempt_at`, then arrival), is delivered once and marked.
+    ///
+    /// A row that fails with a zero delay is due again at once, but in the next cycle: each
+    /// cycle delivers what was due when it began.
+    pub async fn deliver(&mut self) -> Vec<Outcome> {
+        let mut out = Vec::new();
+        for c in 0..self.consumers.len() {
+            if self.consumers[c].paused {
+                continue;
+            }
+            let due = self.due_rows(c);
+            self.run_cycle(c, due, &mut out).await;
+        }
+        out
+    }
+
+    /// A delivery cycle of one consumer restricted to `order`, delivered in exactly that order:
+    /// what concurrent instances or a retried predecessor make happen in production. An event
+    /// whose row a claim would not return now (not due, already finished, consumer paused, no
+    /// row) is not delivered and gets no [`Outcome`].
+    pub async fn deliver_out_of_order(
+        &mut self,
+        consumer: &str,
+        order: &[EventId],
+    ) -> Vec<Outcome> {
+        let mut out = Vec::new();
+        let Some(c) = self.slot(consumer) else {
+            return out;
+        };
+        if self.consumers[c].paused {
+            return out;
+        }
+        let due = self.due_rows(c);
+        let mut rows = Vec::new();
+        for id in order {
+            if let Some(&i) = due
+                .iter()
+                .find(|&&i| self.inbox[i].row.event_id == id.as_uuid())
+            {
+                if !rows.contains(&i) {
+                    rows.push(i);
+                }
+            }
+        }
+        self.run_cycle(c, rows, &mut out).await;
+        out
+    }
+
+    /// Delivers an event again as a failed commit (a connection lost after the handler
+    /// returned) or a crash does: the handler runs on the row as it stands, and the attempt's
+    /// transaction rolls back, so the row keeps its state and attempt count and the next cycle
+    /// delivers the same attempt again.
+    ///
+    /// Returns `None`, counting a duplicate, when the row is already PROCESSED or DEAD_LETTER:
+    /// the inbox never hands a finished row out again. Returns `None` as well when the consumer
+    /// has no row for the event.
+    pub async fn redeliver(&mut self, event_id: EventId, consumer: &str) -> Option<Outcome> {
+        let c = self.slot(consumer)?;
+        let i = self.row_index(c, event_id)?;
+        if !self.inbox[i].status.claimable() {
+            self.consumers[c].duplicates += 1;
+            return None;
+        }
+        self.ensure_handler(c);
+        Some(self.attempt(c, i, false).await)
+    }
+
+    /// Publishes and delivers, moving the clock to each next retry, until nothing is pending
+    /// or due for any consumer that is not paused. Returns every delivery made.
+    ///
+    /// Ends because each row gets at most its policy's `max_attempts`; a policy with a huge
+    /// limit and a handler that always fails makes it run that long.
+    pub async fn run_until_idle(&mut self) -> Vec<Outcome> {
+        let mut out = Vec::new();
+        loop {
+            self.publish();
+            out.extend(self.deliver().await);
+            match self.next_due() {
+                Some(at) if at > self.now => self.now = at,
+                Some(_) => {}
+                None => return out,
+            }
+        }
+    }
+
+    /// When the next row of a consumer that is not paused falls due (now, if one is due), or
+    /// when a pending outbox row waits for [`Harness::publish`]. `None` when nothing waits.
+    pub fn next_due(&self) -> Option<DateTime<Utc>> {
+        let pending = self
+            .outbox
+            .iter()
+            .any(|o| o.status == OutboxStatus::Pending)
+            .then_some(self.now);
+        let inbox = self
+            .inbox
+            .iter()
+            .filter(|i| i.status.claimable())
+            .filter(|i| {
+                self.consumers
+                    .iter()
+                    .any(|c| c.cfg.name == i.consumer && !c.paused)
+            })
+            .map(|i| i.next_attempt_at)
+            .min();
+        match (pending, inbox) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Sets a consumer's pause switch: it is delivered nothing until resumed; its rows keep
+    /// their state. Publishing and the other consumers carry on.
+    ///
+    /// # Errors
+    /// [`Error::UnknownConsumer`] when no such consumer is registered.
+    pub fn pause(&mut self, consumer: &str) -> Result<()> {
+        self.set_paused(consumer, true)
+    }
+
+    /// Clears a consumer's pause switch; its backlog is delivered by the next cycle.
+    ///
+    /// # Errors
+    /// As [`Harness::pause`].
+    pub fn resume(&mut self, consumer: &str) -> Result<()> {
+        self.set_paused(consumer, false)
+    }
+
+    /// A consumer's inbox rows, in arrival order. Empty for an unknown consumer.
+    pub fn inbox(&self, consumer: &str) -> Vec<InboxView> {
+        self.inbox
+            .iter()
+            .filter(|i| i.consumer.as_str() == consumer)
+            .map(view)
+            .collect()
+    }
+
+    /// A consumer's row for one event.
+    pub fn row(&self, consumer: &str, event_id: EventId) -> Option<InboxView> {
+        self.inbox
+            .iter()
+            .find(|i| i.consumer.as_str() == consumer && i.row.event_id == event_id.as_uuid())
+            .map(view)
+    }
+
+    /// The outbox rows, in enqueue order.
+    pub fn outbox(&self) -> Vec<OutboxView> {
+        self.outbox
+            .iter()
+            .map(|o| OutboxView {
+                event_id: o.event.id,
+                event_type: o.event.event_type.clone(),
+                status: o.status,
+                attempts: o.attempts.max(0) as u32,
+                published_at: o.published_at,
+            })
+            .collect()
+    }
+
+    /// How often a consumer's handler actor was rebuilt from its factory because it had
+    /// stopped. 0 for an unknown consumer.
+    pub fn handler_restarts(&self, consumer: &str) -> u32 {
+        self.slot(consumer)
+            .map_or(0, |c| self.consumers[c].restarts)
+    }
+
+    /// Deliveries of an event a consumer already had that the inbox absorbed
+    /// (`DUPLICATE_EVENT`): repeated fan-outs, and redeliveries of finished rows.
+    pub fn duplicates(&self, consumer: &str) -> usize {
+        self.slot(consumer)
+            .map_or(0, |c| self.consumers[c].duplicates)
+    }
+
+    fn slot(&self, consumer: &str) -> Option<usize> {
+        self.consumers
+            .iter()
+            .position(|c| c.cfg.name.as_str() == consumer)
+    }
+
+    fn row_index(&self, c: usize, event_id: EventId) -> Option<usize> {
+        let name = &self.consumers[c].cfg.name;
+        self.inbox
+            .iter()
+            .position(|i| &i.consumer == name && i.row.event_id == event_id.as_uuid())
+    }
+
+    fn set_paused(&mut self, consumer: &str, paused: bool) -> Result<()> {
+        let c = self
+            .slot(consumer)
+            .ok_or_else(|| Error::UnknownConsumer(consumer.to_owned()))?;
+        self.consumers[c].paused = paused;
+        Ok(())
+    }
+
+    /// `claim_due` without the limit: the consumer's due rows by (`next_attempt_at`, `id`).
+    fn due_rows(&self, c: usize) -> Vec<usize> {
+        let name = &self.consumers[c].cfg.name;
+        let mut due: Vec<usize> = (0..self.inbox.len())
+            .filter(|&i| {
+                let e = &self.inbox[i];
+                &e.consumer == name && e.status.claimable() && e.next_attempt_at <= self.now
+            })
+            .collect();
+        due.sort_by_key(|&i| (self.inbox[i].next_attempt_at, self.inbox[i].row.id));
+        due
+    }
+
+    /// What the runtime does before each delivery: a handler found stopped is replaced (the
+    /// batch ends, the actor's next pump rebuilds it and claims the rest), so a handler that
+    /// stopped itself after its last reply costs the next event no attempt.
+    fn ensure_handler(&mut self, c: usize) {
+        let slot = &mut self.consumers[c];
+        if !slot.handler.connected() {
+            tracing::warn!(consumer = %slot.cfg.name, "handler actor stopped; starting a new one");
+            slot.handler = (slot.factory)();
+            slot.restarts += 1;
+        }
+    }
+
+    /// One consumer's batch loop over `rows`. A lost handler ends the runtime's loop and the
+    /// actor's next pump replaces the handler and claims the rest; here the rest follows at once.
+    async fn run_cycle(&mut self, c: usize, rows: Vec<usize>, out: &mut Vec<Outcome>) {
+        for i in rows {
+            self.ensure_handler(c);
+            let outcome = self.attempt(c, i, true).await;
+            if outcome.handler_lost {
+                // The runtime's actor rebuilds at once after a lost handler, too.
+                self.ensure_handler(c);
+            }
+            out.push(outcome);
+        }
+    }
+
+    /// One row through the steps of `worker::run_batch`: upcast, stale check, handler, mark.
+    /// With `commit` false the attempt's marks are dropped, as a rolled-back transaction's are.
+    async fn attempt(&mut self, c: usize, i: usize, commit: bool) -> Outcome {
+        let cfg = self.consumers[c].cfg.clone();
+        let mut row = self.inbox[i].row.clone();
+        let mut outcome = Outcome {
+            consumer: cfg.name.clone(),
+            event_id: EventId::from_uuid(row.event_id),
+            attempt: (row.attempt_count + 1).max(1) as u32,
+            result: Ok(()),
+            status: self.inbox[i].status,
+            handler_ran: false,
+            handler_lost: false,
+            rolled_back: !commit,
+        };
+
+        if let Err(err) = upcast(&cfg, &mut row) {
+            if commit {
+                self.mark_failed(i, decide(&cfg.retry, &row, &err));
+            }
+            outcome.result = Err(err);
+            outcome.status = self.inbox[i].status;
+            return outcome;
+        }
+
+        let aggregate = (row.aggregate_type.clone(), row.aggregate_id.clone());
+        let version = row.aggregate_version.filter(|_| cfg.skip_stale);
+        if let Some(version) = version {
+            let current = self.consumers[c].versions.get(&aggregate).copied();
+            if let Some(current) = current.filter(|&cur| cur >= version) {
+                if commit {
+                    self.mark_stale(i, current);
+                }
+                outcome.status = self.inbox[i].status;
+                return outcome;
+            }
+        }
+
+        let delivery = Delivery {
+            row: row.clone(),
+            consumer: cfg.name.clone(),
+            // No connection: `Delivery::conn` reports the delivery as finished.
+            slot: Arc::new(Mutex::new(None)),
+        };
+        let handler = self.consumers[c].handler.clone();
+        let sent = tokio::time::timeout(cfg.handler_timeout, handler.send(delivery)).await;
+        outcome.handler_ran = true;
+        // The same errors as `worker::run_batch` makes: they are stored.
+        let result = match sent {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => {
+                outcome.handler_lost = !handler.connected();
+                Err(HandlerError::retry(HANDLER_LOST))
+            }
+            Err(_) => Err(handler_timed_out(&cfg)),
+        };
+        if commit {
+            match &result {
+                Ok(()) => {
+                    if let Some(version) = version {
+                        // Written in the handler's savepoint: kept only when the handler succeeded.
+                        self.consumers[c].versions.insert(aggregate, version);
+                    }
+                    self.mark_processed(i);
+                }
+                Err(err) => self.mark_failed(i, decide(&cfg.retry, &row, err)),
+            }
+        }
+        outcome.result = result;
+        outcome.status = self.inbox[i].status;
+        outcome
+    }
+
+    /// `store::inbox::mark_processed`.
+    fn mark_processed(&mut self, i: usize) {
+        let e = &mut self.inbox[i];
+        e.status = InboxStatus::Processed;
+        e.row.attempt_count += 1;
+        e.error_code = None;
+        e.last_error = None;
+    }
+
+    /// `store::inbox::mark_stale`.
+    fn mark_stale(&mut self, i: usize, current: i64) {
+        let e = &mut self.inbox[i];
+        e.status = InboxStatus::Processed;
+        e.row.attempt_count += 1;
+        e.error_code = Some("EVENT_STALE".to_owned());
+        e.last_error = Some(format!(
+            "stale: the consumer already applied aggregate version {current}"
+        ));
+    }
+
+    /// `store::inbox::mark_failed`, fenced the same way on the attempt count seen at claim.
+    fn mark_failed(&mut self, i: usize, f: Failure) {
+        let now = self.now;
+        let e = &mut self.inbox[i];
+        if e.row.id != f.id || e.row.attempt_count != f.attempts_before || !e.status.claimable() {
+            return;
+        }
+        e.row.attempt_count += 1;
+        e.status = if f.dead {
+            InboxStatus::DeadLetter
+        } else {
+            InboxStatus::RetryPending
+        };
+        let delay = TimeDelta::try_milliseconds(f.delay_ms).unwrap_or(TimeDelta::MAX);
+        e.next_attempt_at = now
+            .checked_add_signed(delay)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        e.error_code = Some(f.code);
+        e.last_error = Some(truncate(&f.message, 2000));
+    }
+}
+
+fn view(e: &InboxEntry) -> InboxView {
+    InboxView {
+        event_id: EventId::from_uuid(e.row.event_id),
+        event_type: e.row.event_type.clone(),
+        status: e.status,
+        attempts: e.row.attempt_count.max(0) as u32,
+        error_code: e.error_code.clone().map(ErrorCode::new),
+        last_error: e.last_error.clone(),
+        next_attempt_at: e.next_attempt_at,
+    }
+}
+
+/// The error PostgreSQL's unique constraint gives a second event with the same id.
+fn unique_violation(message: String) -> Error {
+    use diesel::result::{DatabaseErrorKind, Error as D};
+    Error::Database(D::DatabaseError(
+        DatabaseErrorKind::UniqueViolation,
+        Box::new(message),
+    ))
+}
