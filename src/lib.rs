@@ -95,19 +95,32 @@
 //!
 //! ## Layout
 //!
-//! - `event` — ids and the event envelope; `error` — the error enum and stable codes.
+//! - `event/` — ids, the envelope, typed [`Event`]s and the [`EventRegistry`]; `error` — the
+//!   error enum and stable codes.
 //! - `store/` — every SQL statement (internal) and the migrations.
-//! - `outbox/` — enqueue in the caller's transaction.
+//! - `outbox/` — enqueue in the caller's transaction; `inbox/` — idempotency keys, pause,
+//!   the receiving side of external transports.
 //! - `consumer/` — the delivery message, handler errors, retry policy, consumer actors.
-//! - `publisher/` — the claim loop. `reconciler/` — drift checks. `runtime/` — builder,
-//!   supervisor, shutdown.
+//! - `publisher/` — the claim loop and external transports. `reconciler/` — rules and drift
+//!   checks. `runtime/` — builder, supervisor, `LISTEN`, shutdown.
+//! - `maintenance/` — metrics, the stats sampler and lag health ([`HealthReport`]), retention;
+//!   `admin/` — the operator API, dashboard and Prometheus endpoint ([`admin_scope`]).
 //!
 //! ## Features
 //!
-//! - `testing`: [`OutboxRuntime::inject_fault`] for crash tests and [`testing::ScriptedTransport`],
-//!   an external transport that fails, hangs or crashes on cue.
-//! - `testing`: [`testing::Harness`], an in-memory outbox, inbox and consumer runtime with a
-//!   manual clock, for deterministic tests of consumer actors (no database in the handlers).
+//! - `testing`: the harness and fault injection below.
+//! - `admin` (default): [`admin_scope`], the operator API with its dashboard, health and
+//!   Prometheus endpoint; adds actix-web and metrics-exporter-prometheus.
+
+//!
+//! ## Testing your consumers
+//!
+//! - Handlers that only decide (no database): [`testing::Harness`] runs your real actor through
+//!   publish and delivery cycles with a manual clock — retries fire when you advance it — and
+//!   lets you pause consumers, deliver out of order or twice, and inspect each inbox row.
+//! - Handlers that write through [`Delivery::conn`]: run the real runtime against PostgreSQL
+//!   (one database per test) and count rows; [`OutboxRuntime::inject_fault`] kills actors and
+//!   [`testing::ScriptedTransport`] makes a broker fail, hang or crash after publishing.
 
 #![warn(missing_docs)]
 
@@ -125,6 +138,8 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+#[cfg(feature = "admin")]
+pub use admin::{admin_scope, install_prometheus_recorder, AdminConfig};
 pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{
@@ -132,6 +147,10 @@ pub use event::{
     MAX_PAYLOAD_BYTES,
 };
 pub use inbox::{claim_key, pause_consumer, receive, resume_consumer, KeyClaim, Received};
+pub use maintenance::{
+    ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Retention,
+    RetentionConfig, RetentionReport, StatsConfig, StatsSampler, Trend,
+};
 pub use outbox::{enqueue, enqueue_many, notify_publishers, timeline};
 pub use publisher::{ExternalConfig, OutboxEvent, Transport, TransportError};
 pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};

@@ -8,6 +8,8 @@
 //! - A reconcile rule gives COMPLETED orders that have no COMPLETED notification one, through
 //!   the same business key.
 //! - `GET /stats` reports what the demo needs; `GET /health` says the service is up.
+//! - With `ADMIN_TOKEN` set: the library's operator API, dashboard (`/admin/`), lag health and
+//!   Prometheus metrics under `/admin`.
 //!
 //! Configuration (environment): `DATABASE_URL` (required), `BIND` (default `127.0.0.1:8080`),
 //! `ADMIN_TOKEN`, `PROVIDER_FAIL_RATE` and `CONSUMER_FAIL_RATE` (0.0–1.0, default 0),
@@ -31,7 +33,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use actix::Actor;
-use actix_outbox::{ConsumerConfig, OutboxRuntime, PgPool, RetryPolicy, RuntimeConfig};
+use actix_outbox::{
+    admin_scope, AdminConfig, ConsumerConfig, OutboxRuntime, PgPool, RetryPolicy, RuntimeConfig,
+};
 use actix_web::{web, App, HttpServer};
 use diesel::sql_types::BigInt;
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -171,12 +175,33 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         reconcile_window_ms = cfg.reconcile_window.as_millis() as u64,
         "order service listening"
     );
+    // The operator API, dashboard, health and Prometheus metrics under /admin, when a token is
+    // configured (at least 16 characters). Its queries use the runtime's pool.
+    let prometheus = actix_outbox::install_prometheus_recorder()?;
+    let admin = match cfg.admin_token.as_deref() {
+        Some(token) => Some(
+            AdminConfig::new(outbox_pool.clone())
+                .bearer_token("ops", token)?
+                .metrics(prometheus),
+        ),
+        None => None,
+    };
     // actix-web stops on SIGTERM / SIGINT by itself, finishing requests in flight.
-    HttpServer::new(move || App::new().app_data(state.clone()).configure(api::routes))
-        .bind(&cfg.bind)?
-        .shutdown_timeout(10)
-        .run()
-        .await?;
+    HttpServer::new(move || {
+        let admin = admin.clone();
+        App::new()
+            .app_data(state.clone())
+            .configure(api::routes)
+            .configure(move |c| {
+                if let Some(admin) = admin {
+                    c.service(admin_scope("/admin", admin));
+                }
+            })
+    })
+    .bind(&cfg.bind)?
+    .shutdown_timeout(10)
+    .run()
+    .await?;
 
     tracing::info!("HTTP stopped; draining the notification worker and the outbox runtime");
     let _ = notifier.send(worker::Stop).await;

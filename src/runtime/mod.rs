@@ -17,6 +17,7 @@ use crate::consumer::actor::HandlerFactory;
 use crate::consumer::{ConsumerConfig, Delivery};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
+use crate::maintenance::{RetentionConfig, StatsConfig};
 use crate::publisher::{ExternalConfig, Route, Transport};
 use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
 use crate::store::{self, PgPool};
@@ -63,6 +64,15 @@ pub struct RuntimeConfig {
     /// [`notify_publishers`](crate::notify_publishers) calls) wake this one at once instead of
     /// at its next poll. Default true.
     pub listen: bool,
+    /// The stats sampler behind metrics gauges and lag health. Default [`StatsConfig::default`].
+    pub stats: StatsConfig,
+    /// Deletes old PUBLISHED outbox rows, PROCESSED inbox rows and idempotency keys on
+    /// `retention_interval`; dead letters are never deleted. Default `None`: keep everything
+    /// (enable it, or run [`Retention::run_once`](crate::Retention::run_once) on a schedule of
+    /// your own).
+    pub retention: Option<RetentionConfig>,
+    /// How often retention runs when enabled. Default 1 h.
+    pub retention_interval: Duration,
 }
 
 impl Default for RuntimeConfig {
@@ -76,6 +86,9 @@ impl Default for RuntimeConfig {
             consistency_window: Duration::from_secs(300),
             reconcile_dry_run: false,
             listen: true,
+            stats: StatsConfig::default(),
+            retention: None,
+            retention_interval: Duration::from_secs(3600),
         }
     }
 }
@@ -208,8 +221,9 @@ pub struct OutboxRuntime {
 
 impl OutboxRuntime {
     /// Starts building a runtime on `pool`. The pool should allow at least
-    /// 3 + Σ consumer concurrency connections besides what the application uses (one is held
-    /// in `LISTEN`, see [`RuntimeConfig::listen`]).
+    /// 4 + Σ consumer concurrency connections (the publisher, the reconciler, the stats
+    /// sampler, one held in `LISTEN`, see [`RuntimeConfig::listen`], and one per consumer
+    /// batch). Give it a pool of its own rather than the application's.
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,

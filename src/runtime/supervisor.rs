@@ -18,6 +18,8 @@ use super::{Drain, RuntimeConfig, RuntimeStatus, Stop, Wake};
 use crate::consumer::actor::{ConsumerActor, HandlerFactory};
 use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten, SetMailbox};
 use crate::consumer::ConsumerConfig;
+use crate::maintenance::stats::StatsActor;
+use crate::maintenance::Retention;
 use crate::publisher::{PublisherActor, Route, SetRegistry};
 use crate::reconciler::{
     DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow,
@@ -43,6 +45,8 @@ pub(crate) struct SupervisorActor {
     listener: Option<Addr<ListenerActor>>,
     /// This runtime's id in notifications, so it can ignore its own.
     instance: Arc<str>,
+    /// The stats sampler; it stops by itself once this address is dropped with the supervisor.
+    stats: Option<Addr<StatsActor>>,
     /// Restarts per child name, for status and tests that count them.
     restarts: BTreeMap<String, u32>,
     /// Shutdown has begun: dead children stay dead.
@@ -68,6 +72,7 @@ impl SupervisorActor {
             reconciler: None,
             listener: None,
             instance: Arc::from(uuid::Uuid::now_v7().simple().to_string()),
+            stats: None,
             restarts: BTreeMap::new(),
             stopping: false,
         }
@@ -157,6 +162,13 @@ impl SupervisorActor {
             self.reconciler = Some(reconciler.start());
         }
 
+        if !self.stats.as_ref().is_some_and(|a| a.connected()) {
+            if self.stats.is_some() {
+                self.restarted("stats");
+            }
+            let stats = StatsActor::new(self.pool.clone(), self.config.stats.clone());
+            self.stats = Some(stats.start());
+        }
     }
 }
 
@@ -186,6 +198,26 @@ impl Actor for SupervisorActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.ensure_children();
         self.ensure_listener(ctx);
+        if let Some(cfg) = self.config.retention.clone() {
+            // Validated by the builder; each run is bounded and its deletes are short
+            // transactions, so it runs here rather than in an actor of its own.
+            if let Ok(retention) = Retention::new(self.pool.clone(), cfg) {
+                let retention = Rc::new(retention);
+                ctx.run_interval(self.config.retention_interval, move |act, ctx| {
+                    if act.stopping {
+                        return;
+                    }
+                    let retention = retention.clone();
+                    let run = async move {
+                        match retention.run_once().await {
+                            Ok(report) => tracing::info!(?report, "retention run"),
+                            Err(e) => tracing::warn!(error = %e, "retention run failed"),
+                        }
+                    };
+                    ctx.spawn(run.into_actor(act));
+                });
+            }
+        }
         ctx.run_interval(self.config.supervise_interval, |act, ctx| {
             act.ensure_children();
             act.ensure_listener(ctx);

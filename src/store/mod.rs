@@ -1,10 +1,12 @@
 //! The database seam: every SQL statement the runtime runs lives in this folder, so the state
 //! machines of ARCHITECTURE §4 can be read in one place. Internal; users see only [`PgPool`].
 
+pub(crate) mod admin;
 pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;
 pub(crate) mod outbox;
+pub(crate) mod stats;
 pub(crate) mod timeline;
 
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;

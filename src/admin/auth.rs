@@ -1,0 +1,190 @@
+//! Who is calling: bearer tokens compared in constant time, or the application's own guard.
+//!
+//! Authentication is an extractor ([`Operator`]) that every data endpoint takes as its *first*
+//! argument. actix-web polls extractors in order, so a request without valid credentials is
+//! answered 401 before its body is read or the database is touched.
+
+use std::future::{ready, Ready};
+use std::sync::Arc;
+
+use actix_web::dev::Payload;
+use actix_web::http::header;
+use actix_web::{web, FromRequest, HttpRequest};
+
+use super::error::AdminError;
+use super::State;
+
+/// The application's guard: the operator's name for an authorised request, `None` otherwise.
+pub(crate) type Guard = Arc<dyn Fn(&HttpRequest) -> Option<String> + Send + Sync>;
+
+/// How requests are authenticated.
+#[derive(Clone)]
+pub(crate) enum Auth {
+    /// `Authorization: Bearer <token>`; each token names an operator.
+    Tokens(Vec<NamedToken>),
+    /// The application decides.
+    Guard(Guard),
+}
+
+#[derive(Clone)]
+pub(crate) struct NamedToken {
+    pub operator: String,
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for NamedToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.debug_struct("NamedToken")
+            .field("operator", &self.operator)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The authenticated operator; its name is written to the audit trail.
+#[derive(Debug, Clone)]
+pub(crate) struct Operator(pub String);
+
+impl FromRequest for Operator {
+    type Error = AdminError;
+    type Future = Ready<Result<Self, AdminError>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        let who = req
+            .app_data::<web::Data<State>>()
+            .and_then(|st| authenticate(&st.auth, req));
+        ready(match who {
+            Some(name) => Ok(Operator(name)),
+            None => {
+                tracing::warn!(
+                    name: "admin.unauthorized",
+                    method = %req.method(),
+                    path = %req.path(),
+                    peer = ?req.peer_addr(),
+                    "admin.unauthorized: request without valid operator credentials refused"
+                );
+                Err(AdminError::unauthorized())
+            }
+        })
+    }
+}
+
+/// The operator's name, or `None` for a request that must be refused.
+pub(crate) fn authenticate(auth: &Auth, req: &HttpRequest) -> Option<String> {
+    let name = match auth {
+        Auth::Guard(guard) => guard(req)?,
+        Auth::Tokens(tokens) => {
+            let presented = bearer(req)?;
+            // Compare against every token, without stopping at a match, so the time taken
+            // does not tell which (or whether an early) token matched.
+            let mut found: Option<&str> = None;
+            for t in tokens {
+                if ct_eq(presented, &t.secret) && found.is_none() {
+                    found = Some(&t.operator);
+                }
+            }
+            found?.to_owned()
+        }
+    };
+    let name = name.trim();
+    (!name.is_empty()).then(|| name.chars().take(200).collect())
+}
+
+/// The token of an `Authorization: Bearer <token>` header (scheme case-insensitive).
+fn bearer(req: &HttpRequest) -> Option<&[u8]> {
+    let value = req.headers().get(header::AUTHORIZATION)?.as_bytes();
+    let (scheme, token) = value.split_at_checked(7)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer ") {
+        return None;
+    }
+    let token = token.trim_ascii();
+    (!token.is_empty()).then_some(token)
+}
+
+/// Equality whose running time depends only on the lengths, never on where the first
+/// difference is. (The length of a configured token is not treated as a secret.)
+pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    // black_box keeps the optimiser from turning the fold back into an early exit.
+    std::hint::black_box(diff) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actix_web::test::TestRequest;
+
+    fn tokens() -> Auth {
+        Auth::Tokens(vec![
+            NamedToken {
+                operator: "alice".into(),
+                secret: b"alice-token-0123456789".to_vec(),
+            },
+            NamedToken {
+                operator: "bob".into(),
+                secret: b"bob-token-0123456789ab".to_vec(),
+            },
+        ])
+    }
+
+    #[test]
+    fn constant_time_equality_is_equality() {
+        assert!(ct_eq(b"abc", b"abc"));
+        assert!(!ct_eq(b"abc", b"abd"));
+        assert!(!ct_eq(b"abc", b"abcd"));
+        assert!(ct_eq(b"", b""));
+    }
+
+    #[test]
+    fn a_bearer_token_names_its_operator() {
+        let req = TestRequest::default()
+            .insert_header(("Authorization", "Bearer bob-token-0123456789ab"))
+            .to_http_request();
+        assert_eq!(authenticate(&tokens(), &req).as_deref(), Some("bob"));
+        let req = TestRequest::default()
+            .insert_header(("authorization", "bearer alice-token-0123456789"))
+            .to_http_request();
+        assert_eq!(authenticate(&tokens(), &req).as_deref(), Some("alice"));
+    }
+
+    #[test]
+    fn anything_else_is_refused() {
+        for value in [
+            "Bearer wrong",
+            "Bearer ",
+            "Basic YWxpY2U6dG9rZW4=",
+            "alice-token-0123456789",
+            "Bearer alice-token-012345678",
+        ] {
+            let req = TestRequest::default()
+                .insert_header(("Authorization", value))
+                .to_http_request();
+            assert_eq!(authenticate(&tokens(), &req), None, "{value}");
+        }
+        let req = TestRequest::default().to_http_request();
+        assert_eq!(authenticate(&tokens(), &req), None);
+        assert_eq!(authenticate(&Auth::Tokens(vec![]), &req), None);
+    }
+
+    #[test]
+    fn a_guard_decides_and_must_name_someone() {
+        let guard: Guard = Arc::new(|req: &HttpRequest| {
+            req.headers()
+                .get("x-user")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+        let auth = Auth::Guard(guard);
+        let req = TestRequest::default()
+            .insert_header(("x-user", "carol"))
+            .to_http_request();
+        assert_eq!(authenticate(&auth, &req).as_deref(), Some("carol"));
+        let req = TestRequest::default()
+            .insert_header(("x-user", "  "))
+            .to_http_request();
+        assert_eq!(authenticate(&auth, &req), None);
+    }
+}

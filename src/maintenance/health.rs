@@ -1,0 +1,837 @@
+//! Lag health: pure functions from stats samples to an OK / WARNING / CRITICAL report, tested
+//! without a database or an actor.
+//!
+//! The checks answer "is follow-up work happening on time?":
+//! - the oldest outbox event still waiting to be published, and each consumer's oldest *due*
+//!   inbox row (a row waiting for its retry backoff is not late), against warn/critical ages;
+//! - whether the outbox backlog is actually going down: a publisher that is alive but stuck
+//!   keeps the same oldest event at the head of the queue sample after sample;
+//! - dead letters (WARNING: someone has to decide about them);
+//! - a duplicate-delivery rate far above its usual level (a redelivery loop, a lease that is
+//!   too short for the transport).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+/// Overall state, ordered: the report takes the worst of its reasons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum HealthState {
+    /// Everything is on time.
+    Ok,
+    /// Something needs a look: lag past the warning age, dead letters, duplicates.
+    Warning,
+    /// Follow-up work is badly late or not moving at all.
+    Critical,
+}
+
+impl HealthState {
+    /// `OK`, `WARNING` or `CRITICAL`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            HealthState::Ok => "OK",
+            HealthState::Warning => "WARNING",
+            HealthState::Critical => "CRITICAL",
+        }
+    }
+
+    /// 0, 1 or 2, for a gauge.
+    pub(crate) fn level(&self) -> f64 {
+        match self {
+            HealthState::Ok => 0.0,
+            HealthState::Warning => 1.0,
+            HealthState::Critical => 2.0,
+        }
+    }
+}
+
+impl std::fmt::Display for HealthState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Thresholds of the lag health check. Every field has a documented default.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct HealthConfig {
+    /// An outbox event waiting this long is a WARNING. Default 1 min.
+    pub outbox_warn_after: Duration,
+    /// … and this long CRITICAL. Default 5 min.
+    pub outbox_critical_after: Duration,
+    /// A consumer's oldest due inbox row waiting this long is a WARNING. Default 1 min.
+    pub inbox_warn_after: Duration,
+    /// … and this long CRITICAL (a paused consumer stays at WARNING). Default 5 min.
+    pub inbox_critical_after: Duration,
+    /// Samples (this one included) over which the outbox backlog must move: pending in all of
+    /// them and the same oldest event at the head is CRITICAL (`OUTBOX_STUCK`); pending in all
+    /// of them and growing is a WARNING (`OUTBOX_GROWING`). Default 5.
+    pub trend_samples: usize,
+    /// The recent duplicate rate must be this many times the usual rate to warn. Default 10.
+    pub duplicate_rate_factor: f64,
+    /// … and at least this share of deliveries (0.0–1.0). Default 0.05.
+    pub duplicate_rate_floor: f64,
+    /// … and at least this many duplicates in the recent samples. Default 20.
+    pub duplicate_min_count: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            outbox_warn_after: Duration::from_secs(60),
+            outbox_critical_after: Duration::from_secs(300),
+            inbox_warn_after: Duration::from_secs(60),
+            inbox_critical_after: Duration::from_secs(300),
+            trend_samples: 5,
+            duplicate_rate_factor: 10.0,
+            duplicate_rate_floor: 0.05,
+            duplicate_min_count: 20,
+        }
+    }
+}
+
+impl HealthConfig {
+    pub(crate) fn validate(&self) -> crate::Result<()> {
+        let bad = |why: &str| Err(crate::Error::Config(format!("health: {why}")));
+        if self.outbox_warn_after > self.outbox_critical_after
+            || self.inbox_warn_after > self.inbox_critical_after
+        {
+            return bad("a warning age must not exceed its critical age");
+        }
+        if self.trend_samples < 2 {
+            return bad("trend_samples must be at least 2");
+        }
+        if !(self.duplicate_rate_factor >= 1.0 && self.duplicate_rate_factor.is_finite()) {
+            return bad("duplicate_rate_factor must be at least 1");
+        }
+        if !(0.0..=1.0).contains(&self.duplicate_rate_floor) {
+            return bad("duplicate_rate_floor must be within 0..=1");
+        }
+        Ok(())
+    }
+}
+
+/// Outbox numbers of one sample. Gauges come from the database; `published` and
+/// `publish_failed` are the increments since the sampling process's previous sample.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct OutboxGauges {
+    pub pending: i64,
+    pub retrying: i64,
+    pub processing: i64,
+    pub dead_letter: i64,
+    pub oldest_pending_age_seconds: f64,
+    /// `seq` of the oldest row due for publishing: if it stays the same, nothing was published.
+    pub head_seq: Option<i64>,
+    pub published: u64,
+    pub publish_failed: u64,
+}
+
+/// One consumer's numbers of one sample; the counts after `dead_letter` are increments.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct ConsumerGauges {
+    pub consumer: String,
+    pub paused: bool,
+    pub backlog: i64,
+    pub retrying: i64,
+    pub due: i64,
+    pub oldest_due_age_seconds: f64,
+    pub dead_letter: i64,
+    pub received: u64,
+    pub processed: u64,
+    pub duplicates: u64,
+    pub failed: u64,
+    pub dead_lettered: u64,
+}
+
+/// What the stats sampler saw at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Sample {
+    pub at: DateTime<Utc>,
+    pub outbox: OutboxGauges,
+    pub consumers: Vec<ConsumerGauges>,
+}
+
+/// Whether the outbox backlog is going down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Trend {
+    /// Nothing waits to be published.
+    Empty,
+    /// Fewer samples than [`HealthConfig::trend_samples`], or the backlog was empty in some.
+    Unknown,
+    /// Fewer events wait than at the start of the window.
+    Decreasing,
+    /// Events are published but as many arrive.
+    Steady,
+    /// Events are published but more arrive: the publisher is falling behind.
+    Growing,
+    /// Nothing was published during the whole window.
+    Stuck,
+}
+
+/// One finding of the health check.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct HealthReason {
+    /// How bad this finding is.
+    pub state: HealthState,
+    /// Stable code, e.g. `OUTBOX_STUCK`, `INBOX_LAG`, `DEAD_LETTERS`.
+    pub code: String,
+    /// The consumer concerned, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consumer: Option<String>,
+    /// A sentence an operator can act on.
+    pub message: String,
+}
+
+/// Outbox part of a [`HealthReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct OutboxHealth {
+    /// Events waiting to be published.
+    pub pending: i64,
+    /// Events waiting for a publish retry (included in `pending`).
+    pub retrying: i64,
+    /// Events that will not be published without an operator.
+    pub dead_letter: i64,
+    /// Age of the oldest waiting event.
+    pub oldest_pending_age_seconds: f64,
+    /// Whether the backlog is going down.
+    pub trend: Trend,
+}
+
+/// One consumer's part of a [`HealthReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ConsumerHealth {
+    /// The consumer's name.
+    pub consumer: String,
+    /// Its pause switch is on.
+    pub paused: bool,
+    /// Rows not yet processed (received or waiting for a retry).
+    pub backlog: i64,
+    /// How long its oldest due row has been waiting.
+    pub oldest_due_age_seconds: f64,
+    /// Rows that need an operator.
+    pub dead_letter: i64,
+    /// Duplicates per delivery over the recent samples, when there were deliveries.
+    pub duplicate_rate: Option<f64>,
+}
+
+/// The lag health of the outbox and every consumer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct HealthReport {
+    /// The worst state among `reasons`; OK when there are none.
+    pub state: HealthState,
+    /// When the numbers were sampled.
+    pub checked_at: DateTime<Utc>,
+    /// Every finding, worst first.
+    pub reasons: Vec<HealthReason>,
+    /// The outbox.
+    pub outbox: OutboxHealth,
+    /// Every registered consumer.
+    pub consumers: Vec<ConsumerHealth>,
+}
+
+impl HealthReport {
+    /// Adds a finding and raises the overall state to it.
+    pub(crate) fn push(
+        &mut self,
+        state: HealthState,
+        code: &str,
+        consumer: Option<&str>,
+        message: String,
+    ) {
+        self.state = self.state.max(state);
+        self.reasons.push(HealthReason {
+            state,
+            code: code.to_owned(),
+            consumer: consumer.map(str::to_owned),
+            message,
+        });
+        // Stable sort: worst first, otherwise in the order found.
+        self.reasons.sort_by_key(|r| std::cmp::Reverse(r.state));
+    }
+}
+
+/// Assesses `current` given the samples before it (`previous`, oldest first).
+pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) -> HealthReport {
+    let trend = outbox_trend(cfg, current, previous);
+    let o = &current.outbox;
+    let mut report = HealthReport {
+        state: HealthState::Ok,
+        checked_at: current.at,
+        reasons: Vec::new(),
+        outbox: OutboxHealth {
+            pending: o.pending,
+            retrying: o.retrying,
+            dead_letter: o.dead_letter,
+            oldest_pending_age_seconds: o.oldest_pending_age_seconds,
+            trend,
+        },
+        consumers: Vec::new(),
+    };
+
+    if let Some(state) = lag_state(
+        o.oldest_pending_age_seconds,
+        cfg.outbox_warn_after,
+        cfg.outbox_critical_after,
+    ) {
+        report.push(
+            state,
+            "OUTBOX_LAG",
+            None,
+            format!(
+                "the oldest event waiting to be published is {} old ({} waiting)",
+                human(o.oldest_pending_age_seconds),
+                o.pending
+            ),
+        );
+    }
+    let window = trend_window(cfg, current, previous);
+    match trend {
+        Trend::Stuck => report.push(
+            HealthState::Critical,
+            "OUTBOX_STUCK",
+            None,
+            format!(
+                "nothing was published over the last {} samples ({}): {} events wait and the \
+                 oldest has not moved; is the publisher running?",
+                window.len(),
+                human(span_seconds(&window)),
+                o.pending
+            ),
+        ),
+        Trend::Growing => report.push(
+            HealthState::Warning,
+            "OUTBOX_GROWING",
+            None,
+            format!(
+                "events arrive faster than they are published: {} → {} waiting over the last {} samples",
+                window[0].outbox.pending,
+                o.pending,
+                window.len()
+            ),
+        ),
+        _ => {}
+    }
+    if o.dead_letter > 0 {
+        report.push(
+            HealthState::Warning,
+            "DEAD_LETTERS",
+            None,
+            format!(
+                "{} could not be published and {} a decision (retry or ignore)",
+                plural(o.dead_letter, "event"),
+                if o.dead_letter == 1 { "needs" } else { "need" }
+            ),
+        );
+    }
+
+    for c in &current.consumers {
+        let name = Some(c.consumer.as_str());
+        if let Some(state) = lag_state(
+            c.oldest_due_age_seconds,
+            cfg.inbox_warn_after,
+            cfg.inbox_critical_after,
+        ) {
+            if c.paused {
+                report.push(
+                    HealthState::Warning,
+                    "CONSUMER_PAUSED",
+                    name,
+                    format!(
+                        "{} is paused; {} events wait, the oldest for {}",
+                        c.consumer,
+                        c.backlog,
+                        human(c.oldest_due_age_seconds)
+                    ),
+                );
+            } else {
+                report.push(
+                    state,
+                    "INBOX_LAG",
+                    name,
+                    format!(
+                        "{} is behind: its oldest due event has waited {} ({} waiting)",
+                        c.consumer,
+                        human(c.oldest_due_age_seconds),
+                        c.backlog
+                    ),
+                );
+            }
+        }
+        if c.dead_letter > 0 {
+            report.push(
+                HealthState::Warning,
+                "DEAD_LETTERS",
+                name,
+                format!(
+                    "{} has {} that {} a decision (retry or ignore)",
+                    c.consumer,
+                    plural(c.dead_letter, "failed event"),
+                    if c.dead_letter == 1 { "needs" } else { "need" }
+                ),
+            );
+        }
+        let dup = duplicates(cfg, &c.consumer, &window, previous);
+        if dup.alarming {
+            report.push(
+                HealthState::Warning,
+                "DUPLICATE_RATE_HIGH",
+                name,
+                format!(
+                    "{} received {} duplicate deliveries in the last {} samples ({:.0}% of \
+                     deliveries, usually {:.1}%)",
+                    c.consumer,
+                    dup.recent_duplicates,
+                    window.len(),
+                    dup.recent_rate.unwrap_or(0.0) * 100.0,
+                    dup.usual_rate * 100.0
+                ),
+            );
+        }
+        report.consumers.push(ConsumerHealth {
+            consumer: c.consumer.clone(),
+            paused: c.paused,
+            backlog: c.backlog,
+            oldest_due_age_seconds: c.oldest_due_age_seconds,
+            dead_letter: c.dead_letter,
+            duplicate_rate: dup.recent_rate,
+        });
+    }
+    report
+}
+
+/// Whether a health state change deserves a log line: every change does, and so does a first
+/// assessment that is not OK.
+pub(crate) fn transition(
+    previous: Option<HealthState>,
+    next: HealthState,
+) -> Option<(Option<HealthState>, HealthState)> {
+    match previous {
+        Some(p) if p == next => None,
+        None if next == HealthState::Ok => None,
+        p => Some((p, next)),
+    }
+}
+
+fn lag_state(age_seconds: f64, warn: Duration, critical: Duration) -> Option<HealthState> {
+    if age_seconds >= critical.as_secs_f64() && age_seconds > 0.0 {
+        Some(HealthState::Critical)
+    } else if age_seconds >= warn.as_secs_f64() && age_seconds > 0.0 {
+        Some(HealthState::Warning)
+    } else {
+        None
+    }
+}
+
+/// The last `trend_samples` samples, `current` included, oldest first.
+fn trend_window<'a>(
+    cfg: &HealthConfig,
+    current: &'a Sample,
+    previous: &'a [Sample],
+) -> Vec<&'a Sample> {
+    let keep = cfg.trend_samples.saturating_sub(1).min(previous.len());
+    previous[previous.len() - keep..]
+        .iter()
+        .chain(std::iter::once(current))
+        .collect()
+}
+
+fn span_seconds(window: &[&Sample]) -> f64 {
+    match (window.first(), window.last()) {
+        (Some(a), Some(b)) => (b.at - a.at).num_milliseconds().max(0) as f64 / 1000.0,
+        _ => 0.0,
+    }
+}
+
+fn outbox_trend(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) -> Trend {
+    if current.outbox.pending == 0 {
+        return Trend::Empty;
+    }
+    let window = trend_window(cfg, current, previous);
+    if window.len() < cfg.trend_samples || window.iter().any(|s| s.outbox.pending == 0) {
+        return Trend::Unknown;
+    }
+    let first = &window[0].outbox;
+    let last = &current.outbox;
+    // The head is the oldest *due* row. A window in which some sample had nothing due (every
+    // waiting row in its retry backoff) says nothing about the publisher.
+    let head_stuck = window.iter().all(|s| s.outbox.head_seq.is_some())
+        && window
+            .windows(2)
+            .all(|w| w[0].outbox.head_seq == w[1].outbox.head_seq);
+    if last.pending < first.pending {
+        Trend::Decreasing
+    } else if head_stuck {
+        Trend::Stuck
+    } else if last.pending > first.pending {
+        Trend::Growing
+    } else {
+        Trend::Steady
+    }
+}
+
+struct DuplicateCheck {
+    recent_duplicates: u64,
+    recent_rate: Option<f64>,
+    usual_rate: f64,
+    alarming: bool,
+}
+
+/// Duplicates per delivery (new rows + duplicates) in the trend window, against the same rate
+/// over the older samples.
+fn duplicates(
+    cfg: &HealthConfig,
+    consumer: &str,
+    window: &[&Sample],
+    previous: &[Sample],
+) -> DuplicateCheck {
+    let sum = |samples: &mut dyn Iterator<Item = &Sample>| {
+        samples
+            .flat_map(|s| s.consumers.iter().filter(|c| c.consumer == consumer))
+            .fold((0u64, 0u64), |(d, r), c| (d + c.duplicates, r + c.received))
+    };
+    let (recent_dup, recent_rcv) = sum(&mut window.iter().copied());
+    let older = previous
+        .len()
+        .saturating_sub(window.len().saturating_sub(1));
+    let (usual_dup, usual_rcv) = sum(&mut previous[..older].iter());
+    let rate = |d: u64, r: u64| (d + r > 0).then(|| d as f64 / (d + r) as f64);
+    let recent_rate = rate(recent_dup, recent_rcv);
+    let usual_rate = rate(usual_dup, usual_rcv).unwrap_or(0.0);
+    let alarming = recent_dup >= cfg.duplicate_min_count
+        && recent_rate.is_some_and(|r| {
+            r >= cfg.duplicate_rate_floor && r >= usual_rate * cfg.duplicate_rate_factor
+        });
+    DuplicateCheck {
+        recent_duplicates: recent_dup,
+        recent_rate,
+        usual_rate,
+        alarming,
+    }
+}
+
+/// `1 event`, `3 events`.
+fn plural(n: i64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// `42 s`, `3 min 5 s`, `2 h 10 min`.
+pub(crate) fn human(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match s {
+        0..=59 => format!("{s} s"),
+        60..=3599 => format!("{} min {} s", s / 60, s % 60),
+        _ => format!("{} h {} min", s / 3600, (s % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + secs, 0).unwrap()
+    }
+
+    fn outbox(pending: i64, head: Option<i64>, oldest: f64) -> OutboxGauges {
+        OutboxGauges {
+            pending,
+            head_seq: head,
+            oldest_pending_age_seconds: oldest,
+            ..Default::default()
+        }
+    }
+
+    fn sample(secs: i64, o: OutboxGauges, consumers: Vec<ConsumerGauges>) -> Sample {
+        Sample {
+            at: at(secs),
+            outbox: o,
+            consumers,
+        }
+    }
+
+    fn consumer(name: &str) -> ConsumerGauges {
+        ConsumerGauges {
+            consumer: name.into(),
+            ..Default::default()
+        }
+    }
+
+    fn codes(r: &HealthReport) -> Vec<&str> {
+        r.reasons.iter().map(|r| r.code.as_str()).collect()
+    }
+
+    #[test]
+    fn an_idle_system_is_ok() {
+        let cfg = HealthConfig::default();
+        let now = sample(0, outbox(0, None, 0.0), vec![consumer("mail")]);
+        let r = assess(&cfg, &now, &[]);
+        assert_eq!(r.state, HealthState::Ok);
+        assert!(r.reasons.is_empty());
+        assert_eq!(r.outbox.trend, Trend::Empty);
+        assert_eq!(r.consumers.len(), 1);
+    }
+
+    #[test]
+    fn outbox_age_warns_after_a_minute_and_is_critical_after_five() {
+        let cfg = HealthConfig::default();
+        let r = assess(&cfg, &sample(0, outbox(3, Some(1), 59.0), vec![]), &[]);
+        assert_eq!(r.state, HealthState::Ok);
+        let r = assess(&cfg, &sample(0, outbox(3, Some(1), 60.0), vec![]), &[]);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["OUTBOX_LAG"])
+        );
+        let r = assess(&cfg, &sample(0, outbox(3, Some(1), 301.0), vec![]), &[]);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Critical, vec!["OUTBOX_LAG"])
+        );
+    }
+
+    #[test]
+    fn a_live_but_stuck_publisher_is_critical_before_the_age_limits() {
+        let cfg = HealthConfig::default();
+        // Five samples, 5 s apart: 10 events wait throughout and the head never moves.
+        let prev: Vec<_> = (0..4)
+            .map(|i| sample(i * 5, outbox(10, Some(7), (i * 5) as f64), vec![]))
+            .collect();
+        let now = sample(20, outbox(10, Some(7), 20.0), vec![]);
+        let r = assess(&cfg, &now, &prev);
+        assert_eq!(r.outbox.trend, Trend::Stuck);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Critical, vec!["OUTBOX_STUCK"])
+        );
+        assert!(
+            r.reasons[0].message.contains("20 s"),
+            "{}",
+            r.reasons[0].message
+        );
+
+        // The same numbers with one sample fewer say nothing yet.
+        let r = assess(&cfg, &now, &prev[1..]);
+        assert_eq!(r.outbox.trend, Trend::Unknown);
+        assert_eq!(r.state, HealthState::Ok);
+    }
+
+    #[test]
+    fn a_moving_backlog_is_not_stuck() {
+        let cfg = HealthConfig::default();
+        let steady: Vec<_> = (0..4)
+            .map(|i| sample(i, outbox(10, Some(i), 1.0), vec![]))
+            .collect();
+        let r = assess(&cfg, &sample(4, outbox(10, Some(4), 1.0), vec![]), &steady);
+        assert_eq!((r.outbox.trend, r.state), (Trend::Steady, HealthState::Ok));
+
+        let r = assess(&cfg, &sample(4, outbox(5, Some(7), 1.0), vec![]), &steady);
+        assert_eq!(
+            (r.outbox.trend, r.state),
+            (Trend::Decreasing, HealthState::Ok)
+        );
+
+        let r = assess(&cfg, &sample(4, outbox(50, Some(4), 1.0), vec![]), &steady);
+        assert_eq!(r.outbox.trend, Trend::Growing);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["OUTBOX_GROWING"])
+        );
+
+        // An empty sample inside the window means the backlog did drain.
+        let mut gap = steady.clone();
+        gap[2].outbox = outbox(0, None, 0.0);
+        let r = assess(&cfg, &sample(4, outbox(10, Some(0), 1.0), vec![]), &gap);
+        assert_eq!(r.outbox.trend, Trend::Unknown);
+    }
+
+    #[test]
+    fn rows_waiting_for_their_backoff_do_not_make_a_stuck_publisher() {
+        let cfg = HealthConfig::default();
+        // 10 rows wait throughout, but in one sample none of them was due yet.
+        let mut prev: Vec<_> = (0..4)
+            .map(|i| sample(i * 5, outbox(10, Some(7), 1.0), vec![]))
+            .collect();
+        prev[1].outbox.head_seq = None;
+        let r = assess(&cfg, &sample(20, outbox(10, Some(7), 1.0), vec![]), &prev);
+        assert_eq!((r.outbox.trend, r.state), (Trend::Steady, HealthState::Ok));
+    }
+
+    #[test]
+    fn inbox_lag_counts_per_consumer_and_a_paused_consumer_only_warns() {
+        let cfg = HealthConfig::default();
+        let late = ConsumerGauges {
+            backlog: 4,
+            due: 4,
+            oldest_due_age_seconds: 400.0,
+            ..consumer("mail")
+        };
+        let slow = ConsumerGauges {
+            oldest_due_age_seconds: 90.0,
+            ..consumer("stats")
+        };
+        let r = assess(
+            &cfg,
+            &sample(0, outbox(0, None, 0.0), vec![late.clone(), slow]),
+            &[],
+        );
+        assert_eq!(r.state, HealthState::Critical);
+        assert_eq!(codes(&r), vec!["INBOX_LAG", "INBOX_LAG"]);
+        assert_eq!(r.reasons[0].consumer.as_deref(), Some("mail"));
+        assert_eq!(r.reasons[1].state, HealthState::Warning);
+
+        let paused = ConsumerGauges {
+            paused: true,
+            ..late
+        };
+        let r = assess(&cfg, &sample(0, outbox(0, None, 0.0), vec![paused]), &[]);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["CONSUMER_PAUSED"])
+        );
+    }
+
+    #[test]
+    fn dead_letters_warn() {
+        let cfg = HealthConfig::default();
+        let o = OutboxGauges {
+            dead_letter: 1,
+            ..Default::default()
+        };
+        let c = ConsumerGauges {
+            dead_letter: 2,
+            ..consumer("mail")
+        };
+        let r = assess(&cfg, &sample(0, o, vec![c]), &[]);
+        assert_eq!(r.state, HealthState::Warning);
+        assert_eq!(codes(&r), vec!["DEAD_LETTERS", "DEAD_LETTERS"]);
+        assert!(r.reasons[1]
+            .message
+            .contains("mail has 2 failed events that need a decision"));
+    }
+
+    #[test]
+    fn a_duplicate_rate_far_above_usual_warns() {
+        let cfg = HealthConfig::default();
+        let deliveries = |received: u64, duplicates: u64| ConsumerGauges {
+            received,
+            duplicates,
+            ..consumer("mail")
+        };
+        // An hour of 1% duplicates …
+        let usual: Vec<_> = (0..20)
+            .map(|i| sample(i, outbox(0, None, 0.0), vec![deliveries(99, 1)]))
+            .collect();
+        let r = assess(
+            &cfg,
+            &sample(20, outbox(0, None, 0.0), vec![deliveries(99, 1)]),
+            &usual,
+        );
+        assert_eq!(r.state, HealthState::Ok);
+        assert_eq!(r.consumers[0].duplicate_rate, Some(0.01));
+
+        // … then 30% in the recent window.
+        let mut burst = usual.clone();
+        for s in burst.iter_mut().skip(16) {
+            s.consumers = vec![deliveries(70, 30)];
+        }
+        let r = assess(
+            &cfg,
+            &sample(20, outbox(0, None, 0.0), vec![deliveries(70, 30)]),
+            &burst,
+        );
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["DUPLICATE_RATE_HIGH"])
+        );
+
+        // A high rate that is usual for this consumer is not news.
+        let always: Vec<_> = (0..20)
+            .map(|i| sample(i, outbox(0, None, 0.0), vec![deliveries(70, 30)]))
+            .collect();
+        let r = assess(
+            &cfg,
+            &sample(20, outbox(0, None, 0.0), vec![deliveries(70, 30)]),
+            &always,
+        );
+        assert_eq!(r.state, HealthState::Ok);
+
+        // A handful of duplicates is below the minimum count.
+        let r = assess(
+            &cfg,
+            &sample(0, outbox(0, None, 0.0), vec![deliveries(1, 3)]),
+            &[],
+        );
+        assert_eq!(r.state, HealthState::Ok);
+    }
+
+    #[test]
+    fn the_worst_reason_comes_first() {
+        let cfg = HealthConfig::default();
+        let o = OutboxGauges {
+            dead_letter: 1,
+            ..outbox(2, Some(1), 400.0)
+        };
+        let r = assess(&cfg, &sample(0, o, vec![]), &[]);
+        assert_eq!(codes(&r), vec!["OUTBOX_LAG", "DEAD_LETTERS"]);
+        assert_eq!(r.state, HealthState::Critical);
+    }
+
+    #[test]
+    fn transitions_are_reported_once() {
+        use HealthState::*;
+        assert_eq!(transition(None, Ok), None);
+        assert_eq!(transition(None, Warning), Some((None, Warning)));
+        assert_eq!(transition(Some(Ok), Ok), None);
+        assert_eq!(transition(Some(Ok), Critical), Some((Some(Ok), Critical)));
+        assert_eq!(transition(Some(Critical), Ok), Some((Some(Critical), Ok)));
+    }
+
+    #[test]
+    fn reports_round_trip_through_json() {
+        let cfg = HealthConfig::default();
+        let r = assess(
+            &cfg,
+            &sample(0, outbox(3, Some(1), 400.0), vec![consumer("a")]),
+            &[],
+        );
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["state"], "CRITICAL");
+        assert_eq!(json["outbox"]["trend"], "UNKNOWN");
+        let back: HealthReport = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn invalid_configs_are_rejected() {
+        assert!(HealthConfig::default().validate().is_ok());
+        let bad = HealthConfig {
+            outbox_warn_after: Duration::from_secs(600),
+            ..HealthConfig::default()
+        };
+        assert!(bad.validate().is_err());
+        let bad = HealthConfig {
+            trend_samples: 1,
+            ..HealthConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn durations_read_like_a_person_wrote_them() {
+        assert_eq!(human(42.4), "42 s");
+        assert_eq!(human(185.0), "3 min 5 s");
+        assert_eq!(human(7800.0), "2 h 10 min");
+    }
+}

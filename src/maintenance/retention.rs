@@ -1,0 +1,140 @@
+//! Retention: deletes delivered history in bounded batches, so the tables stay the size of the
+//! work in flight plus a week.
+//!
+//! What goes, by default: PUBLISHED outbox rows and PROCESSED inbox rows after 7 days, business
+//! idempotency keys after 30 days. What never goes: dead letters and IGNORED rows (an
+//! operator's decision), and anything not yet delivered.
+//!
+//! Why the keys outlive the inbox rows: once a PROCESSED inbox row is gone, a redelivery of
+//! that event (a broker replay, an operator re-publishing) is processed again, and only the
+//! business key stops it from repeating its effect. Keep `idempotency_keys_after` longer than
+//! any replay you may do.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::store::stats::{self as stmt, Expired};
+use crate::store::PgPool;
+
+/// What retention keeps. Every field has a documented default.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetentionConfig {
+    /// PUBLISHED outbox rows older than this (by `published_at`) are deleted. Default 7 days.
+    pub published_outbox_after: Duration,
+    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 7 days.
+    pub processed_inbox_after: Duration,
+    /// Idempotency keys older than this are deleted. Default 30 days.
+    pub idempotency_keys_after: Duration,
+    /// Rows per delete statement: each batch is its own short transaction. Default 1000.
+    pub batch_size: u32,
+    /// Batches per table and run, so one run has a bounded cost; the rest waits for the next
+    /// run. Default 100.
+    pub max_batches: u32,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        const DAY: u64 = 24 * 3600;
+        RetentionConfig {
+            published_outbox_after: Duration::from_secs(7 * DAY),
+            processed_inbox_after: Duration::from_secs(7 * DAY),
+            idempotency_keys_after: Duration::from_secs(30 * DAY),
+            batch_size: 1000,
+            max_batches: 100,
+        }
+    }
+}
+
+impl RetentionConfig {
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 || self.batch_size > 100_000 || self.max_batches == 0 {
+            return Err(Error::Config(
+                "retention batch_size must be within 1..=100000 and max_batches positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Rows one [`Retention::run_once`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetentionReport {
+    /// PUBLISHED outbox rows.
+    pub outbox_deleted: u64,
+    /// PROCESSED inbox rows.
+    pub inbox_deleted: u64,
+    /// Idempotency keys.
+    pub keys_deleted: u64,
+    /// A table had more expired rows than `max_batches` allowed: run again soon.
+    pub more_left: bool,
+}
+
+/// The retention service. Call [`Retention::run_once`] on a schedule (hourly is plenty); it
+/// is safe to run from several instances at once (they skip each other's locked rows).
+pub struct Retention {
+    pool: PgPool,
+    config: RetentionConfig,
+}
+
+impl Retention {
+    /// A retention service on `pool`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a zero or huge batch size or zero batches.
+    pub fn new(pool: PgPool, config: RetentionConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Retention { pool, config })
+    }
+
+    /// Deletes expired rows, table by table, in batches, and returns how many.
+    ///
+    /// # Errors
+    /// [`Error::Database`] or [`Error::Pool`]; batches already committed stay deleted.
+    ///
+    /// # Cancel safety
+    /// Dropping the future stops after the batch in flight, which commits or rolls back whole.
+    pub async fn run_once(&self) -> Result<RetentionReport> {
+        let mut report = RetentionReport::default();
+        let c = &self.config;
+        let plan = [
+            (Expired::PublishedOutbox, c.published_outbox_after),
+            (Expired::ProcessedInbox, c.processed_inbox_after),
+            (Expired::IdempotencyKeys, c.idempotency_keys_after),
+        ];
+        for (what, older_than) in plan {
+            let (deleted, more) = self.drain(what, older_than).await?;
+            match what {
+                Expired::PublishedOutbox => report.outbox_deleted = deleted,
+                Expired::ProcessedInbox => report.inbox_deleted = deleted,
+                Expired::IdempotencyKeys => report.keys_deleted = deleted,
+            }
+            report.more_left |= more;
+        }
+        tracing::info!(
+            name: "retention.completed",
+            outbox_deleted = report.outbox_deleted,
+            inbox_deleted = report.inbox_deleted,
+            keys_deleted = report.keys_deleted,
+            more_left = report.more_left,
+            "retention.completed"
+        );
+        Ok(report)
+    }
+
+    async fn drain(&self, what: Expired, older_than: Duration) -> Result<(u64, bool)> {
+        let batch = i64::from(self.config.batch_size);
+        let mut deleted = 0u64;
+        for _ in 0..self.config.max_batches {
+            // A connection per batch: a long run does not pin one away from the runtime.
+            let mut conn = self.pool.get().await?;
+            let n = stmt::delete_expired(&mut conn, what, older_than, batch).await?;
+            deleted += n as u64;
+            if (n as i64) < batch {
+                return Ok((deleted, false));
+            }
+        }
+        Ok((deleted, true))
+    }
+}

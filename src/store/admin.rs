@@ -1,0 +1,387 @@
+//! Statements of the operator API: bounded lists, the status changes operators may make and
+//! the audit rows written with them. (The correlation timeline is the library's own
+//! [`timeline`](crate::timeline).)
+//!
+//! Lists never read `payload` unless the caller asks for it (the application enabled a
+//! redacted view): a column that is not selected cannot leak.
+
+#![cfg(feature = "admin")]
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{
+    Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::Serialize;
+
+use crate::error::Result;
+
+/// One outbox row as operators see it.
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct OutboxItem {
+    #[diesel(sql_type = SqlUuid)]
+    pub id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Integer)]
+    pub event_version: i32,
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub aggregate_version: Option<i64>,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub error_code: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    #[diesel(sql_type = Text)]
+    pub correlation_id: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub causation_id: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    pub next_attempt_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub published_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Timestamptz)]
+    pub updated_at: DateTime<Utc>,
+    /// Only selected when the application enabled a redacted payload view.
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<serde_json::Value>,
+}
+
+/// One inbox row as operators see it.
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct InboxItem {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = SqlUuid)]
+    pub event_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Integer)]
+    pub event_version: i32,
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub aggregate_version: Option<i64>,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub error_code: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    #[diesel(sql_type = Text)]
+    pub correlation_id: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub causation_id: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub event_created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    pub received_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    pub next_attempt_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub processed_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Timestamptz)]
+    pub updated_at: DateTime<Utc>,
+    /// Only selected when the application enabled a redacted payload view.
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<serde_json::Value>,
+}
+
+/// Filters of a list; `None` matches everything. Statuses are validated by the caller.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ListFilter {
+    pub status: Option<String>,
+    pub event_type: Option<String>,
+    pub consumer: Option<String>,
+    pub limit: i64,
+    pub with_payload: bool,
+}
+
+/// Newest first (UUID v7 ids are time-ordered, so the primary key serves the order and the
+/// `before` cursor).
+pub(crate) async fn list_outbox(
+    conn: &mut AsyncPgConnection,
+    f: &ListFilter,
+    before: Option<uuid::Uuid>,
+) -> Result<Vec<OutboxItem>> {
+    let rows = diesel::sql_query(
+        "SELECT id, event_type, event_version, aggregate_type, aggregate_id, aggregate_version, \
+             status, attempt_count, error_code, last_error, correlation_id, causation_id, \
+             created_at, next_attempt_at, published_at, updated_at, \
+             CASE WHEN $5 THEN payload END AS payload \
+         FROM outbox_events \
+         WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2) \
+           AND ($3::uuid IS NULL OR id < $3) \
+         ORDER BY id DESC LIMIT $4",
+    )
+    .bind::<Nullable<Text>, _>(f.status.as_deref())
+    .bind::<Nullable<Text>, _>(f.event_type.as_deref())
+    .bind::<Nullable<SqlUuid>, _>(before)
+    .bind::<BigInt, _>(f.limit)
+    .bind::<Bool, _>(f.with_payload)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// Newest first, by id; `before` is the last id of the previous page.
+pub(crate) async fn list_inbox(
+    conn: &mut AsyncPgConnection,
+    f: &ListFilter,
+    before: Option<i64>,
+) -> Result<Vec<InboxItem>> {
+    let rows = diesel::sql_query(
+        "SELECT id, event_id, consumer, event_type, event_version, aggregate_type, aggregate_id, \
+             aggregate_version, status, attempt_count, error_code, last_error, correlation_id, \
+             causation_id, event_created_at, received_at, next_attempt_at, processed_at, \
+             updated_at, CASE WHEN $6 THEN payload END AS payload \
+         FROM inbox_events \
+         WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2) \
+           AND ($3::text IS NULL OR consumer = $3) AND ($4::int8 IS NULL OR id < $4) \
+         ORDER BY id DESC LIMIT $5",
+    )
+    .bind::<Nullable<Text>, _>(f.status.as_deref())
+    .bind::<Nullable<Text>, _>(f.event_type.as_deref())
+    .bind::<Nullable<Text>, _>(f.consumer.as_deref())
+    .bind::<Nullable<BigInt>, _>(before)
+    .bind::<BigInt, _>(f.limit)
+    .bind::<Bool, _>(f.with_payload)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// A row's state as locked before an operator's change.
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct LockedRow {
+    /// The inbox id or the outbox event id, as text.
+    #[diesel(sql_type = Text)]
+    pub id: String,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub error_code: Option<String>,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub consumer: Option<String>,
+}
+
+/// Locks the inbox rows `ids` for the caller's transaction and returns their state. Waits for
+/// a consumer batch that holds one of them to commit, so the state returned is final.
+pub(crate) async fn lock_inbox(
+    conn: &mut AsyncPgConnection,
+    ids: &[i64],
+) -> Result<Vec<LockedRow>> {
+    let rows = diesel::sql_query(
+        "SELECT id::text AS id, status, attempt_count, error_code, event_type, consumer \
+         FROM inbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// As [`lock_inbox`], for outbox rows.
+pub(crate) async fn lock_outbox(
+    conn: &mut AsyncPgConnection,
+    ids: &[uuid::Uuid],
+) -> Result<Vec<LockedRow>> {
+    let rows = diesel::sql_query(
+        "SELECT id::text AS id, status, attempt_count, error_code, event_type, NULL::text AS consumer \
+         FROM outbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+    )
+    .bind::<Array<SqlUuid>, _>(ids)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// Dead letters back to the consumer: RETRY_PENDING, due now, attempt count kept (so the
+/// consumer's policy allows one more attempt before dead-lettering again).
+pub(crate) async fn retry_inbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<usize> {
+    let n = diesel::sql_query(
+        "UPDATE inbox_events SET status = 'RETRY_PENDING', next_attempt_at = now(), \
+             updated_at = now() \
+         WHERE id = ANY($1) AND status = 'DEAD_LETTER'",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}
+
+/// Dead letters back to the publisher: PENDING, due now, lease cleared, attempt count kept.
+pub(crate) async fn retry_outbox(
+    conn: &mut AsyncPgConnection,
+    ids: &[uuid::Uuid],
+) -> Result<usize> {
+    let n = diesel::sql_query(
+        "UPDATE outbox_events SET status = 'PENDING', next_attempt_at = now(), locked_by = NULL, \
+             locked_until = NULL, updated_at = now() \
+         WHERE id = ANY($1) AND status = 'DEAD_LETTER'",
+    )
+    .bind::<Array<SqlUuid>, _>(ids)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}
+
+/// Statuses an operator may mark IGNORED: the event will not be delivered (to this consumer).
+pub(crate) const IGNORABLE: &[&str] = &["DEAD_LETTER", "RETRY_PENDING"];
+
+pub(crate) async fn ignore_inbox(conn: &mut AsyncPgConnection, id: i64) -> Result<usize> {
+    let n = diesel::sql_query(
+        "UPDATE inbox_events SET status = 'IGNORED', updated_at = now() \
+         WHERE id = $1 AND status IN ('DEAD_LETTER', 'RETRY_PENDING')",
+    )
+    .bind::<BigInt, _>(id)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}
+
+pub(crate) async fn ignore_outbox(conn: &mut AsyncPgConnection, id: uuid::Uuid) -> Result<usize> {
+    let n = diesel::sql_query(
+        "UPDATE outbox_events SET status = 'IGNORED', locked_by = NULL, locked_until = NULL, \
+             updated_at = now() \
+         WHERE id = $1 AND status IN ('DEAD_LETTER', 'RETRY_PENDING')",
+    )
+    .bind::<SqlUuid, _>(id)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}
+
+/// Writes one audit row in the caller's transaction; returns its id.
+pub(crate) async fn insert_audit(
+    conn: &mut AsyncPgConnection,
+    who: &str,
+    action: &str,
+    target: &str,
+    reason: Option<&str>,
+    details: &serde_json::Value,
+) -> Result<i64> {
+    #[derive(QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+    }
+    let row: Id = diesel::sql_query(
+        "INSERT INTO admin_audit (who, action, target, reason, details) \
+         VALUES ($1, $2, $3, $4, $5) RETURNING id",
+    )
+    .bind::<Text, _>(who)
+    .bind::<Text, _>(action)
+    .bind::<Text, _>(target)
+    .bind::<Nullable<Text>, _>(reason)
+    .bind::<Jsonb, _>(details)
+    .get_result(conn)
+    .await?;
+    Ok(row.id)
+}
+
+/// One audit row.
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct AuditEntry {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = Text)]
+    pub who: String,
+    #[diesel(sql_type = Text)]
+    pub action: String,
+    #[diesel(sql_type = Text)]
+    pub target: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub reason: Option<String>,
+    #[diesel(sql_type = Jsonb)]
+    pub details: serde_json::Value,
+    #[diesel(sql_type = Timestamptz)]
+    pub at: DateTime<Utc>,
+}
+
+/// Newest first; `before` is the last id of the previous page.
+pub(crate) async fn list_audit(
+    conn: &mut AsyncPgConnection,
+    before: Option<i64>,
+    limit: i64,
+) -> Result<Vec<AuditEntry>> {
+    let rows = diesel::sql_query(
+        "SELECT id, who, action, target, reason, details, at FROM admin_audit \
+         WHERE ($1::int8 IS NULL OR id < $1) ORDER BY id DESC LIMIT $2",
+    )
+    .bind::<Nullable<BigInt>, _>(before)
+    .bind::<BigInt, _>(limit)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// A consumer's pause switch as operators see it.
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct ConsumerState {
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    #[diesel(sql_type = Bool)]
+    pub paused: bool,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub paused_by: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub reason: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub updated_at: DateTime<Utc>,
+    #[diesel(sql_type = Array<Text>)]
+    pub subscriptions: Vec<String>,
+}
+
+pub(crate) async fn consumer_states(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerState>> {
+    let rows = diesel::sql_query(
+        "SELECT s.consumer, s.paused, s.paused_by, s.reason, s.updated_at, \
+             coalesce((SELECT array_agg(event_type ORDER BY event_type) FROM consumer_subscriptions c \
+                 WHERE c.consumer = s.consumer), '{}') AS subscriptions \
+         FROM consumer_states s ORDER BY s.consumer",
+    )
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+/// Locks a consumer's state row for the caller's transaction: `Some(paused)`, or `None` when
+/// no runtime ever registered it.
+pub(crate) async fn lock_consumer(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+) -> Result<Option<bool>> {
+    #[derive(QueryableByName)]
+    struct Paused {
+        #[diesel(sql_type = Bool)]
+        paused: bool,
+    }
+    let rows: Vec<Paused> =
+        diesel::sql_query("SELECT paused FROM consumer_states WHERE consumer = $1 FOR UPDATE")
+            .bind::<Text, _>(consumer)
+            .load(conn)
+            .await?;
+    Ok(rows.into_iter().next().map(|r| r.paused))
+}

@@ -1,0 +1,310 @@
+//! Statements of the maintenance services: the stats sampler's live gauges and
+//! `outbox_stats_samples` rows, and retention's bounded deletes.
+//!
+//! Every count reads a partial index (due rows, PROCESSING rows, dead letters), never the
+//! PUBLISHED/PROCESSED history, so a sample costs the same with a million delivered events as
+//! with none.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Bool, Double, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+use crate::maintenance::health::{ConsumerGauges, OutboxGauges, Sample};
+
+#[derive(QueryableByName)]
+struct OutboxRow {
+    #[diesel(sql_type = Timestamptz)]
+    at: DateTime<Utc>,
+    #[diesel(sql_type = BigInt)]
+    pending: i64,
+    #[diesel(sql_type = BigInt)]
+    retrying: i64,
+    #[diesel(sql_type = BigInt)]
+    processing: i64,
+    #[diesel(sql_type = BigInt)]
+    dead_letter: i64,
+    #[diesel(sql_type = Double)]
+    oldest_age: f64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    head_seq: Option<i64>,
+}
+
+/// The gauges of the outbox and of every consumer ever registered, at the database's `now()`.
+/// The increments (`published`, `received`, …) are left at zero for the caller to fill in.
+pub(crate) async fn snapshot(conn: &mut AsyncPgConnection) -> Result<Sample> {
+    let (at, outbox) = outbox_gauges(conn).await?;
+    let consumers = consumer_gauges(conn).await?;
+    Ok(Sample {
+        at,
+        outbox,
+        consumers,
+    })
+}
+
+async fn outbox_gauges(conn: &mut AsyncPgConnection) -> Result<(DateTime<Utc>, OutboxGauges)> {
+    let row: OutboxRow = diesel::sql_query(
+        "SELECT now() AS at, \
+           (SELECT count(*) FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING')) AS pending, \
+           (SELECT count(*) FROM outbox_events WHERE status = 'RETRY_PENDING') AS retrying, \
+           (SELECT count(*) FROM outbox_events WHERE status = 'PROCESSING') AS processing, \
+           (SELECT count(*) FROM outbox_events WHERE status = 'DEAD_LETTER') AS dead_letter, \
+           coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox_events \
+               WHERE status IN ('PENDING', 'RETRY_PENDING') ORDER BY seq LIMIT 1), 0) AS oldest_age, \
+           (SELECT seq FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING') \
+               AND next_attempt_at <= now() ORDER BY seq LIMIT 1) AS head_seq",
+    )
+    .get_result(conn)
+    .await?;
+    let gauges = OutboxGauges {
+        pending: row.pending,
+        retrying: row.retrying,
+        processing: row.processing,
+        dead_letter: row.dead_letter,
+        oldest_pending_age_seconds: row.oldest_age.max(0.0),
+        head_seq: row.head_seq,
+        ..Default::default()
+    };
+    Ok((row.at, gauges))
+}
+
+#[derive(QueryableByName)]
+struct ConsumerRow {
+    #[diesel(sql_type = Text)]
+    consumer: String,
+    #[diesel(sql_type = Bool)]
+    paused: bool,
+    #[diesel(sql_type = BigInt)]
+    backlog: i64,
+    #[diesel(sql_type = BigInt)]
+    retrying: i64,
+    #[diesel(sql_type = BigInt)]
+    due: i64,
+    #[diesel(sql_type = Double)]
+    oldest_due_age: f64,
+    #[diesel(sql_type = BigInt)]
+    dead_letter: i64,
+}
+
+/// The gauges of every consumer ever registered, in name order.
+async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGauges>> {
+    let rows: Vec<ConsumerRow> = diesel::sql_query(
+        "SELECT s.consumer, s.paused, \
+           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING')) AS backlog, \
+           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status = 'RETRY_PENDING') AS retrying, \
+           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now()) AS due, \
+           coalesce((SELECT extract(epoch FROM now() - min(i.next_attempt_at))::float8 \
+               FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now()), 0) \
+               AS oldest_due_age, \
+           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status = 'DEAD_LETTER') AS dead_letter \
+         FROM consumer_states s ORDER BY s.consumer",
+    )
+    .load(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| ConsumerGauges {
+            consumer: r.consumer,
+            paused: r.paused,
+            backlog: r.backlog,
+            retrying: r.retrying,
+            due: r.due,
+            oldest_due_age_seconds: r.oldest_due_age.max(0.0),
+            dead_letter: r.dead_letter,
+            ..Default::default()
+        })
+        .collect())
+}
+
+/// Records one sample with the health report made from it; returns its `sampled_at`
+/// (the database clock, which every instance shares).
+pub(crate) async fn insert_sample(
+    conn: &mut AsyncPgConnection,
+    instance: &str,
+    interval: Duration,
+    sample: &serde_json::Value,
+    health: &serde_json::Value,
+) -> Result<DateTime<Utc>> {
+    #[derive(QueryableByName)]
+    struct At {
+        #[diesel(sql_type = Timestamptz)]
+        sampled_at: DateTime<Utc>,
+    }
+    let at: At = diesel::sql_query(
+        "INSERT INTO outbox_stats_samples (instance, interval_ms, sample, health) \
+         VALUES ($1, $2, $3, $4) RETURNING sampled_at",
+    )
+    .bind::<Text, _>(instance)
+    .bind::<BigInt, _>(interval.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<Jsonb, _>(sample)
+    .bind::<Jsonb, _>(health)
+    .get_result(conn)
+    .await?;
+    Ok(at.sampled_at)
+}
+
+#[derive(QueryableByName)]
+struct SampleRow {
+    #[diesel(sql_type = Jsonb)]
+    sample: serde_json::Value,
+}
+
+/// The samples of the last `since`, at most `limit` of them, oldest first.
+pub(crate) async fn recent_samples(
+    conn: &mut AsyncPgConnection,
+    since: Duration,
+    limit: i64,
+) -> Result<Vec<serde_json::Value>> {
+    let mut rows: Vec<SampleRow> = diesel::sql_query(
+        "SELECT sample FROM outbox_stats_samples \
+         WHERE sampled_at > now() - $1 * interval '1 millisecond' \
+         ORDER BY sampled_at DESC, id DESC LIMIT $2",
+    )
+    .bind::<BigInt, _>(since.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<BigInt, _>(limit)
+    .load(conn)
+    .await?;
+    rows.reverse();
+    Ok(rows.into_iter().map(|r| r.sample).collect())
+}
+
+/// The newest health report, with when it was made and how often its sampler runs.
+#[cfg(feature = "admin")]
+#[derive(Debug, QueryableByName)]
+pub(crate) struct LatestHealth {
+    #[diesel(sql_type = Jsonb)]
+    pub health: serde_json::Value,
+    #[diesel(sql_type = BigInt)]
+    pub interval_ms: i64,
+    /// Seconds since the sample was taken, by the database clock.
+    #[diesel(sql_type = Double)]
+    pub age_seconds: f64,
+}
+
+#[cfg(feature = "admin")]
+pub(crate) async fn latest_health(conn: &mut AsyncPgConnection) -> Result<Option<LatestHealth>> {
+    let rows: Vec<LatestHealth> = diesel::sql_query(
+        "SELECT health, interval_ms, \
+             extract(epoch FROM now() - sampled_at)::float8 AS age_seconds \
+         FROM outbox_stats_samples ORDER BY sampled_at DESC, id DESC LIMIT 1",
+    )
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().next())
+}
+
+#[cfg(feature = "admin")]
+#[derive(QueryableByName)]
+struct ConsumerSums {
+    #[diesel(sql_type = Text)]
+    consumer: String,
+    #[diesel(sql_type = BigInt)]
+    duplicates: i64,
+    #[diesel(sql_type = BigInt)]
+    failed: i64,
+    #[diesel(sql_type = BigInt)]
+    processed: i64,
+}
+
+/// Duplicates, failed attempts and processed rows per consumer over the last `since`, summed
+/// over every instance's samples: (consumer, duplicates, failed, processed).
+#[cfg(feature = "admin")]
+pub(crate) async fn consumer_sums(
+    conn: &mut AsyncPgConnection,
+    since: Duration,
+) -> Result<Vec<(String, i64, i64, i64)>> {
+    let rows: Vec<ConsumerSums> = diesel::sql_query(
+        "SELECT c->>'consumer' AS consumer, \
+             coalesce(sum((c->>'duplicates')::int8), 0)::int8 AS duplicates, \
+             coalesce(sum((c->>'failed')::int8), 0)::int8 AS failed, \
+             coalesce(sum((c->>'processed')::int8), 0)::int8 AS processed \
+         FROM outbox_stats_samples s, jsonb_array_elements(s.sample->'consumers') c \
+         WHERE s.sampled_at > now() - $1 * interval '1 millisecond' \
+         GROUP BY 1 ORDER BY 1",
+    )
+    .bind::<BigInt, _>(since.as_millis().min(i64::MAX as u128) as i64)
+    .load(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.consumer, r.duplicates, r.failed, r.processed))
+        .collect())
+}
+
+/// Deletes at most `batch` samples older than `older_than`.
+pub(crate) async fn prune_samples(
+    conn: &mut AsyncPgConnection,
+    older_than: Duration,
+    batch: i64,
+) -> Result<usize> {
+    let n = diesel::sql_query(
+        "DELETE FROM outbox_stats_samples WHERE id IN ( \
+             SELECT id FROM outbox_stats_samples \
+             WHERE sampled_at < now() - $1 * interval '1 millisecond' \
+             ORDER BY sampled_at LIMIT $2)",
+    )
+    .bind::<BigInt, _>(older_than.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<BigInt, _>(batch)
+    .execute(conn)
+    .await?;
+    Ok(n)
+}
+
+/// What a retention batch deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expired {
+    /// PUBLISHED outbox rows, by `published_at`.
+    PublishedOutbox,
+    /// PROCESSED inbox rows, by `processed_at`.
+    ProcessedInbox,
+    /// Business idempotency keys, by `created_at`.
+    IdempotencyKeys,
+}
+
+/// Deletes at most `batch` rows of `what` older than `older_than`, oldest first. Rows locked
+/// by someone else are skipped, never waited for. Dead letters and IGNORED rows never match:
+/// they are an operator's to decide about.
+///
+/// Expected plans: index scans of `outbox_events_published`, `inbox_events_processed` and
+/// `idempotency_keys_created`.
+pub(crate) async fn delete_expired(
+    conn: &mut AsyncPgConnection,
+    what: Expired,
+    older_than: Duration,
+    batch: i64,
+) -> Result<usize> {
+    let sql = match what {
+        Expired::PublishedOutbox => {
+            "DELETE FROM outbox_events WHERE id IN ( \
+                 SELECT id FROM outbox_events \
+                 WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
+                 ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        }
+        Expired::ProcessedInbox => {
+            "DELETE FROM inbox_events WHERE id IN ( \
+                 SELECT id FROM inbox_events \
+                 WHERE status = 'PROCESSED' AND processed_at < now() - $1 * interval '1 millisecond' \
+                 ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        }
+        Expired::IdempotencyKeys => {
+            "DELETE FROM idempotency_keys WHERE key IN ( \
+                 SELECT key FROM idempotency_keys \
+                 WHERE created_at < now() - $1 * interval '1 millisecond' \
+                 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        }
+    };
+    let n = diesel::sql_query(sql)
+        .bind::<BigInt, _>(older_than.as_millis().min(i64::MAX as u128) as i64)
+        .bind::<BigInt, _>(batch)
+        .execute(conn)
+        .await?;
+    Ok(n)
+}

@@ -1,0 +1,908 @@
+//! The operator API against real PostgreSQL, through actix-web's test service. Every assertion
+//! about "nothing changed" compares a fingerprint of every outbox, inbox, consumer and audit row
+//! taken before and after the request.
+
+mod common;
+
+use actix_outbox::{admin_scope, AdminConfig};
+use actix_web::test::{call_service, init_service, read_body, TestRequest};
+use actix_web::App;
+use common::*;
+use diesel::sql_types::{BigInt, Text};
+use diesel::QueryableByName;
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "alice-secret-token-0001";
+const MARKER: &str = "SECRET-PAYLOAD-MARKER";
+
+/// Calls the service and returns (status, body as text).
+macro_rules! call {
+    ($app:expr, $req:expr) => {{
+        let res = call_service(&$app, $req.to_request()).await;
+        let status = res.status().as_u16();
+        let body = read_body(res).await;
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }};
+}
+
+fn config(db: &TestDb) -> AdminConfig {
+    AdminConfig::new(db.pool.clone())
+        .bearer_token("alice", TOKEN)
+        .unwrap()
+}
+
+fn get(uri: &str) -> TestRequest {
+    TestRequest::get()
+        .uri(uri)
+        .insert_header(("Authorization", format!("Bearer {TOKEN}")))
+}
+
+fn post(uri: &str, body: Value) -> TestRequest {
+    TestRequest::post()
+        .uri(uri)
+        .insert_header(("Authorization", format!("Bearer {TOKEN}")))
+        .insert_header(("Content-Type", "application/json"))
+        .set_payload(body.to_string())
+}
+
+fn json_of(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+/// Asserts a JSON error with `status` and `code`, and returns its message.
+fn assert_error(got: &(u16, String), status: u16, code: &str) -> String {
+    assert_eq!(got.0, status, "{}", got.1);
+    let v = json_of(&got.1);
+    assert_eq!(v["error"]["code"], code, "{}", got.1);
+    let message = v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(!message.is_empty(), "an error names the problem: {}", got.1);
+    message
+}
+
+#[derive(QueryableByName)]
+struct TextRow {
+    #[diesel(sql_type = Text)]
+    s: String,
+}
+
+async fn text(db: &TestDb, sql: &str) -> String {
+    let mut conn = db.pool.get().await.unwrap();
+    let r: TextRow = diesel::sql_query(sql)
+        .get_result(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    r.s
+}
+
+/// Every column an action could touch, of every row, plus the audit trail's size.
+async fn fingerprint(db: &TestDb) -> String {
+    text(
+        db,
+        "SELECT coalesce((SELECT string_agg(concat_ws('|', id, status, attempt_count, next_attempt_at, \
+                 updated_at, locked_by), ',' ORDER BY id) FROM outbox_events), '') \
+             || '#' || coalesce((SELECT string_agg(concat_ws('|', id, status, attempt_count, \
+                 next_attempt_at, updated_at), ',' ORDER BY id) FROM inbox_events), '') \
+             || '#' || coalesce((SELECT string_agg(concat_ws('|', consumer, paused, paused_by, reason, \
+                 updated_at), ',' ORDER BY consumer) FROM consumer_states), '') \
+             || '#' || (SELECT count(*) FROM admin_audit) AS s",
+    )
+    .await
+}
+
+/// Ids of the seeded rows.
+struct Seed {
+    outbox_published: uuid::Uuid,
+    outbox_dead: uuid::Uuid,
+    outbox_pending: uuid::Uuid,
+    /// Three of `mail`'s dead letters.
+    inbox_dead: Vec<i64>,
+    inbox_processed: i64,
+    inbox_retry: i64,
+    stats_processed: i64,
+}
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+}
+
+/// Two consumers, outbox rows in three states and inbox rows in four, all of one correlation
+/// (`corr-1`), every payload carrying [`MARKER`].
+async fn seed(db: &TestDb) -> Seed {
+    let (published, dead, pending) = (
+        uuid::Uuid::now_v7(),
+        uuid::Uuid::now_v7(),
+        uuid::Uuid::now_v7(),
+    );
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(&format!(
+        "INSERT INTO consumer_states (consumer) VALUES ('mail'), ('stats');
+         INSERT INTO consumer_subscriptions (consumer, event_type)
+             VALUES ('mail', 'ORDER_STATUS_CHANGED'), ('stats', 'ORDER_STATUS_CHANGED');
+         INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, aggregate_version,
+                 payload, correlation_id, status, attempt_count, error_code, last_error, published_at,
+                 created_at)
+         VALUES ('{published}', 'ORDER_STATUS_CHANGED', 'order', 'o-1', 2, '{{\"email\": \"{MARKER}\"}}',
+                 'corr-1', 'PUBLISHED', 1, NULL, NULL, now(), now() - interval '3 minutes'),
+                ('{dead}', 'ORDER_SHIPPED', 'order', 'o-2', 3, '{{\"email\": \"{MARKER}\"}}',
+                 'corr-1', 'DEAD_LETTER', 5, 'OUTBOX_PUBLISH_FAILED', 'broker refused', NULL,
+                 now() - interval '2 minutes'),
+                ('{pending}', 'ORDER_STATUS_CHANGED', 'order', 'o-3', 1, '{{\"email\": \"{MARKER}\"}}',
+                 'corr-2', 'PENDING', 0, NULL, NULL, NULL, now());
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+                 aggregate_id, payload, correlation_id, event_created_at, status, attempt_count,
+                 error_code, last_error, processed_at, next_attempt_at, received_at)
+         SELECT '{published}', c, 'ORDER_STATUS_CHANGED', 1, 'order', 'o-1',
+                '{{\"email\": \"{MARKER}\"}}', 'corr-1', now() - interval '3 minutes', s, a, e, m, p,
+                now() + interval '1 hour', now() - interval '1 minute'
+         FROM (VALUES ('stats', 'PROCESSED', 1, NULL, NULL, now())) v(c, s, a, e, m, p);
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+                 aggregate_id, payload, correlation_id, event_created_at, status, attempt_count,
+                 error_code, last_error, processed_at, next_attempt_at)
+         SELECT gen_random_uuid(), 'mail', 'ORDER_STATUS_CHANGED', 1, 'order', 'o-' || i,
+                '{{\"email\": \"{MARKER}\"}}', 'corr-9', now() - interval '5 minutes', s, a, e, m, p,
+                now() + interval '1 hour'
+         FROM (VALUES (10, 'DEAD_LETTER', 5, 'INBOX_CONSUMER_FAILED', 'smtp down', NULL::timestamptz),
+                      (11, 'DEAD_LETTER', 5, 'INBOX_CONSUMER_FAILED', 'smtp down', NULL),
+                      (12, 'DEAD_LETTER', 1, 'EVENT_SCHEMA_INVALID', 'bad payload', NULL),
+                      (13, 'PROCESSED', 1, NULL, NULL, now()),
+                      (14, 'RETRY_PENDING', 2, 'INBOX_CONSUMER_FAILED', 'timeout', NULL))
+              v(i, s, a, e, m, p);"
+    ))
+    .await
+    .unwrap();
+    let ids = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            let mut conn = pool.get().await.unwrap();
+            diesel::sql_query(sql)
+                .load::<Id>(&mut conn)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>()
+        }
+    };
+    Seed {
+        outbox_published: published,
+        outbox_dead: dead,
+        outbox_pending: pending,
+        inbox_dead: ids("SELECT id FROM inbox_events WHERE consumer = 'mail' AND status = 'DEAD_LETTER' ORDER BY id").await,
+        inbox_processed: ids("SELECT id FROM inbox_events WHERE consumer = 'mail' AND status = 'PROCESSED'").await[0],
+        inbox_retry: ids("SELECT id FROM inbox_events WHERE status = 'RETRY_PENDING'").await[0],
+        stats_processed: ids("SELECT id FROM inbox_events WHERE consumer = 'stats'").await[0],
+    }
+}
+
+async fn audit_rows(db: &TestDb) -> i64 {
+    db.count("SELECT count(*) AS n FROM admin_audit").await
+}
+
+#[actix_rt::test]
+async fn requests_without_valid_credentials_get_401_and_touch_nothing() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let before = fingerprint(&db).await;
+    let dead = s.inbox_dead[0];
+    let gets = [
+        "/ops/health".to_owned(),
+        "/ops/overview".into(),
+        "/ops/metrics".into(),
+        "/ops/outbox".into(),
+        "/ops/inbox?status=DEAD_LETTER".into(),
+        "/ops/consumers".into(),
+        "/ops/audit".into(),
+        "/ops/timeline/corr-1".into(),
+        "/ops/no-such-endpoint".into(),
+    ];
+    let posts = [
+        (format!("/ops/inbox/{dead}/retry"), json!({})),
+        (format!("/ops/outbox/{}/retry", s.outbox_dead), json!({})),
+        (
+            "/ops/inbox/retry".into(),
+            json!({"ids": s.inbox_dead, "confirm": "RETRY 3"}),
+        ),
+        (
+            "/ops/outbox/retry".into(),
+            json!({"ids": [s.outbox_dead], "confirm": "RETRY 1"}),
+        ),
+        (format!("/ops/inbox/{dead}/ignore"), json!({"reason": "x"})),
+        (
+            format!("/ops/outbox/{}/ignore", s.outbox_dead),
+            json!({"reason": "x"}),
+        ),
+        ("/ops/consumers/mail/pause".into(), json!({"reason": "x"})),
+        ("/ops/consumers/mail/resume".into(), json!({})),
+    ];
+    let credentials: [Option<String>; 5] = [
+        None,
+        Some("Bearer wrong-token-0000000000".into()),
+        Some(format!("Basic {TOKEN}")),
+        Some(TOKEN.into()),
+        Some(format!("Bearer {TOKEN}x")),
+    ];
+    for cred in &credentials {
+        let with = |r: TestRequest| match cred {
+            Some(c) => r.insert_header(("Authorization", c.as_str())),
+            None => r,
+        };
+        for uri in &gets {
+            let got = call!(app, with(TestRequest::get().uri(uri)));
+            assert_error(&got, 401, "ADMIN_UNAUTHORIZED");
+            assert!(!got.1.contains(MARKER));
+        }
+        for (uri, body) in &posts {
+            let req = with(
+                TestRequest::post()
+                    .uri(uri)
+                    .insert_header(("Content-Type", "application/json"))
+                    .set_payload(body.to_string()),
+            );
+            let got = call!(app, req);
+            assert_error(&got, 401, "ADMIN_UNAUTHORIZED");
+        }
+    }
+    assert_eq!(
+        fingerprint(&db).await,
+        before,
+        "a refused request changed something"
+    );
+    assert_eq!(audit_rows(&db).await, 0);
+
+    // The page itself carries no data and is the one thing served without credentials.
+    for uri in ["/ops/", "/ops"] {
+        let (status, body) = call!(app, TestRequest::get().uri(uri));
+        assert_eq!(status, 200, "{uri}");
+        assert!(body.contains("<html") && !body.contains(MARKER));
+    }
+    // A config without tokens refuses even a token that would otherwise be right.
+    let closed =
+        init_service(App::new().service(admin_scope("/ops", AdminConfig::new(db.pool.clone()))))
+            .await;
+    assert_error(
+        &call!(closed, get("/ops/overview")),
+        401,
+        "ADMIN_UNAUTHORIZED",
+    );
+    // Tokens that can be guessed are refused at configuration.
+    assert!(AdminConfig::new(db.pool.clone())
+        .bearer_token("bob", "short")
+        .is_err());
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn a_custom_guard_replaces_the_tokens() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let cfg = config(&db).guard(|req| {
+        req.headers()
+            .get("x-authenticated-user")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    });
+    let app = init_service(App::new().service(admin_scope("/ops", cfg))).await;
+    // The bearer token alone no longer opens anything.
+    assert_error(&call!(app, get("/ops/overview")), 401, "ADMIN_UNAUTHORIZED");
+    let req = TestRequest::post()
+        .uri(&format!("/ops/inbox/{}/retry", s.inbox_dead[0]))
+        .insert_header(("x-authenticated-user", "carol"));
+    let (status, body) = call!(app, req);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        text(&db, "SELECT who AS s FROM admin_audit").await,
+        "carol",
+        "the guard's name is the audit's who"
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let id = s.inbox_dead[0];
+    let others = format!(
+        "SELECT string_agg(concat_ws('|', id, status, attempt_count, next_attempt_at, updated_at), ',' ORDER BY id) AS s \
+         FROM inbox_events WHERE id <> {id}"
+    );
+    let others_before = text(&db, &others).await;
+    let outbox_before = text(&db, "SELECT string_agg(concat_ws('|', id, status, updated_at), ',' ORDER BY id) AS s FROM outbox_events").await;
+
+    let got = call!(
+        app,
+        post(
+            &format!("/ops/inbox/{id}/retry"),
+            json!({"reason": "smtp fixed"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    let v = json_of(&got.1);
+    assert_eq!(v["action"], "inbox.retry");
+    assert_eq!(v["changed"], 1);
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) AS n FROM inbox_events WHERE id = {id} AND status = 'RETRY_PENDING' \
+             AND attempt_count = 5 AND next_attempt_at <= now()"
+        ))
+        .await,
+        1,
+        "due now, attempt count kept"
+    );
+    assert_eq!(
+        text(&db, &others).await,
+        others_before,
+        "no other inbox row changed"
+    );
+    assert_eq!(
+        text(&db, "SELECT string_agg(concat_ws('|', id, status, updated_at), ',' ORDER BY id) AS s FROM outbox_events").await,
+        outbox_before
+    );
+    assert_eq!(audit_rows(&db).await, 1);
+    assert_eq!(
+        text(
+            &db,
+            "SELECT concat_ws('|', who, action, target, reason, details->'rows'->0->>'status', \
+                 details->'rows'->0->>'attempt_count') AS s FROM admin_audit"
+        )
+        .await,
+        format!("alice|inbox.retry|inbox:{id}|smtp fixed|DEAD_LETTER|5")
+    );
+    // Retrying it again: it is no longer a dead letter.
+    let before = fingerprint(&db).await;
+    let again = call!(app, post(&format!("/ops/inbox/{id}/retry"), json!({})));
+    let msg = assert_error(&again, 409, "NOT_A_DEAD_LETTER");
+    assert!(msg.contains("RETRY_PENDING"), "{msg}");
+    assert_eq!(fingerprint(&db).await, before);
+
+    // The outbox's dead letter goes back to PENDING for the publisher.
+    let got = call!(
+        app,
+        post(&format!("/ops/outbox/{}/retry", s.outbox_dead), json!({}))
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) AS n FROM outbox_events WHERE id = '{}' AND status = 'PENDING' \
+             AND attempt_count = 5 AND next_attempt_at <= now() AND locked_by IS NULL",
+            s.outbox_dead
+        ))
+        .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'")
+            .await,
+        1
+    );
+    assert_eq!(audit_rows(&db).await, 2);
+    assert_eq!(
+        text(&db, "SELECT concat_ws('|', who, action, target) AS s FROM admin_audit ORDER BY id DESC LIMIT 1").await,
+        format!("alice|outbox.retry|outbox:{}", s.outbox_dead)
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn a_bulk_retry_is_bounded_confirmed_and_all_or_nothing() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let before = fingerprint(&db).await;
+    let two = &s.inbox_dead[..2];
+    let too_many: Vec<i64> = (1..=101).collect();
+    let refused = [
+        (
+            json!({"ids": two, "confirm": "RETRY 3"}),
+            400,
+            "CONFIRMATION_MISMATCH",
+        ),
+        (json!({"ids": two}), 400, "CONFIRMATION_MISMATCH"),
+        (
+            json!({"ids": two, "confirm": "yes"}),
+            400,
+            "CONFIRMATION_MISMATCH",
+        ),
+        (json!({"ids": [], "confirm": "RETRY 0"}), 400, "NO_IDS"),
+        (json!({}), 400, "NO_IDS"),
+        (
+            json!({"ids": too_many, "confirm": "RETRY 101"}),
+            400,
+            "TOO_MANY_IDS",
+        ),
+        (
+            json!({"ids": [two[0], two[0]], "confirm": "RETRY 2"}),
+            400,
+            "DUPLICATE_IDS",
+        ),
+        (
+            json!({"ids": ["x"], "confirm": "RETRY 1"}),
+            400,
+            "INVALID_BODY",
+        ),
+        (
+            json!({"ids": two, "confirm": "RETRY 2", "all": true}),
+            400,
+            "INVALID_BODY",
+        ),
+        // One row that is not a dead letter spoils the whole set.
+        (
+            json!({"ids": [two[0], two[1], s.inbox_processed], "confirm": "RETRY 3"}),
+            409,
+            "NOT_A_DEAD_LETTER",
+        ),
+        (
+            json!({"ids": [two[0], 999_999], "confirm": "RETRY 2"}),
+            404,
+            "ROW_NOT_FOUND",
+        ),
+    ];
+    for (body, status, code) in refused {
+        let got = call!(app, post("/ops/inbox/retry", body.clone()));
+        assert_error(&got, status, code);
+        assert_eq!(fingerprint(&db).await, before, "{body} changed something");
+    }
+    let msg = assert_error(
+        &call!(
+            app,
+            post(
+                "/ops/inbox/retry",
+                json!({"ids": [two[0], s.inbox_processed], "confirm": "RETRY 2"})
+            )
+        ),
+        409,
+        "NOT_A_DEAD_LETTER",
+    );
+    assert!(
+        msg.contains(&format!("{} is PROCESSED", s.inbox_processed)),
+        "{msg}"
+    );
+
+    let got = call!(
+        app,
+        post(
+            "/ops/inbox/retry",
+            json!({"ids": two, "confirm": "RETRY 2", "reason": "smtp back"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(json_of(&got.1)["changed"], 2);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'RETRY_PENDING' AND next_attempt_at <= now()")
+            .await,
+        2,
+        "exactly the two named rows (the seeded retry is due in an hour)"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'")
+            .await,
+        1
+    );
+    assert_eq!(audit_rows(&db).await, 1, "one action, one audit row");
+    assert_eq!(
+        text(
+            &db,
+            "SELECT concat_ws('|', action, target, jsonb_array_length(details->'rows')) AS s FROM admin_audit"
+        )
+        .await,
+        "inbox.retry_set|inbox:[2 rows]|2"
+    );
+
+    // The outbox has the same bulk action.
+    let got = call!(
+        app,
+        post(
+            "/ops/outbox/retry",
+            json!({"ids": [s.outbox_dead], "confirm": "RETRY 1"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    let before = fingerprint(&db).await;
+    let got = call!(
+        app,
+        post(
+            "/ops/outbox/retry",
+            json!({"ids": [s.outbox_published, s.outbox_pending], "confirm": "RETRY 2"})
+        )
+    );
+    assert_error(&got, 409, "NOT_A_DEAD_LETTER");
+    assert_eq!(fingerprint(&db).await, before);
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn ignoring_needs_a_reason_and_takes_only_failed_rows() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let before = fingerprint(&db).await;
+    let id = s.inbox_dead[2];
+    for body in [json!({}), json!({"reason": "   "})] {
+        let got = call!(app, post(&format!("/ops/inbox/{id}/ignore"), body));
+        assert_error(&got, 400, "REASON_REQUIRED");
+    }
+    let long = "x".repeat(1001);
+    let got = call!(
+        app,
+        post(&format!("/ops/inbox/{id}/ignore"), json!({"reason": long}))
+    );
+    assert_error(&got, 400, "REASON_TOO_LONG");
+    let got = call!(
+        app,
+        post(
+            &format!("/ops/inbox/{}/ignore", s.inbox_processed),
+            json!({"reason": "done already"})
+        )
+    );
+    assert_error(&got, 409, "NOT_IGNORABLE");
+    let got = call!(
+        app,
+        post(
+            &format!("/ops/outbox/{}/ignore", s.outbox_published),
+            json!({"reason": "x"})
+        )
+    );
+    assert_error(&got, 409, "NOT_IGNORABLE");
+    assert_eq!(fingerprint(&db).await, before);
+
+    let got = call!(
+        app,
+        post(
+            &format!("/ops/inbox/{id}/ignore"),
+            json!({"reason": "customer deleted the order"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'IGNORED'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) AS n FROM inbox_events WHERE id = {id} AND status = 'IGNORED' \
+             AND error_code = 'EVENT_SCHEMA_INVALID'"
+        ))
+        .await,
+        1,
+        "the failure it was ignored for stays readable"
+    );
+    // A row waiting for a retry may be ignored too.
+    let got = call!(
+        app,
+        post(
+            &format!("/ops/inbox/{}/ignore", s.inbox_retry),
+            json!({"reason": "obsolete"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    let got = call!(
+        app,
+        post(
+            &format!("/ops/outbox/{}/ignore", s.outbox_dead),
+            json!({"reason": "never ship"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'IGNORED'")
+            .await,
+        1
+    );
+    assert_eq!(audit_rows(&db).await, 3);
+    assert_eq!(
+        text(
+            &db,
+            &format!("SELECT concat_ws('|', who, action, target, reason) AS s FROM admin_audit WHERE target = 'inbox:{id}'")
+        )
+        .await,
+        format!("alice|inbox.ignore|inbox:{id}|customer deleted the order")
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
+    let db = TestDb::new().await;
+    seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let before = fingerprint(&db).await;
+    assert_error(
+        &call!(
+            app,
+            post("/ops/consumers/nobody/pause", json!({"reason": "x"}))
+        ),
+        404,
+        "CONSUMER_UNKNOWN",
+    );
+    assert_error(
+        &call!(app, post("/ops/consumers/mail/pause", json!({}))),
+        400,
+        "REASON_REQUIRED",
+    );
+    assert_error(
+        &call!(
+            app,
+            post("/ops/consumers/bad%20name/pause", json!({"reason": "x"}))
+        ),
+        400,
+        "INVALID_CONSUMER",
+    );
+    assert_eq!(fingerprint(&db).await, before);
+
+    let got = call!(
+        app,
+        post(
+            "/ops/consumers/mail/pause",
+            json!({"reason": "smtp maintenance"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(
+        text(&db, "SELECT concat_ws('|', paused, paused_by, reason) AS s FROM consumer_states WHERE consumer = 'mail'").await,
+        "t|alice|smtp maintenance"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM consumer_states WHERE paused")
+            .await,
+        1,
+        "only mail"
+    );
+    let got = call!(app, post("/ops/consumers/mail/resume", json!({})));
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM consumer_states WHERE paused")
+            .await,
+        0
+    );
+    assert_eq!(
+        text(
+            &db,
+            "SELECT string_agg(concat_ws('|', action, target, details->>'paused'), ',' ORDER BY id) AS s FROM admin_audit"
+        )
+        .await,
+        "consumer.pause|consumer:mail|false,consumer.resume|consumer:mail|true"
+    );
+    let listed = json_of(&call!(app, get("/ops/consumers")).1);
+    assert_eq!(listed["items"][0]["consumer"], "mail");
+    assert_eq!(
+        listed["items"][0]["subscriptions"][0],
+        "ORDER_STATUS_CHANGED"
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn bad_input_is_a_4xx_json_error_that_names_the_problem_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let before = fingerprint(&db).await;
+    let cases: Vec<(TestRequest, u16, &str)> = vec![
+        (get("/ops/inbox?status=DONE"), 400, "INVALID_STATUS"),
+        (get("/ops/outbox?status=RECEIVED"), 400, "INVALID_STATUS"),
+        (get("/ops/inbox?limit=500"), 400, "INVALID_LIMIT"),
+        (get("/ops/inbox?limit=0"), 400, "INVALID_LIMIT"),
+        (get("/ops/outbox?limit=many"), 400, "INVALID_LIMIT"),
+        (get("/ops/outbox?consumer=mail"), 400, "INVALID_QUERY"),
+        (get("/ops/inbox?stauts=DEAD_LETTER"), 400, "INVALID_QUERY"),
+        (get("/ops/inbox?before=abc"), 400, "INVALID_CURSOR"),
+        (get("/ops/outbox?before=42"), 400, "INVALID_CURSOR"),
+        (get("/ops/inbox?consumer=a%20b"), 400, "INVALID_CONSUMER"),
+        (
+            get("/ops/timeline/nothing-here"),
+            404,
+            "CORRELATION_NOT_FOUND",
+        ),
+        (get("/ops/nowhere"), 404, "NOT_FOUND"),
+        (get("/ops/inbox/1/retry"), 405, "METHOD_NOT_ALLOWED"),
+        (post("/ops/health", json!({})), 405, "METHOD_NOT_ALLOWED"),
+        (post("/ops/inbox/abc/retry", json!({})), 400, "INVALID_ID"),
+        (post("/ops/inbox/-4/retry", json!({})), 400, "INVALID_ID"),
+        (
+            post("/ops/outbox/not-a-uuid/retry", json!({})),
+            400,
+            "INVALID_ID",
+        ),
+        (
+            post("/ops/inbox/999999/retry", json!({})),
+            404,
+            "ROW_NOT_FOUND",
+        ),
+        (
+            post(
+                &format!("/ops/outbox/{}/retry", uuid::Uuid::now_v7()),
+                json!({}),
+            ),
+            404,
+            "ROW_NOT_FOUND",
+        ),
+        (
+            post(
+                &format!("/ops/inbox/{}/retry", s.inbox_processed),
+                json!({}),
+            ),
+            409,
+            "NOT_A_DEAD_LETTER",
+        ),
+        (
+            post(
+                &format!("/ops/outbox/{}/retry", s.outbox_pending),
+                json!({}),
+            ),
+            409,
+            "NOT_A_DEAD_LETTER",
+        ),
+        (
+            post(
+                &format!("/ops/inbox/{}/retry", s.inbox_dead[0]),
+                json!({"reason": 7}),
+            ),
+            400,
+            "INVALID_BODY",
+        ),
+        (
+            post(
+                &format!("/ops/inbox/{}/retry", s.inbox_dead[0]),
+                json!({"force": true}),
+            ),
+            400,
+            "INVALID_BODY",
+        ),
+        (get("/ops/metrics"), 404, "METRICS_NOT_CONFIGURED"),
+    ];
+    for (req, status, code) in cases {
+        let got = call!(app, req);
+        assert_error(&got, status, code);
+    }
+    let broken = TestRequest::post()
+        .uri(&format!("/ops/inbox/{}/retry", s.inbox_dead[0]))
+        .insert_header(("Authorization", format!("Bearer {TOKEN}")))
+        .set_payload("{not json");
+    assert_error(&call!(app, broken), 400, "INVALID_BODY");
+    assert_eq!(
+        fingerprint(&db).await,
+        before,
+        "bad input changed something"
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn lists_show_metadata_never_the_payload_and_page_within_bounds() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+
+    let (status, body) = call!(app, get("/ops/outbox"));
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains(MARKER), "payload leaked: {body}");
+    let v = json_of(&body);
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 3);
+    assert!(items.iter().all(|i| i.get("payload").is_none()));
+    // Newest first, with the fields an operator needs.
+    assert_eq!(items[0]["id"], s.outbox_pending.to_string());
+    let dead = &items[1];
+    for (field, want) in [
+        ("event_type", json!("ORDER_SHIPPED")),
+        ("aggregate_type", json!("order")),
+        ("aggregate_id", json!("o-2")),
+        ("aggregate_version", json!(3)),
+        ("status", json!("DEAD_LETTER")),
+        ("attempt_count", json!(5)),
+        ("error_code", json!("OUTBOX_PUBLISH_FAILED")),
+        ("correlation_id", json!("corr-1")),
+    ] {
+        assert_eq!(dead[field], want, "{field}");
+    }
+    assert!(dead["created_at"].is_string() && dead["updated_at"].is_string());
+
+    let (status, body) = call!(app, get("/ops/inbox?status=dead_letter&consumer=mail"));
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains(MARKER), "payload leaked: {body}");
+    let v = json_of(&body);
+    let ids: Vec<i64> = v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["id"].as_i64().unwrap())
+        .collect();
+    let mut want = s.inbox_dead.clone();
+    want.reverse();
+    assert_eq!(ids, want);
+    assert_eq!(v["items"][0]["consumer"], "mail");
+    assert_eq!(v["next_before"], Value::Null);
+
+    // Pages of two, following the cursor.
+    let page1 = json_of(&call!(app, get("/ops/inbox?limit=2")).1);
+    assert_eq!(page1["items"].as_array().unwrap().len(), 2);
+    let cursor = page1["next_before"].as_str().unwrap().to_owned();
+    let page2 = json_of(&call!(app, get(&format!("/ops/inbox?limit=2&before={cursor}"))).1);
+    let first_of_2 = page2["items"][0]["id"].as_i64().unwrap();
+    assert!(first_of_2 < cursor.parse::<i64>().unwrap());
+    let all = db.count("SELECT count(*) AS n FROM inbox_events").await;
+    let full = json_of(&call!(app, get("/ops/inbox?limit=200")).1);
+    assert_eq!(full["items"].as_array().unwrap().len() as i64, all);
+
+    // Filters by type and consumer.
+    let v = json_of(&call!(app, get("/ops/outbox?type=ORDER_SHIPPED")).1);
+    assert_eq!(v["items"].as_array().unwrap().len(), 1);
+    let v = json_of(&call!(app, get("/ops/inbox?consumer=stats")).1);
+    assert_eq!(v["items"][0]["id"], s.stats_processed);
+
+    // Health, overview and the timeline carry no payload either.
+    for uri in ["/ops/health", "/ops/overview", "/ops/timeline/corr-1"] {
+        let (status, body) = call!(app, get(uri));
+        assert_eq!(status, 200, "{uri}: {body}");
+        assert!(!body.contains(MARKER), "{uri} leaked the payload");
+    }
+
+    // Only an application that asks for it sees payloads, and then only redacted.
+    let redacted = config(&db).redacted_payloads(|event_type, p| {
+        json!({"type": event_type, "keys": p.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>())})
+    });
+    let app = init_service(App::new().service(admin_scope("/ops", redacted))).await;
+    let (_, body) = call!(app, get("/ops/inbox?consumer=stats"));
+    assert!(!body.contains(MARKER), "{body}");
+    let v = json_of(&body);
+    assert_eq!(
+        v["items"][0]["payload"],
+        json!({"type": "ORDER_STATUS_CHANGED", "keys": ["email"]})
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn the_timeline_shows_every_row_of_a_correlation_in_order() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let (status, body) = call!(app, get("/ops/timeline/corr-1"));
+    assert_eq!(status, 200, "{body}");
+    let v = json_of(&body);
+    let entries = v["entries"].as_array().unwrap();
+    let seen: Vec<(String, String, String)> = entries
+        .iter()
+        .map(|e| {
+            (
+                e["kind"].as_str().unwrap().to_owned(),
+                e["event_id"].as_str().unwrap().to_owned(),
+                e["status"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (
+                "outbox".into(),
+                s.outbox_published.to_string(),
+                "PUBLISHED".into()
+            ),
+            (
+                "outbox".into(),
+                s.outbox_dead.to_string(),
+                "DEAD_LETTER".into()
+            ),
+            (
+                "inbox".into(),
+                s.outbox_published.to_string(),
+                "PROCESSED".into()
+            ),
+        ],
+        "oldest first: created 3 and 2 minutes ago, then received 1 minute ago"
+    );
+    assert_eq!(entries[2]["consumer"], "stats");
+    assert!(entries[2]["finished_at"].is_string());
+    assert_eq!(v["truncated"], false);
+    db.finish(&[]).await;
+}

@@ -1,0 +1,448 @@
+//! Operations against real PostgreSQL: lag health from stored samples, the Prometheus endpoint,
+//! retention, and the dashboard driven in headless Chromium.
+
+mod common;
+#[path = "browser/webdriver.rs"]
+mod webdriver;
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_outbox::{
+    admin_scope, install_prometheus_recorder, AdminConfig, Delivery, ErrorCode, HandlerError,
+    HealthState, OutboxRuntime, Retention, RetentionConfig, StatsConfig, StatsSampler, Trend,
+};
+use actix_web::test::{call_service, init_service, read_body, TestRequest};
+use actix_web::{App, HttpServer};
+use common::*;
+use diesel::sql_types::{Text, Uuid as SqlUuid};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use serde_json::Value;
+
+const TOKEN: &str = "alice-secret-token-0001";
+
+async fn exec(db: &TestDb, sql: &str) {
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+fn sampler(db: &TestDb, trend_samples: usize) -> StatsSampler {
+    let mut cfg = StatsConfig::default();
+    cfg.health.trend_samples = trend_samples;
+    StatsSampler::new(db.pool.clone(), cfg).unwrap()
+}
+
+fn codes(r: &actix_outbox::HealthReport) -> Vec<&str> {
+    r.reasons.iter().map(|r| r.code.as_str()).collect()
+}
+
+#[actix_rt::test]
+async fn health_is_critical_for_a_stuck_publisher_and_warns_on_lag_and_dead_letters() {
+    let db = TestDb::new().await;
+    // No runtime runs: the events wait and nothing publishes them. From the database, a
+    // publisher that is alive but stuck looks exactly like this.
+    db.produce(3, "o").await;
+    let s = sampler(&db, 3);
+    let first = s.run_once().await.unwrap();
+    assert_eq!(first.state, HealthState::Ok, "{:?}", first.reasons);
+    assert_eq!(first.outbox.pending, 3);
+    assert_eq!(first.outbox.trend, Trend::Unknown);
+    assert_eq!(s.run_once().await.unwrap().state, HealthState::Ok);
+    let third = s.run_once().await.unwrap();
+    assert_eq!(third.outbox.trend, Trend::Stuck);
+    assert_eq!(third.state, HealthState::Critical);
+    assert_eq!(codes(&third), vec!["OUTBOX_STUCK"]);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_stats_samples")
+            .await,
+        3
+    );
+
+    // The operator API shows the newest stored report.
+    let cfg = AdminConfig::new(db.pool.clone())
+        .bearer_token("alice", TOKEN)
+        .unwrap();
+    let app = init_service(App::new().service(admin_scope("/ops", cfg))).await;
+    let req = TestRequest::get()
+        .uri("/ops/health")
+        .insert_header(("Authorization", format!("Bearer {TOKEN}")));
+    let res = call_service(&app, req.to_request()).await;
+    assert_eq!(res.status(), 200);
+    let v: Value = serde_json::from_slice(&read_body(res).await).unwrap();
+    assert_eq!(v["state"], "CRITICAL");
+    assert_eq!(v["reasons"][0]["code"], "OUTBOX_STUCK");
+    assert_eq!(v["outbox"]["trend"], "STUCK");
+
+    // Age alone: 2 minutes is a warning, 10 minutes critical (history cleared, so the trend
+    // check has too few samples to speak).
+    exec(&db, "DELETE FROM outbox_stats_samples; UPDATE outbox_events SET created_at = now() - interval '2 minutes'").await;
+    let r = s.run_once().await.unwrap();
+    assert_eq!(
+        (r.state, codes(&r)),
+        (HealthState::Warning, vec!["OUTBOX_LAG"])
+    );
+    exec(&db, "DELETE FROM outbox_stats_samples; UPDATE outbox_events SET created_at = now() - interval '10 minutes'").await;
+    let r = s.run_once().await.unwrap();
+    assert_eq!(
+        (r.state, codes(&r)),
+        (HealthState::Critical, vec!["OUTBOX_LAG"])
+    );
+
+    // Everything published; a consumer has a dead letter: a warning naming that consumer.
+    exec(
+        &db,
+        "DELETE FROM outbox_stats_samples;
+         UPDATE outbox_events SET status = 'PUBLISHED', published_at = now();
+         INSERT INTO consumer_states (consumer) VALUES ('mail');
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status, attempt_count)
+         SELECT id, 'mail', event_type, 1, 'order', aggregate_id, '{}', correlation_id, created_at,
+             'DEAD_LETTER', 5 FROM outbox_events LIMIT 1;",
+    )
+    .await;
+    let r = s.run_once().await.unwrap();
+    assert_eq!(
+        (r.state, codes(&r)),
+        (HealthState::Warning, vec!["DEAD_LETTERS"])
+    );
+    assert_eq!(r.reasons[0].consumer.as_deref(), Some("mail"));
+    assert_eq!(r.outbox.trend, Trend::Empty);
+
+    // A due inbox row waiting 6 minutes: the consumer is critically behind.
+    exec(
+        &db,
+        "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, next_attempt_at)
+         SELECT id, 'mail', event_type, 1, 'order', aggregate_id, '{}', correlation_id, created_at,
+             now() - interval '6 minutes' FROM outbox_events ORDER BY seq DESC LIMIT 1;",
+    )
+    .await;
+    let r = s.run_once().await.unwrap();
+    assert_eq!(r.state, HealthState::Critical);
+    assert_eq!(codes(&r), vec!["INBOX_LAG", "DEAD_LETTERS"]);
+    assert_eq!(r.consumers[0].backlog, 1);
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn the_metrics_endpoint_serves_outbox_and_inbox_series() {
+    let handle = install_prometheus_recorder().expect("the only recorder of this test process");
+    let db = TestDb::new().await;
+    let rt = start(&db, vec![(consumer("mail", 3), Behaviour::default())]).await;
+    // The supervisor starts the stats sampler with the runtime; it samples at once.
+    assert!(
+        db.wait_for(
+            "SELECT least(count(*), 1) AS n FROM outbox_stats_samples",
+            1,
+            WAIT
+        )
+        .await
+            == 1,
+        "the runtime's StatsActor stored no sample"
+    );
+    db.produce(5, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 5, WAIT).await, 5);
+    sampler(&db, 5).run_once().await.unwrap();
+
+    let cfg = AdminConfig::new(db.pool.clone())
+        .bearer_token("alice", TOKEN)
+        .unwrap()
+        .metrics(handle);
+    let app = init_service(App::new().service(admin_scope("/ops", cfg))).await;
+    let res = call_service(&app, TestRequest::get().uri("/ops/metrics").to_request()).await;
+    assert_eq!(res.status(), 401, "metrics need credentials too");
+    let req = TestRequest::get()
+        .uri("/ops/metrics")
+        .insert_header(("Authorization", format!("Bearer {TOKEN}")));
+    let res = call_service(&app, req.to_request()).await;
+    assert_eq!(res.status(), 200);
+    let text = String::from_utf8(read_body(res).await.to_vec()).unwrap();
+    for name in [
+        "outbox_pending ",
+        "outbox_processing ",
+        "outbox_dead_letter ",
+        "outbox_oldest_pending_age_seconds ",
+        "outbox_failed_total ",
+        "outbox_health_state ",
+        "inbox_received_total{consumer=\"mail\"} 5",
+        "inbox_duplicate_total{consumer=\"mail\"} 0",
+        "inbox_failed_total{consumer=\"mail\"} 0",
+        "inbox_dead_lettered_total{consumer=\"mail\"} 0",
+        "inbox_backlog{consumer=\"mail\"} 0",
+        "inbox_dead_letter{consumer=\"mail\"} 0",
+        "inbox_oldest_due_age_seconds{consumer=\"mail\"}",
+        "inbox_delivery_latency_seconds_bucket{consumer=\"mail\",le=\"",
+        "inbox_delivery_latency_seconds_count{consumer=\"mail\"} 5",
+        "# HELP outbox_pending",
+    ] {
+        assert!(text.contains(name), "{name:?} missing from:\n{text}");
+    }
+    // Counters add up over the whole process; gauges are the last sample's.
+    assert!(text.contains("outbox_published_total 5"), "{text}");
+    assert!(
+        text.contains("inbox_processed_total{consumer=\"mail\"} 5"),
+        "{text}"
+    );
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+             correlation_id, status, published_at, created_at)
+         SELECT gen_random_uuid(), 'T', 'a', 'x' || i, '{}', 'c', s, p, now() - interval '9 days'
+         FROM (VALUES ('PUBLISHED', now() - interval '8 days'), ('PUBLISHED', now() - interval '8 days'),
+                      ('PUBLISHED', now() - interval '8 days'), ('PUBLISHED', now() - interval '8 days'),
+                      ('PUBLISHED', now() - interval '8 days'),
+                      ('PUBLISHED', now() - interval '6 days'), ('PUBLISHED', now()),
+                      ('DEAD_LETTER', NULL), ('PENDING', NULL), ('IGNORED', NULL)) v(s, p),
+              generate_series(1, 1) i;
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
+         SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '9 days', s, p
+         FROM (VALUES ('PROCESSED', now() - interval '8 days'), ('PROCESSED', now() - interval '8 days'),
+                      ('PROCESSED', now() - interval '8 days'), ('PROCESSED', now() - interval '8 days'),
+                      ('PROCESSED', now() - interval '1 day'), ('DEAD_LETTER', NULL),
+                      ('IGNORED', NULL), ('RETRY_PENDING', NULL)) v(s, p);
+         INSERT INTO idempotency_keys (key, created_at)
+         SELECT 'k' || i, now() - (i || ' days')::interval FROM unnest(ARRAY[25, 26, 27, 31, 32, 33, 34]) i;",
+    )
+    .await;
+    // 5 expired outbox rows, 4 expired inbox rows, 4 expired keys (31..34 days).
+    let mut small = RetentionConfig::default();
+    small.batch_size = 2;
+    small.max_batches = 1;
+    let partial = Retention::new(db.pool.clone(), small.clone())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            partial.outbox_deleted,
+            partial.inbox_deleted,
+            partial.keys_deleted
+        ),
+        (2, 2, 2),
+        "one batch of two per table"
+    );
+    assert!(partial.more_left);
+
+    small.max_batches = 10;
+    let rest = Retention::new(db.pool.clone(), small)
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (rest.outbox_deleted, rest.inbox_deleted, rest.keys_deleted),
+        (3, 2, 2)
+    );
+    assert!(!rest.more_left);
+    let left = |sql: &'static str| db.count(sql);
+    assert_eq!(
+        left("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'").await,
+        2,
+        "published 6 days ago and now"
+    );
+    assert_eq!(
+        left("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'").await,
+        3,
+        "dead letters, pending and ignored rows are never deleted"
+    );
+    assert_eq!(
+        left("SELECT count(*) AS n FROM inbox_events").await,
+        4,
+        "the recent PROCESSED row, the dead letter, the ignored and the retrying rows"
+    );
+    assert_eq!(left("SELECT count(*) AS n FROM idempotency_keys").await, 3);
+    let again = Retention::new(db.pool.clone(), RetentionConfig::default())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            again.outbox_deleted,
+            again.inbox_deleted,
+            again.keys_deleted
+        ),
+        (0, 0, 0)
+    );
+    let mut bad = RetentionConfig::default();
+    bad.batch_size = 0;
+    assert!(Retention::new(db.pool.clone(), bad).is_err());
+    db.finish(&[]).await;
+}
+
+/// A mail consumer whose first attempt is refused for good (a permanent error: dead letter at
+/// once) and whose next attempt — after an operator's retry — succeeds.
+struct RefusesOnce;
+
+impl Actor for RefusesOnce {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for RefusesOnce {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(async move {
+            if d.attempt() == 1 {
+                return Err(HandlerError::permanent(
+                    ErrorCode::new("MAIL_REJECTED"),
+                    "the mail server rejected the address",
+                ));
+            }
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ($1, $2, $3)",
+            )
+            .bind::<Text, _>("mailer")
+            .bind::<SqlUuid, _>(d.event_id().as_uuid())
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+            .execute(&mut *conn)
+            .await?;
+            Ok(())
+        })
+    }
+}
+
+/// Chromium and chromedriver, or `None` when they are missing and `AO_SKIP_BROWSER=1` says
+/// that is fine. Missing without that variable is a failure: a green run must mean the page
+/// was really driven.
+fn browser_or_skip() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    match webdriver::find_browser() {
+        Ok(found) => Some(found),
+        Err(why) if std::env::var("AO_SKIP_BROWSER").as_deref() == Ok("1") => {
+            eprintln!("skipping the browser test (AO_SKIP_BROWSER=1): {why}");
+            None
+        }
+        Err(why) => panic!(
+            "{why}. Install them (apt-get install -y chromium chromium-driver) or set \
+             AO_SKIP_BROWSER=1 to skip this test"
+        ),
+    }
+}
+
+#[actix_rt::test]
+async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
+    let Some((chromium, chromedriver)) = browser_or_skip() else {
+        return;
+    };
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(consumer("mailer", 5), || RefusesOnce)
+        .start()
+        .await
+        .unwrap();
+    db.produce(1, "o").await;
+    rt.handle().wake();
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    // A fresh sample, so the page's health reflects the dead letter now rather than at the
+    // runtime's next interval.
+    sampler(&db, 5).run_once().await.unwrap();
+
+    let cfg = AdminConfig::new(db.pool.clone())
+        .bearer_token("alice", TOKEN)
+        .unwrap();
+    let server = HttpServer::new(move || App::new().service(admin_scope("/ops", cfg.clone())))
+        .workers(1)
+        .disable_signals()
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let server_handle = server.handle();
+    actix_rt::spawn(server);
+
+    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let browser = webdriver::Driver::start(&chromium, &chromedriver, scratch).await;
+    let step = Duration::from_secs(30);
+    browser.goto(&format!("http://{addr}/ops/")).await;
+    let token = browser.wait_for("#token", step).await;
+    browser.type_text(&token, TOKEN).await;
+    browser
+        .click(&browser.wait_for("#signin", step).await)
+        .await;
+
+    let row_css = r#"#dead-letters tr[data-kind="inbox"]"#;
+    let row = browser.wait_for(row_css, step).await;
+    let row_text = browser.text(&row).await;
+    for want in [
+        "ORDER_STATUS_CHANGED",
+        "mailer",
+        "MAIL_REJECTED",
+        "rejected the address",
+    ] {
+        assert!(
+            row_text.contains(want),
+            "{want:?} not in the row: {row_text}"
+        );
+    }
+    browser.wait_for(r#"body[data-loaded="true"]"#, step).await;
+    let health = browser
+        .text(&browser.wait_for("#health-state", step).await)
+        .await;
+    assert!(health.contains("WARNING"), "health shows {health:?}");
+    let consumers = browser
+        .text(&browser.wait_for("#consumers", step).await)
+        .await;
+    assert!(consumers.contains("mailer"), "{consumers}");
+    assert_eq!(
+        browser
+            .script("return sessionStorage.getItem('actix-outbox-token')")
+            .await,
+        TOKEN,
+        "the token lives in sessionStorage"
+    );
+
+    let png = browser.screenshot().await;
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000);
+    let shot = scratch.join("ao-dashboard.png");
+    std::fs::write(&shot, &png).unwrap();
+    eprintln!("dashboard screenshot: {}", shot.display());
+
+    browser
+        .click(
+            &browser
+                .wait_for(&format!("{row_css} button.retry"), step)
+                .await,
+        )
+        .await;
+    let processed =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 2";
+    assert_eq!(
+        db.wait_for(processed, 1, WAIT).await,
+        1,
+        "the retried event was delivered"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'mailer'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM admin_audit WHERE who = 'alice' AND action = 'inbox.retry'"
+        )
+        .await,
+        1
+    );
+    let message = browser
+        .text(&browser.wait_for("#message", step).await)
+        .await;
+    assert!(message.contains("Sent back for another try"), "{message}");
+
+    browser.quit().await;
+    server_handle.stop(true).await;
+    db.finish(&[&rt]).await;
+}
