@@ -676,25 +676,28 @@ fn log_action(who: &str, o: &Outcome, reason: Option<&str>) {
     );
 }
 
+/// One row, retried or ignored; ignoring needs a reason.
+async fn act_on_one(
+    op: Operator,
+    st: web::Data<State>,
+    ids: Ids,
+    body: &web::Bytes,
+    change: Change,
+) -> Reply {
+    let body: ReasonBody = parse_body(body)?;
+    let reason = reason(body.reason, matches!(change, Change::Ignore))?;
+    let out = apply(&st, &op.0, ids, change, reason, false).await?;
+    Ok(ok_json(out))
+}
+
 async fn retry_inbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
     body: web::Bytes,
 ) -> Reply {
-    let id = parse_inbox_id(&path)?;
-    let body: ReasonBody = parse_body(&body)?;
-    let reason = reason(body.reason, false)?;
-    let out = apply(
-        &st,
-        &op.0,
-        Ids::Inbox(vec![id]),
-        Change::Retry,
-        reason,
-        false,
-    )
-    .await?;
-    Ok(ok_json(out))
+    let ids = Ids::Inbox(vec![parse_inbox_id(&path)?]);
+    act_on_one(op, st, ids, &body, Change::Retry).await
 }
 
 async fn retry_outbox_one(
@@ -703,19 +706,8 @@ async fn retry_outbox_one(
     path: web::Path<String>,
     body: web::Bytes,
 ) -> Reply {
-    let id = parse_event_id(&path)?;
-    let body: ReasonBody = parse_body(&body)?;
-    let reason = reason(body.reason, false)?;
-    let out = apply(
-        &st,
-        &op.0,
-        Ids::Outbox(vec![id]),
-        Change::Retry,
-        reason,
-        false,
-    )
-    .await?;
-    Ok(ok_json(out))
+    let ids = Ids::Outbox(vec![parse_event_id(&path)?]);
+    act_on_one(op, st, ids, &body, Change::Retry).await
 }
 
 async fn retry_inbox_set(op: Operator, st: web::Data<State>, body: web::Bytes) -> Reply {
@@ -764,19 +756,8 @@ async fn ignore_inbox_one(
     path: web::Path<String>,
     body: web::Bytes,
 ) -> Reply {
-    let id = parse_inbox_id(&path)?;
-    let body: ReasonBody = parse_body(&body)?;
-    let reason = reason(body.reason, true)?;
-    let out = apply(
-        &st,
-        &op.0,
-        Ids::Inbox(vec![id]),
-        Change::Ignore,
-        reason,
-        false,
-    )
-    .await?;
-    Ok(ok_json(out))
+    let ids = Ids::Inbox(vec![parse_inbox_id(&path)?]);
+    act_on_one(op, st, ids, &body, Change::Ignore).await
 }
 
 async fn ignore_outbox_one(
@@ -785,19 +766,8 @@ async fn ignore_outbox_one(
     path: web::Path<String>,
     body: web::Bytes,
 ) -> Reply {
-    let id = parse_event_id(&path)?;
-    let body: ReasonBody = parse_body(&body)?;
-    let reason = reason(body.reason, true)?;
-    let out = apply(
-        &st,
-        &op.0,
-        Ids::Outbox(vec![id]),
-        Change::Ignore,
-        reason,
-        false,
-    )
-    .await?;
-    Ok(ok_json(out))
+    let ids = Ids::Outbox(vec![parse_event_id(&path)?]);
+    act_on_one(op, st, ids, &body, Change::Ignore).await
 }
 
 async fn pause(
