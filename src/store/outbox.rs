@@ -81,6 +81,40 @@ pub(crate) struct FanOut {
     pub duplicates: Vec<(String, usize)>,
 }
 
+/// The statement of [`claim_and_fan_out`]; its own item so that `tests/plan.rs` can EXPLAIN
+/// exactly what runs (it reads this constant from the source).
+pub(crate) const CLAIM_SQL: &str = "WITH due AS ( \
+         SELECT id FROM outbox_events \
+         WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
+         ORDER BY seq LIMIT (SELECT $1::int8) \
+         FOR UPDATE SKIP LOCKED \
+     ), published AS ( \
+         UPDATE outbox_events o \
+         SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
+             attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL \
+         WHERE o.id = ANY (ARRAY(SELECT id FROM due)) \
+         RETURNING o.* \
+     ), delivered AS ( \
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, \
+             aggregate_type, aggregate_id, aggregate_version, payload, metadata, \
+             correlation_id, causation_id, event_created_at) \
+         SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type, \
+             p.aggregate_id, p.aggregate_version, p.payload, p.metadata, \
+             p.correlation_id, p.causation_id, p.created_at \
+         FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
+         ORDER BY p.seq, s.consumer \
+         ON CONFLICT (event_id, consumer) DO NOTHING \
+         RETURNING consumer \
+     ), wanted AS ( \
+         SELECT s.consumer, count(*) AS n \
+         FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
+         GROUP BY s.consumer \
+     ) \
+     SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w \
+         LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d \
+         USING (consumer) \
+     UNION ALL SELECT NULL, 0, count(*) FROM published";
+
 /// The in-process transport in one statement: claim up to `limit` due outbox rows in `seq`
 /// order (`FOR UPDATE SKIP LOCKED`, so concurrent publishers take disjoint rows), insert one
 /// inbox row per subscribed consumer, and mark the outbox rows PUBLISHED.
@@ -89,44 +123,20 @@ pub(crate) struct FanOut {
 /// fanned out, so nothing can be stuck half-way, and no lease is needed. `ON CONFLICT DO
 /// NOTHING` makes a repeated fan-out of the same event harmless.
 ///
-/// Expected plan: a `LockRows` over an `Index Scan using outbox_events_due`.
+/// Expected plan: a `LockRows` over an `Index Scan using outbox_events_due` (never a bitmap
+/// scan that reads and sorts every due row), and the update finding the claimed rows through
+/// `outbox_events_pkey` (never a `Seq Scan`), whatever the statistics say. Two shapes ensure
+/// it. The limit is a subquery: with a limit it cannot read at plan time, PostgreSQL plans to
+/// fetch 10% of the due rows, so the index that yields them in `seq` order wins even when a
+/// fresh or stale table makes it think there are fewer due rows than the limit (with `LIMIT $1`
+/// it then sorts the whole backlog for each batch). And the update looks the ids up with
+/// `= ANY (ARRAY(...))`, so those 10% of a large analyzed backlog do not make it hash-join the
+/// whole table. `tests/plan.rs` asserts the plan on a fresh, a large and a backlogged table.
 pub(crate) async fn claim_and_fan_out(conn: &mut AsyncPgConnection, limit: i64) -> Result<FanOut> {
-    let rows: Vec<FanOutRow> = diesel::sql_query(
-        "WITH due AS ( \
-             SELECT id FROM outbox_events \
-             WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
-             ORDER BY seq LIMIT $1 \
-             FOR UPDATE SKIP LOCKED \
-         ), published AS ( \
-             UPDATE outbox_events o \
-             SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
-                 attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL \
-             FROM due WHERE o.id = due.id \
-             RETURNING o.* \
-         ), delivered AS ( \
-             INSERT INTO inbox_events (event_id, consumer, event_type, event_version, \
-                 aggregate_type, aggregate_id, aggregate_version, payload, metadata, \
-                 correlation_id, causation_id, event_created_at) \
-             SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type, \
-                 p.aggregate_id, p.aggregate_version, p.payload, p.metadata, \
-                 p.correlation_id, p.causation_id, p.created_at \
-             FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
-             ORDER BY p.seq, s.consumer \
-             ON CONFLICT (event_id, consumer) DO NOTHING \
-             RETURNING consumer \
-         ), wanted AS ( \
-             SELECT s.consumer, count(*) AS n \
-             FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
-             GROUP BY s.consumer \
-         ) \
-         SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w \
-             LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d \
-             USING (consumer) \
-         UNION ALL SELECT NULL, 0, count(*) FROM published",
-    )
-    .bind::<BigInt, _>(limit)
-    .load(conn)
-    .await?;
+    let rows: Vec<FanOutRow> = diesel::sql_query(CLAIM_SQL)
+        .bind::<BigInt, _>(limit)
+        .load(conn)
+        .await?;
     let mut out = FanOut::default();
     for row in rows {
         match row.consumer {

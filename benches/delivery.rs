@@ -1,0 +1,1104 @@
+//! The delivery benchmark (issue 7): the peer harness's scenarios (`../shared/peers/node/
+//! bench-common.mjs`) run against this library, plus fan-out and claim latency with history.
+//!
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
+//!     cargo bench --bench delivery -- [--scenario NAME[,NAME…]] [--json FILE] [--quick]
+//! ```
+//!
+//! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history` (all, in that order, by
+//! default). `--quick` puts 500,000 rows instead of 5,000,000 under `history`. Tuning flags for
+//! experiments: `--events N`, `--consumer-batch N`, `--concurrency N`, `--publish-batch N`,
+//! `--listen on|off`.
+//!
+//! How it measures:
+//! - The benchmark creates its own database `ao_bench_<random>` on the server of
+//!   `DATABASE_URL`, migrates it, adds a business table and an effects table, and drops it at
+//!   the end. Tables are truncated between scenarios, so every scenario starts on fresh tables.
+//! - The producer runs on its own arbiter thread with its own connection, like an actix-web
+//!   worker next to the runtime's system; the runtime and its actors run on the main system.
+//! - Latency is in-process: the producer stores the instant each business transaction's
+//!   COMMIT returned, the handler stores the instant it started, both against one monotonic
+//!   clock, in a slot per event (the event's number travels in its payload). A latency can be
+//!   slightly negative when the publisher sees the commit before the producer does.
+//! - "Done" is the peers' rule: every handler has started (seen in-process) and no inbox row
+//!   is left RECEIVED or RETRY_PENDING (polled every 5 ms). An effect commits with its inbox
+//!   row's PROCESSED mark, so that is "last effect committed".
+//! - WAL bytes are the server-wide `pg_current_wal_lsn()` difference over the scenario divided
+//!   by the events, as the peers measure it: anything else the server writes meanwhile counts
+//!   too. "this db" is the share of this benchmark's database, read with `pg_walinspect` when
+//!   the extension is available (n/a otherwise).
+//! - The handler writes its effect with `diesel::sql_query`, as the crate's quick start does
+//!   (diesel never caches those statements, so each is a prepare and an execute).
+//! - `history` times the claim statement itself: `CLAIM_SQL`, read from the library's source,
+//!   run as the publisher runs it (autocommit, one-off prepared statement) — 300 polls with
+//!   nothing due, and 300 claims of one just-committed event that fan it out to one consumer —
+//!   first on an empty table, then with N PUBLISHED rows (one `INSERT … SELECT
+//!   generate_series`, then `VACUUM ANALYZE`). Timing an idle runtime's publish cycles would
+//!   add the actor hops and the pool check-out to the figure and hide what the table size does.
+//! - Peak RSS is this process's `VmHWM`, reset through `/proc/self/clear_refs` before each
+//!   scenario (if the kernel refuses, it is the peak since the start and says so).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use actix_outbox::{
+    enqueue, enqueue_many, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxHandle,
+    OutboxRuntime, PgPool, RuntimeConfig,
+};
+use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use serde_json::{json, Value};
+
+type BoxError = Box<dyn std::error::Error>;
+type Res<T> = Result<T, BoxError>;
+
+const EVENT_TYPE: &str = "ORDER_PLACED";
+/// Longest wait for one scenario's deliveries before it is reported incomplete.
+const SCENARIO_LIMIT: Duration = Duration::from_secs(300);
+const ALL: &[&str] = &["drain", "single", "batched", "paced", "fanout", "history"];
+
+// ------------------------------------------------------------------------------- options
+
+#[derive(Debug, Clone)]
+struct Opts {
+    scenarios: Vec<String>,
+    json: Option<String>,
+    quick: bool,
+    events: usize,
+    paced_events: usize,
+    paced_rate: f64,
+    batch_per_tx: usize,
+    history_rows: u64,
+    publish_batch: u32,
+    consumer_batch: u32,
+    concurrency: u32,
+    listen: bool,
+}
+
+impl Opts {
+    fn parse() -> Res<Opts> {
+        let mut o = Opts {
+            scenarios: Vec::new(),
+            json: None,
+            quick: false,
+            events: 20_000,
+            paced_events: 2_000,
+            paced_rate: 200.0,
+            batch_per_tx: 500,
+            history_rows: 5_000_000,
+            publish_batch: 500,
+            // Four batch loops of 250 rows drained fastest here (2 cores); the worker is bound
+            // by round trips per row, so more connections in flight help, more rows per
+            // transaction barely do.
+            consumer_batch: 250,
+            concurrency: 4,
+            listen: RuntimeConfig::default().listen,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(a) = args.next() {
+            let (key, inline) = match a.split_once('=') {
+                Some((k, v)) => (k.to_owned(), Some(v.to_owned())),
+                None => (a.clone(), None),
+            };
+            let mut value = || -> Res<String> {
+                inline
+                    .clone()
+                    .or_else(|| args.next())
+                    .ok_or_else(|| format!("{key} needs a value").into())
+            };
+            match key.as_str() {
+                // `cargo bench` passes `--bench` to every bench binary.
+                "--bench" => {}
+                "--quick" => o.quick = true,
+                "--scenario" | "--scenarios" => o.scenarios.extend(
+                    value()?
+                        .split(',')
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_owned),
+                ),
+                "--json" => o.json = Some(value()?),
+                "--events" => o.events = value()?.parse()?,
+                "--publish-batch" => o.publish_batch = value()?.parse()?,
+                "--consumer-batch" => o.consumer_batch = value()?.parse()?,
+                "--concurrency" => o.concurrency = value()?.parse()?,
+                "--listen" => o.listen = value()? != "off",
+                other => return Err(format!("unknown argument {other}").into()),
+            }
+        }
+        if o.scenarios.is_empty() {
+            o.scenarios = ALL.iter().map(|s| s.to_string()).collect();
+        }
+        if let Some(bad) = o.scenarios.iter().find(|s| !ALL.contains(&s.as_str())) {
+            return Err(format!("unknown scenario {bad}; known: {}", ALL.join(", ")).into());
+        }
+        if o.quick {
+            o.history_rows = 500_000;
+        }
+        Ok(o)
+    }
+
+    fn runtime_config(&self) -> RuntimeConfig {
+        let mut c = RuntimeConfig::default();
+        c.publish_batch_size = self.publish_batch;
+        // Wake-ups carry the load; the poll is only the backstop.
+        c.poll_interval = Duration::from_millis(100);
+        // Nothing to reconcile here; keep its queries out of the figures.
+        c.reconcile_interval = Duration::from_secs(3600);
+        c.shutdown_timeout = Duration::from_secs(10);
+        // On by default: several instances are the normal case. Off, a single instance saves
+        // the NOTIFY the publisher sends after each fan-out.
+        c.listen = self.listen;
+        c
+    }
+
+    fn consumer_config(&self, name: &str) -> ConsumerConfig {
+        ConsumerConfig::new(name)
+            .expect("valid consumer name")
+            .subscribe(EVENT_TYPE)
+            .batch_size(self.consumer_batch)
+            .concurrency(self.concurrency)
+            .mailbox_capacity(64)
+            .poll_interval(Duration::from_millis(100))
+    }
+
+    /// Room for every runtime connection of the largest scenario (fan-out: three consumers),
+    /// as `OutboxRuntime::builder` asks: publisher, listener, stats, reconciler, the
+    /// consumers' batches, and the benchmark's own monitor. The producer has its own.
+    fn pool_size(&self) -> u32 {
+        6 + 3 * self.concurrency
+    }
+
+    fn describe(&self) -> String {
+        let rc = self.runtime_config();
+        format!(
+            "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
+             {} poll 100ms mailbox 64 | producer: own thread + connection, {} events ({} per tx \
+             batched), paced {} at {}/s | history {} rows",
+            self.pool_size(),
+            self.consumer_batch,
+            self.concurrency,
+            self.events,
+            self.batch_per_tx,
+            self.paced_events,
+            self.paced_rate,
+            self.history_rows
+        )
+    }
+}
+
+// ----------------------------------------------------------------------------- tracking
+
+/// In its own module: `RunQueryDsl::load` would shadow the atomics' `load` where it is in scope.
+mod tracking {
+    use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    const UNSET: i64 = i64::MIN;
+
+    /// Commit and handler-start instants, in nanoseconds since `origin`, one slot per event (and
+    /// per consumer for the starts).
+    pub struct Track {
+        origin: Instant,
+        commits: Vec<AtomicI64>,
+        starts: Vec<Vec<AtomicI64>>,
+        started: Vec<AtomicUsize>,
+        duplicates: AtomicUsize,
+    }
+
+    impl Track {
+        pub fn new(events: usize, consumers: usize) -> Arc<Track> {
+            let slots = |n: usize| (0..n).map(|_| AtomicI64::new(UNSET)).collect::<Vec<_>>();
+            Arc::new(Track {
+                origin: Instant::now(),
+                commits: slots(events),
+                starts: (0..consumers).map(|_| slots(events)).collect(),
+                started: (0..consumers).map(|_| AtomicUsize::new(0)).collect(),
+                duplicates: AtomicUsize::new(0),
+            })
+        }
+
+        pub fn now(&self) -> i64 {
+            self.origin.elapsed().as_nanos() as i64
+        }
+
+        pub fn committed(&self, event: usize, at: i64) {
+            self.commits[event].store(at, Ordering::Relaxed);
+        }
+
+        pub fn handler_started(&self, consumer: usize, event: usize, at: i64) {
+            let Some(slot) = self.starts[consumer].get(event) else {
+                return;
+            };
+            if slot
+                .compare_exchange(UNSET, at, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                self.started[consumer].fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.duplicates.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+
+        pub fn all_started(&self, consumer: usize) -> bool {
+            self.started[consumer].load(Ordering::Relaxed) == self.commits.len()
+        }
+
+        /// Commit → handler start, in ms, for every (consumer, event) seen on both sides.
+        pub fn latencies(&self) -> (Vec<f64>, usize) {
+            let mut out = Vec::with_capacity(self.commits.len() * self.starts.len());
+            let mut missing = 0;
+            for starts in &self.starts {
+                for (c, s) in self.commits.iter().zip(starts) {
+                    let (c, s) = (c.load(Ordering::Relaxed), s.load(Ordering::Relaxed));
+                    if c == UNSET || s == UNSET {
+                        missing += 1;
+                    } else {
+                        out.push((s - c) as f64 / 1e6);
+                    }
+                }
+            }
+            out.sort_by(f64::total_cmp);
+            (out, missing)
+        }
+
+        pub fn duplicates(&self) -> usize {
+            self.duplicates.load(Ordering::Relaxed)
+        }
+    }
+}
+
+use tracking::Track;
+
+/// The consumer: records its start, then writes one effect row in the delivery's transaction.
+struct Sink {
+    track: Arc<Track>,
+    index: usize,
+    name: Arc<str>,
+}
+
+impl Actor for Sink {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Sink {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let at = self.track.now();
+        if let Some(n) = d.payload().get("n").and_then(Value::as_u64) {
+            self.track.handler_started(self.index, n as usize, at);
+        }
+        let name = self.name.clone();
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO bench_effects (consumer, event_id, order_id) VALUES ($1, $2, $3)",
+            )
+            .bind::<Text, _>(&*name)
+            .bind::<SqlUuid, _>(d.event_id().as_uuid())
+            .bind::<Text, _>(d.aggregate_id())
+            .execute(&mut *conn)
+            .await?;
+            Ok(())
+        })
+    }
+}
+
+// ------------------------------------------------------------------------------ database
+
+/// `url` with its database name replaced by `db`.
+fn with_database(url: &str, db: &str) -> String {
+    let (head, query) = match url.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = head.find("://").map(|i| i + 3).unwrap_or(0);
+    let base = match head[scheme_end..].find('/') {
+        Some(i) => &head[..scheme_end + i],
+        None => head,
+    };
+    match query {
+        Some(q) => format!("{base}/{db}?{q}"),
+        None => format!("{base}/{db}"),
+    }
+}
+
+const SCHEMA: &str = "
+    CREATE TABLE bench_orders (
+        id           text        PRIMARY KEY,
+        status       text        NOT NULL,
+        amount_cents bigint      NOT NULL,
+        created_at   timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE bench_effects (
+        id         bigserial   PRIMARY KEY,
+        consumer   text        NOT NULL,
+        event_id   uuid        NOT NULL,
+        order_id   text        NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now()
+    );";
+
+/// Every table a scenario writes, emptied so the next one starts on fresh tables.
+const RESET: &str =
+    "TRUNCATE outbox_events, inbox_events, consumer_subscriptions, consumer_states, \
+     outbox_stats_samples, bench_orders, bench_effects RESTART IDENTITY CASCADE";
+
+#[derive(QueryableByName)]
+struct Lsn {
+    #[diesel(sql_type = Text)]
+    lsn: String,
+}
+
+#[derive(QueryableByName)]
+struct Num {
+    #[diesel(sql_type = Double)]
+    n: f64,
+}
+
+#[derive(QueryableByName)]
+struct PerConsumer {
+    #[diesel(sql_type = Text)]
+    consumer: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn wal_lsn(conn: &mut AsyncPgConnection) -> Res<String> {
+    let r: Lsn = diesel::sql_query("SELECT pg_current_wal_lsn()::text AS lsn")
+        .get_result(conn)
+        .await?;
+    Ok(r.lsn)
+}
+
+async fn wal_since(conn: &mut AsyncPgConnection, from: &str) -> Res<f64> {
+    let r: Num =
+        diesel::sql_query("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8 AS n")
+            .bind::<Text, _>(from)
+            .get_result(conn)
+            .await?;
+    Ok(r.n)
+}
+
+/// The WAL written over one measurement. A temporary replication slot (dropped at the end, or
+/// with the session) keeps the server from recycling those segments at a checkpoint before
+/// `pg_walinspect` has read them: on a busy server a checkpoint comes every few seconds.
+struct WalWindow {
+    from: String,
+    slot: Option<String>,
+}
+
+impl WalWindow {
+    async fn open(conn: &mut AsyncPgConnection) -> Res<WalWindow> {
+        let slot = format!("ao_bench_{}", uuid::Uuid::new_v4().simple());
+        let held = diesel::sql_query("SELECT pg_create_physical_replication_slot($1, true, true)")
+            .bind::<Text, _>(&slot)
+            .execute(conn)
+            .await
+            .is_ok();
+        Ok(WalWindow {
+            from: wal_lsn(conn).await?,
+            slot: held.then_some(slot),
+        })
+    }
+
+    /// (bytes written by the whole server, bytes of this database's records).
+    async fn close(self, conn: &mut AsyncPgConnection) -> Res<(f64, Option<f64>)> {
+        let server = wal_since(conn, &self.from).await;
+        let db = wal_of_this_db(conn, &self.from).await;
+        if let Some(slot) = &self.slot {
+            diesel::sql_query("SELECT pg_drop_replication_slot($1)")
+                .bind::<Text, _>(slot)
+                .execute(conn)
+                .await?;
+        }
+        Ok((server?, db))
+    }
+}
+
+/// This database's share of the WAL written since `from`: every record of a transaction that
+/// touched one of its blocks (its commit record included), plus the records without a
+/// transaction on its blocks (pruning, hint-bit page images). The server-wide figure also
+/// counts whatever else the server runs meanwhile (another test suite's `CREATE DATABASE`
+/// alone writes megabytes). `None` without `pg_walinspect` or once the WAL is recycled.
+async fn wal_of_this_db(conn: &mut AsyncPgConnection, from: &str) -> Option<f64> {
+    let r: Result<Num, _> = diesel::sql_query(
+        "WITH me AS (SELECT '%/' || oid || '/%' AS blocks FROM pg_database \
+                     WHERE datname = current_database()), \
+              r AS (SELECT xid, record_length, block_ref \
+                    FROM pg_get_wal_records_info($1::pg_lsn, pg_current_wal_flush_lsn())), \
+              mine AS (SELECT DISTINCT xid FROM r, me \
+                       WHERE xid <> 0 AND block_ref LIKE me.blocks) \
+         SELECT coalesce(sum(record_length), 0)::float8 AS n FROM r, me \
+         WHERE xid IN (SELECT xid FROM mine) OR (xid = 0 AND block_ref LIKE me.blocks)",
+    )
+    .bind::<Text, _>(from)
+    .get_result(conn)
+    .await;
+    r.map_err(|e| tracing::warn!(error = %e, "no per-database WAL figure"))
+        .ok()
+        .map(|r| r.n)
+}
+
+async fn number(conn: &mut AsyncPgConnection, sql: &str) -> Res<f64> {
+    let r: Num = diesel::sql_query(sql).get_result(conn).await?;
+    Ok(r.n)
+}
+
+// ------------------------------------------------------------------------------ process
+
+/// Forgets the peak RSS so far, so the next reading is this scenario's. False if the kernel
+/// does not allow it.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// `VmHWM` in MiB.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(f64::NAN)
+}
+
+/// Runs `f` on a new arbiter thread (an actix-web worker's position) and returns its output.
+async fn on_own_thread<F, Fut, T>(f: F) -> T
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    let arbiter = Arbiter::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    arbiter.spawn_fn(move || {
+        actix_rt::spawn(async move {
+            let _ = tx.send(f().await);
+        });
+    });
+    let out = rx
+        .await
+        .expect("the producer thread ended without a result");
+    arbiter.stop();
+    out
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[idx.clamp(1, sorted.len()) - 1]
+}
+
+fn lat_json(sorted: &[f64], missing: usize) -> Value {
+    json!({
+        "p50_ms": percentile(sorted, 50.0),
+        "p90_ms": percentile(sorted, 90.0),
+        "p99_ms": percentile(sorted, 99.0),
+        "max_ms": sorted.last().copied().unwrap_or(f64::NAN),
+        "min_ms": sorted.first().copied().unwrap_or(f64::NAN),
+        "missing": missing,
+    })
+}
+
+fn lat_text(sorted: &[f64], with_max: bool) -> String {
+    let mut s = format!(
+        "lat p50 {:.1} ms p90 {:.1} ms p99 {:.1} ms",
+        percentile(sorted, 50.0),
+        percentile(sorted, 90.0),
+        percentile(sorted, 99.0)
+    );
+    if with_max {
+        s.push_str(&format!(
+            " max {:.1} ms",
+            sorted.last().copied().unwrap_or(f64::NAN)
+        ));
+    }
+    s
+}
+
+// ----------------------------------------------------------------------------- producer
+
+#[derive(Clone, Copy)]
+struct Produce {
+    events: usize,
+    per_tx: usize,
+    /// Events per second, one per transaction; `None` for as fast as possible.
+    rate: Option<f64>,
+}
+
+/// Writes `p.events` business rows and their events, `p.per_tx` per transaction, recording
+/// each commit in `track` and waking the runtime after it. Returns (first BEGIN, last COMMIT)
+/// in the track's clock and the number of transactions.
+async fn produce(
+    url: String,
+    track: Arc<Track>,
+    p: Produce,
+    wake: Option<OutboxHandle>,
+) -> Result<(i64, i64, usize), String> {
+    let mut conn = AsyncPgConnection::establish(&url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let start = track.now();
+    let mut txs = 0;
+    for first in (0..p.events).step_by(p.per_tx) {
+        let last = (first + p.per_tx).min(p.events);
+        if let Some(rate) = p.rate {
+            let due = start + (first as f64 * 1e9 / rate) as i64;
+            let wait = due - track.now();
+            if wait > 0 {
+                actix_rt::time::sleep(Duration::from_nanos(wait as u64)).await;
+            }
+        }
+        let ids: Vec<String> = (first..last).map(|i| format!("o-{i}")).collect();
+        let events: Vec<NewEvent> = ids
+            .iter()
+            .zip(first..last)
+            .map(|(id, n)| {
+                NewEvent::new(
+                    EVENT_TYPE,
+                    "order",
+                    id.as_str(),
+                    json!({"n": n, "order_id": id, "amount_cents": n * 100}),
+                )
+            })
+            .collect();
+        conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+            if events.len() == 1 {
+                diesel::sql_query(
+                    "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2)",
+                )
+                .bind::<Text, _>(&ids[0])
+                .bind::<BigInt, _>(first as i64 * 100)
+                .execute(conn)
+                .await?;
+                enqueue(conn, &events[0]).await?;
+            } else {
+                let amounts: Vec<i64> = (first..last).map(|n| n as i64 * 100).collect();
+                diesel::sql_query(
+                    "INSERT INTO bench_orders (id, status, amount_cents) \
+                     SELECT id, 'PLACED', amount FROM unnest($1::text[], $2::int8[]) AS t(id, amount)",
+                )
+                .bind::<Array<Text>, _>(&ids)
+                .bind::<Array<BigInt>, _>(&amounts)
+                .execute(conn)
+                .await?;
+                enqueue_many(conn, &events).await?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let at = track.now();
+        for n in first..last {
+            track.committed(n, at);
+        }
+        txs += 1;
+        if let Some(h) = &wake {
+            h.wake();
+        }
+    }
+    Ok((start, track.now(), txs))
+}
+
+// ---------------------------------------------------------------------------- scenarios
+
+struct Ctx {
+    url: String,
+    pool: PgPool,
+    opts: Opts,
+    rss_resets: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Single,
+    Batched,
+    Drain,
+    Paced,
+    Fanout,
+}
+
+async fn start_runtime(ctx: &Ctx, track: &Arc<Track>, names: &[String]) -> Res<OutboxRuntime> {
+    let mut b = OutboxRuntime::builder(ctx.pool.clone()).config(ctx.opts.runtime_config());
+    for (index, name) in names.iter().enumerate() {
+        let (track, name_arc): (Arc<Track>, Arc<str>) = (track.clone(), Arc::from(name.as_str()));
+        b = b.consumer(ctx.opts.consumer_config(name), move || Sink {
+            track: track.clone(),
+            index,
+            name: name_arc.clone(),
+        });
+    }
+    Ok(b.start().await?)
+}
+
+/// Waits until every consumer's handlers have all started and its inbox has nothing left to
+/// do; returns when each consumer got there (in the track's clock), `None` past the deadline.
+async fn wait_done(
+    conn: &mut AsyncPgConnection,
+    track: &Track,
+    names: &[String],
+    deadline: Instant,
+) -> Res<Vec<Option<i64>>> {
+    let mut done: Vec<Option<i64>> = vec![None; names.len()];
+    loop {
+        if (0..names.len()).any(|c| done[c].is_none() && track.all_started(c)) {
+            let left: Vec<PerConsumer> = diesel::sql_query(
+                "SELECT consumer, count(*) AS n FROM inbox_events \
+                 WHERE status IN ('RECEIVED', 'RETRY_PENDING') GROUP BY consumer",
+            )
+            .load(conn)
+            .await?;
+            let at = track.now();
+            for (c, name) in names.iter().enumerate() {
+                let open = left.iter().any(|l| &l.consumer == name && l.n > 0);
+                if done[c].is_none() && track.all_started(c) && !open {
+                    done[c] = Some(at);
+                }
+            }
+        }
+        if done.iter().all(Option::is_some) || Instant::now() > deadline {
+            return Ok(done);
+        }
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
+    let o = &ctx.opts;
+    let (events, per_tx, rate) = match kind {
+        Kind::Paced => (o.paced_events, 1, Some(o.paced_rate)),
+        Kind::Batched | Kind::Drain => (o.events, o.batch_per_tx, None),
+        Kind::Single | Kind::Fanout => (o.events, 1, None),
+    };
+    let names: Vec<String> = match kind {
+        Kind::Fanout => ["effects_a", "effects_b", "effects_c"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        _ => vec!["effects".to_owned()],
+    };
+    let mut mon = ctx.pool.get().await?;
+    let track = Track::new(events, names.len());
+    let produce_args = Produce {
+        events,
+        per_tx,
+        rate,
+    };
+
+    let mut runtime = None;
+    if kind != Kind::Drain {
+        runtime = Some(start_runtime(ctx, &track, &names).await?);
+        // Let the actors start and the listener connect, as the peers let their workers start.
+        actix_rt::time::sleep(Duration::from_millis(300)).await;
+    }
+    let wal_window = WalWindow::open(&mut mon).await?;
+    let wake = runtime.as_ref().map(|r| r.handle());
+    let (url, t) = (ctx.url.clone(), track.clone());
+    let produced = on_own_thread(move || produce(url, t, produce_args, wake)).await;
+    let (enq_start, enq_end, txs) = match produced {
+        Ok(p) => p,
+        Err(e) => {
+            if let Some(rt) = &runtime {
+                rt.shutdown().await;
+            }
+            return Err(format!("producer: {e}").into());
+        }
+    };
+    let mut from = enq_start;
+    if kind == Kind::Drain {
+        from = track.now();
+        runtime = Some(start_runtime(ctx, &track, &names).await?);
+    }
+    let done = wait_done(&mut mon, &track, &names, Instant::now() + SCENARIO_LIMIT).await;
+    let wal = wal_window.close(&mut mon).await;
+    if let Some(rt) = &runtime {
+        rt.shutdown().await;
+    }
+    let (done, (wal, wal_db)) = (done?, wal?);
+    let effects = number(&mut mon, "SELECT count(*)::float8 AS n FROM bench_effects").await?;
+    let dup_effects = number(
+        &mut mon,
+        "SELECT (count(*) - count(DISTINCT (consumer, event_id)))::float8 AS n FROM bench_effects",
+    )
+    .await?;
+    drop(mon);
+
+    let secs = |ns: i64| ns as f64 / 1e9;
+    let enqueue_rate = events as f64 / secs(enq_end - enq_start);
+    let per_consumer: Vec<Option<f64>> = done
+        .iter()
+        .map(|d| d.map(|d| events as f64 / secs(d - from)))
+        .collect();
+    let complete = done.iter().all(Option::is_some);
+    let e2e = done
+        .iter()
+        .copied()
+        .collect::<Option<Vec<i64>>>()
+        .and_then(|d| d.into_iter().max())
+        .map(|last| events as f64 / secs(last - from));
+    let (lat, missing) = track.latencies();
+    let wal_per_event = wal / events as f64;
+    let wal_db_per_event = wal_db.map(|w| w / events as f64);
+    let rss = peak_rss_mib();
+    let duplicates = track.duplicates();
+    let fmt_rate = |r: Option<f64>| r.map_or("INCOMPLETE".to_owned(), |r| format!("{r:.0}/s"));
+
+    let name = match kind {
+        Kind::Single => "single",
+        Kind::Batched => "batched",
+        Kind::Drain => "drain",
+        Kind::Paced => "paced",
+        Kind::Fanout => "fanout",
+    };
+    let mut line = format!("{name:<8}| ");
+    match kind {
+        Kind::Drain => line.push_str(&format!(
+            "drain {} (backlog written at {enqueue_rate:.0}/s, {txs} tx, runtime stopped)",
+            fmt_rate(e2e)
+        )),
+        Kind::Paced => line.push_str(&format!(
+            "{} at {:.0}/s | e2e {} | {}",
+            events,
+            o.paced_rate,
+            fmt_rate(e2e),
+            lat_text(&lat, true)
+        )),
+        Kind::Fanout => {
+            let each: Vec<String> = names
+                .iter()
+                .zip(&per_consumer)
+                .map(|(n, r)| format!("{n} {}", fmt_rate(*r)))
+                .collect();
+            line.push_str(&format!(
+                "enq {enqueue_rate:.0}/s ({txs} tx) | per consumer {} | {}",
+                each.join(" "),
+                lat_text(&lat, false)
+            ))
+        }
+        Kind::Single | Kind::Batched => line.push_str(&format!(
+            "enq {enqueue_rate:.0}/s ({txs} tx) | e2e {} | {}",
+            fmt_rate(e2e),
+            lat_text(&lat, false)
+        )),
+    }
+    line.push_str(&format!(
+        " | WAL {wal_per_event:.0} B/event (this db {}) | peak RSS {rss:.1} MiB{}",
+        wal_db_per_event.map_or("n/a".to_owned(), |w| format!("{w:.0}")),
+        if ctx.rss_resets { "" } else { " (since start)" }
+    ));
+    let expected = (events * names.len()) as f64;
+    if effects != expected || dup_effects > 0.0 || missing > 0 || duplicates > 0 {
+        line.push_str(&format!(
+            " | CHECK effects {effects}/{expected} dup effects {dup_effects} missing starts \
+             {missing} redeliveries {duplicates}"
+        ));
+    }
+    let result = json!({
+        "scenario": name,
+        "events": events,
+        "per_tx": per_tx,
+        "transactions": txs,
+        "consumers": names,
+        "enqueue_rate": enqueue_rate,
+        "e2e_rate": e2e,
+        "per_consumer_rate": per_consumer,
+        "complete": complete,
+        "latency": if kind == Kind::Drain { Value::Null } else { lat_json(&lat, missing) },
+        "wal_bytes_per_event": wal_per_event,
+        "wal_bytes_per_event_this_db": wal_db_per_event,
+        "peak_rss_mib": rss,
+        "effects": effects,
+        "duplicate_effects": dup_effects,
+        "redeliveries": duplicates,
+    });
+    Ok((line, result))
+}
+
+// ------------------------------------------------------------------------------ history
+
+/// The claim statement exactly as the publisher runs it: `CLAIM_SQL` read from the library's
+/// source at compile time (the constant is `pub(crate)`), so this measures the real statement
+/// through the real driver path (a one-off prepared statement per call, in autocommit).
+fn claim_sql() -> String {
+    const SOURCE: &str = include_str!("../src/store/outbox.rs");
+    const MARKER: &str = "const CLAIM_SQL: &str = \"";
+    let start = SOURCE
+        .find(MARKER)
+        .expect("src/store/outbox.rs defines `const CLAIM_SQL: &str = \"…\"`")
+        + MARKER.len();
+    let mut sql = String::new();
+    let mut chars = SOURCE[start..].chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return sql,
+            '\\' => match chars.next() {
+                Some('\n') => while chars.next_if(|c| c.is_whitespace()).is_some() {},
+                Some('"') => sql.push('"'),
+                Some('\\') => sql.push('\\'),
+                Some('\'') => sql.push('\''),
+                Some('n') => sql.push('\n'),
+                Some('t') => sql.push('\t'),
+                other => panic!("CLAIM_SQL: unexpected escape \\{other:?}"),
+            },
+            c => sql.push(c),
+        }
+    }
+    panic!("CLAIM_SQL: unterminated string literal");
+}
+
+#[derive(QueryableByName)]
+struct ClaimRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    consumer: Option<String>,
+    #[diesel(sql_type = BigInt)]
+    rows: i64,
+}
+
+/// Times `iterations` claims with nothing due (a poll) and `iterations` claims of one freshly
+/// committed event (enqueued untimed just before). Returns sorted ms and WAL per claimed event.
+async fn time_claims(
+    conn: &mut AsyncPgConnection,
+    sql: &str,
+    iterations: usize,
+    batch: i64,
+) -> Res<(Vec<f64>, Vec<f64>, (f64, Option<f64>))> {
+    let claim = async |conn: &mut AsyncPgConnection| -> Res<(f64, i64)> {
+        let t = Instant::now();
+        let rows: Vec<ClaimRow> = diesel::sql_query(sql)
+            .bind::<BigInt, _>(batch)
+            .load(conn)
+            .await?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let published = rows
+            .iter()
+            .find(|r| r.consumer.is_none())
+            .map_or(0, |r| r.rows);
+        Ok((ms, published))
+    };
+    let mut idle = Vec::with_capacity(iterations);
+    for _ in 0..iterations {
+        let (ms, n) = claim(conn).await?;
+        if n != 0 {
+            return Err(format!("an idle claim published {n} rows").into());
+        }
+        idle.push(ms);
+    }
+    let wal_window = WalWindow::open(conn).await?;
+    let mut one = Vec::with_capacity(iterations);
+    for i in 0..iterations {
+        let ev = NewEvent::new(EVENT_TYPE, "order", format!("h-{i}"), json!({"n": i}));
+        enqueue(conn, &ev).await?;
+        let (ms, n) = claim(conn).await?;
+        if n != 1 {
+            return Err(format!("a claim of one due event published {n} rows").into());
+        }
+        one.push(ms);
+    }
+    let (wal, wal_db) = wal_window.close(conn).await?;
+    let (wal, wal_db) = (
+        wal / iterations as f64,
+        wal_db.map(|w| w / iterations as f64),
+    );
+    idle.sort_by(f64::total_cmp);
+    one.sort_by(f64::total_cmp);
+    Ok((idle, one, (wal, wal_db)))
+}
+
+async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
+    const ITERATIONS: usize = 300;
+    let sql = claim_sql();
+    let batch = i64::from(ctx.opts.publish_batch);
+    let rows = ctx.opts.history_rows;
+    let mut conn = ctx.pool.get().await?;
+    conn.batch_execute(&format!(
+        "INSERT INTO consumer_states (consumer) VALUES ('history');
+         INSERT INTO consumer_subscriptions (consumer, event_type) VALUES ('history', '{EVENT_TYPE}');"
+    ))
+    .await?;
+    let (idle0, one0, wal0) = time_claims(&mut conn, &sql, ITERATIONS, batch).await?;
+
+    // History: PUBLISHED rows as the in-process transport leaves them. Ids count up like the
+    // producers' UUID v7, so the primary key fills in order as it does in production.
+    let t = Instant::now();
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+             correlation_id, status, attempt_count, published_at) \
+         SELECT lpad(to_hex(g), 32, '0')::uuid, '{EVENT_TYPE}', 'order', 'x-' || g, \
+             jsonb_build_object('n', g, 'order_id', 'x-' || g), lpad(to_hex(g), 32, '0'), \
+             'PUBLISHED', 1, now() \
+         FROM generate_series(1, {rows}) AS g"
+    ))
+    .await?;
+    let insert_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
+    let vacuum_s = t.elapsed().as_secs_f64();
+    let (idle1, one1, wal1) = time_claims(&mut conn, &sql, ITERATIONS, batch).await?;
+    drop(conn);
+
+    let rss = peak_rss_mib();
+    let p = |v: &[f64], q: f64| percentile(v, q);
+    let opt = |w: Option<f64>| w.map_or("n/a".to_owned(), |w| format!("{w:.0}"));
+    let big = if rows % 1_000_000 == 0 {
+        format!("{}M", rows / 1_000_000)
+    } else {
+        format!("{}k", rows / 1_000)
+    };
+    let line = format!(
+        "history | claim of 1 due: empty p50 {:.2} ms p99 {:.2} ms, {big} published p50 {:.2} ms \
+         p99 {:.2} ms | poll with 0 due: empty p50 {:.2} ms p99 {:.2} ms, {big} p50 {:.2} ms p99 \
+         {:.2} ms | {big} rows inserted in {insert_s:.0} s + VACUUM ANALYZE {vacuum_s:.0} s | WAL \
+         {:.0} B/event empty (this db {}), {:.0} B/event {big} (this db {}) | peak RSS {rss:.1} MiB",
+        p(&one0, 50.0),
+        p(&one0, 99.0),
+        p(&one1, 50.0),
+        p(&one1, 99.0),
+        p(&idle0, 50.0),
+        p(&idle0, 99.0),
+        p(&idle1, 50.0),
+        p(&idle1, 99.0),
+        wal0.0,
+        opt(wal0.1),
+        wal1.0,
+        opt(wal1.1),
+    );
+    let stats = |v: &[f64]| json!({"p50_ms": p(v, 50.0), "p99_ms": p(v, 99.0), "max_ms": v.last()});
+    let result = json!({
+        "scenario": "history",
+        "iterations": ITERATIONS,
+        "published_rows": rows,
+        "claim_one_empty": stats(&one0),
+        "claim_one_history": stats(&one1),
+        "poll_idle_empty": stats(&idle0),
+        "poll_idle_history": stats(&idle1),
+        "insert_seconds": insert_s,
+        "vacuum_analyze_seconds": vacuum_s,
+        "wal_bytes_per_event_empty": wal0.0,
+        "wal_bytes_per_event_empty_this_db": wal0.1,
+        "wal_bytes_per_event_history": wal1.0,
+        "wal_bytes_per_event_history_this_db": wal1.1,
+        "peak_rss_mib": rss,
+    });
+    Ok((line, result))
+}
+
+// --------------------------------------------------------------------------------- main
+
+async fn run_all(ctx: &Ctx) -> Vec<Value> {
+    let mut results = Vec::new();
+    for name in &ctx.opts.scenarios {
+        let reset = async {
+            let mut conn = ctx.pool.get().await?;
+            conn.batch_execute(RESET).await?;
+            Ok::<_, BoxError>(())
+        };
+        let outcome = match reset.await {
+            Err(e) => Err(e),
+            Ok(()) => {
+                reset_peak_rss();
+                match name.as_str() {
+                    "single" => run_events(ctx, Kind::Single).await,
+                    "batched" => run_events(ctx, Kind::Batched).await,
+                    "drain" => run_events(ctx, Kind::Drain).await,
+                    "paced" => run_events(ctx, Kind::Paced).await,
+                    "fanout" => run_events(ctx, Kind::Fanout).await,
+                    _ => run_history(ctx).await,
+                }
+            }
+        };
+        match outcome {
+            Ok((line, value)) => {
+                println!("{line}");
+                results.push(value);
+            }
+            Err(e) => {
+                println!("{name:<8}| ERROR {e}");
+                results.push(json!({"scenario": name, "error": e.to_string()}));
+            }
+        }
+        // Let the server settle between scenarios, as the peer harness does.
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+    }
+    results
+}
+
+#[actix_rt::main]
+async fn main() -> Res<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let opts = Opts::parse()?;
+    let server = std::env::var("DATABASE_URL")
+        .map_err(|_| "set DATABASE_URL to a PostgreSQL server URL (its database is not used)")?;
+    let db = format!("ao_bench_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = AsyncPgConnection::establish(&server).await?;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await?;
+    let url = with_database(&server, &db);
+    println!("{}", opts.describe());
+
+    let started = Instant::now();
+    let setup = async {
+        actix_outbox::migrate(&url).await?;
+        let pool = actix_outbox::connect(&url, opts.pool_size()).await?;
+        let mut conn = pool.get().await?;
+        conn.batch_execute(SCHEMA).await?;
+        // Optional: attributes WAL to this database (needs a superuser; the figure is then
+        // reported as n/a).
+        let _ = conn
+            .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            .await;
+        drop(conn);
+        Ok::<_, BoxError>(pool)
+    };
+    let outcome = match setup.await {
+        Ok(pool) => {
+            let ctx = Ctx {
+                url: url.clone(),
+                pool,
+                opts: opts.clone(),
+                rss_resets: reset_peak_rss(),
+            };
+            let results = run_all(&ctx).await;
+            drop(ctx);
+            Ok(results)
+        }
+        Err(e) => Err(e),
+    };
+    // The database goes whatever happened; FORCE ends connections a runtime may still hold.
+    let dropped = admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await;
+    let results = outcome?;
+    dropped?;
+    if let Some(path) = &opts.json {
+        let report = json!({
+            "library": "actix-outbox",
+            "config": opts.describe(),
+            "results": results,
+            "wall_seconds": started.elapsed().as_secs_f64(),
+            "at_unix": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}

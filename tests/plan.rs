@@ -1,0 +1,293 @@
+//! The publisher's claim keeps its plan whatever the table's statistics say: an ordered
+//! `Index Scan` of the partial index `outbox_events_due` under the `LockRows`, and the claimed
+//! rows found again by primary key, never by scanning the table.
+//!
+//! The trap this guards: on a fresh table nobody has analyzed yet, PostgreSQL underestimates
+//! the due rows, and with a plain `LIMIT $1` it picks a bitmap scan of the partial index that
+//! reads and sorts every due row for each batch — tens of times slower on a backlog. A fix that
+//! only hides the limit from the planner then makes it hash-join a large analyzed backlog
+//! against a sequential scan of the whole table. Each test below builds one of those tables.
+//!
+//! The statement is not copied: [`claim_sql`] reads `CLAIM_SQL` from `src/store/outbox.rs`, so
+//! the plan asserted here is the plan of what the publisher runs.
+
+mod common;
+
+use common::*;
+use diesel::sql_types::{BigInt, Json};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use serde_json::Value;
+
+/// The claim statement as the library runs it: the string literal of `CLAIM_SQL`, unescaped.
+fn claim_sql() -> String {
+    const SOURCE: &str = include_str!("../src/store/outbox.rs");
+    const MARKER: &str = "const CLAIM_SQL: &str = \"";
+    let start = SOURCE
+        .find(MARKER)
+        .expect("src/store/outbox.rs defines `const CLAIM_SQL: &str = \"…\"`")
+        + MARKER.len();
+    let mut sql = String::new();
+    let mut chars = SOURCE[start..].chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return sql,
+            '\\' => match chars.next() {
+                // A line continuation drops the newline and the next line's indentation.
+                Some('\n') => while chars.next_if(|c| c.is_whitespace()).is_some() {},
+                Some('"') => sql.push('"'),
+                Some('\\') => sql.push('\\'),
+                Some('\'') => sql.push('\''),
+                Some('n') => sql.push('\n'),
+                Some('t') => sql.push('\t'),
+                other => panic!("CLAIM_SQL: unexpected escape \\{other:?}; extend claim_sql()"),
+            },
+            c => sql.push(c),
+        }
+    }
+    panic!("CLAIM_SQL: unterminated string literal");
+}
+
+#[derive(QueryableByName)]
+struct ExplainRow {
+    #[diesel(sql_type = Json)]
+    #[diesel(column_name = "QUERY PLAN")]
+    plan: Value,
+}
+
+/// One plan node, flattened: its type, its relation or index, and the `CTE …` it belongs to.
+#[derive(Debug, Clone)]
+struct Node {
+    node_type: String,
+    relation: Option<String>,
+    index: Option<String>,
+    cte: Option<String>,
+    depth: usize,
+}
+
+fn flatten(plan: &Value, cte: Option<&str>, depth: usize, out: &mut Vec<Node>) {
+    let text = |k: &str| plan.get(k).and_then(Value::as_str).map(str::to_owned);
+    let subplan = text("Subplan Name");
+    let cte = match subplan.as_deref() {
+        Some(name) if name.starts_with("CTE ") => Some(name.to_owned()),
+        _ => cte.map(str::to_owned),
+    };
+    out.push(Node {
+        node_type: text("Node Type").unwrap_or_default(),
+        relation: text("Relation Name"),
+        index: text("Index Name"),
+        cte: cte.clone(),
+        depth,
+    });
+    for child in plan
+        .get("Plans")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        flatten(child, cte.as_deref(), depth + 1, out);
+    }
+}
+
+fn render(nodes: &[Node]) -> String {
+    nodes
+        .iter()
+        .map(|n| {
+            let on = match (&n.index, &n.relation) {
+                (Some(i), _) => format!(" using {i}"),
+                (None, Some(r)) => format!(" on {r}"),
+                _ => String::new(),
+            };
+            format!("{}{}{on}", "  ".repeat(n.depth), n.node_type)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `EXPLAIN (FORMAT JSON)` of the claim with a batch of 500, twice: planned with the bound
+/// value, as the publisher's one-off prepared statement is today (a custom plan), and as a
+/// generic plan, which a statement cached per connection gets after five executions.
+async fn explain_claim(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'static str); 2] {
+    let custom: ExplainRow = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {}", claim_sql()))
+        .bind::<BigInt, _>(500_i64)
+        .get_result(conn)
+        .await
+        .expect("EXPLAIN the claim");
+    conn.batch_execute(&format!(
+        "PREPARE claim_plan_test (int8) AS {}; SET plan_cache_mode = force_generic_plan",
+        claim_sql()
+    ))
+    .await
+    .expect("PREPARE the claim");
+    let generic: ExplainRow =
+        diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500)")
+            .get_result(conn)
+            .await
+            .expect("EXPLAIN the prepared claim");
+    conn.batch_execute("DEALLOCATE claim_plan_test; RESET plan_cache_mode")
+        .await
+        .unwrap();
+    [(custom, "custom plan"), (generic, "generic plan")].map(|(row, kind)| {
+        let mut nodes = Vec::new();
+        flatten(&row.plan[0]["Plan"], None, 0, &mut nodes);
+        (nodes, kind)
+    })
+}
+
+/// The plan ARCHITECTURE §3 and the claim's doc comment promise.
+fn assert_claim_plan(plans: &[(Vec<Node>, &str)], case: &str) {
+    for (nodes, kind) in plans {
+        assert_one_plan(nodes, &format!("{case}, {kind}"));
+    }
+}
+
+fn assert_one_plan(nodes: &[Node], case: &str) {
+    let plan = render(nodes);
+    let due: Vec<&Node> = nodes
+        .iter()
+        .filter(|n| n.cte.as_deref() == Some("CTE due"))
+        .collect();
+    assert!(
+        due.iter().any(|n| n.node_type == "LockRows"),
+        "{case}: no LockRows in the due CTE:\n{plan}"
+    );
+    assert!(
+        due.iter().any(|n| {
+            matches!(n.node_type.as_str(), "Index Scan" | "Index Only Scan")
+                && n.index.as_deref() == Some("outbox_events_due")
+        }),
+        "{case}: the due rows are not read by an ordered scan of outbox_events_due:\n{plan}"
+    );
+    let unwanted: Vec<&&Node> = due
+        .iter()
+        .filter(|n| {
+            matches!(
+                n.node_type.as_str(),
+                "Sort" | "Bitmap Heap Scan" | "Seq Scan"
+            )
+        })
+        .collect();
+    assert!(
+        unwanted.is_empty(),
+        "{case}: the due CTE reads or sorts every due row ({unwanted:?}):\n{plan}"
+    );
+    let table_scans: Vec<&Node> = nodes
+        .iter()
+        .filter(|n| n.node_type == "Seq Scan" && n.relation.as_deref() == Some("outbox_events"))
+        .collect();
+    assert!(
+        table_scans.is_empty(),
+        "{case}: the claim scans the whole outbox table:\n{plan}"
+    );
+}
+
+/// Statistics stay exactly as each test leaves them: no autovacuum or autoanalyze may run in
+/// between. One consumer subscribes, so the fan-out part is planned as in production.
+async fn prepare(conn: &mut AsyncPgConnection) {
+    conn.batch_execute(
+        "ALTER TABLE outbox_events SET (autovacuum_enabled = off);
+         INSERT INTO consumer_states (consumer) VALUES ('c1');
+         INSERT INTO consumer_subscriptions (consumer, event_type) VALUES ('c1', 'ORDER_STATUS_CHANGED');",
+    )
+    .await
+    .unwrap();
+}
+
+/// `n` events with `status`, written in one statement (the library's insert path would take
+/// minutes for half a million rows and is not what is under test).
+fn insert_rows(n: usize, status: &str) -> String {
+    let published_at = if status == "PUBLISHED" {
+        "now()"
+    } else {
+        "NULL"
+    };
+    format!(
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+             correlation_id, status, published_at) \
+         SELECT gen_random_uuid(), 'ORDER_STATUS_CHANGED', 'order', 'o-' || g, \
+             jsonb_build_object('order_id', 'o-' || g), 'c-' || g, '{status}', {published_at} \
+         FROM generate_series(1, {n}) AS g"
+    )
+}
+
+#[actix_rt::test]
+async fn claim_uses_the_due_index_on_a_fresh_unanalyzed_table() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    prepare(&mut conn).await;
+    conn.batch_execute(&insert_rows(50_000, "PENDING"))
+        .await
+        .unwrap();
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM pg_stat_user_tables WHERE relname = 'outbox_events' \
+             AND last_analyze IS NULL AND last_autoanalyze IS NULL"
+        )
+        .await,
+        1,
+        "the table must never have been analyzed"
+    );
+    let nodes = explain_claim(&mut conn).await;
+    assert_claim_plan(&nodes, "fresh table, 50,000 PENDING, no ANALYZE");
+
+    // The statement still does what it did: the 500 oldest rows, published and fanned out.
+    diesel::sql_query(claim_sql())
+        .bind::<BigInt, _>(500_i64)
+        .execute(&mut conn)
+        .await
+        .expect("run the claim");
+    drop(conn);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND seq <= 500"
+        )
+        .await,
+        500
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'")
+            .await,
+        500
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c1'")
+            .await,
+        500
+    );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn claim_uses_the_due_index_on_a_large_analyzed_table() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    prepare(&mut conn).await;
+    conn.batch_execute(&insert_rows(500_000, "PUBLISHED"))
+        .await
+        .unwrap();
+    conn.batch_execute(&insert_rows(1_000, "PENDING"))
+        .await
+        .unwrap();
+    conn.batch_execute("ANALYZE outbox_events").await.unwrap();
+    let nodes = explain_claim(&mut conn).await;
+    drop(conn);
+    assert_claim_plan(&nodes, "500,000 PUBLISHED + 1,000 PENDING, analyzed");
+    db.finish(&[]).await;
+}
+
+/// The case a bare "hide the limit" fix gets wrong: 10% of an analyzed backlog looks large
+/// enough to hash-join against a sequential scan of the table.
+#[actix_rt::test]
+async fn claim_finds_claimed_rows_by_key_on_an_analyzed_backlog() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    prepare(&mut conn).await;
+    conn.batch_execute(&insert_rows(200_000, "PENDING"))
+        .await
+        .unwrap();
+    conn.batch_execute("ANALYZE outbox_events").await.unwrap();
+    let nodes = explain_claim(&mut conn).await;
+    drop(conn);
+    assert_claim_plan(&nodes, "200,000 PENDING, analyzed");
+    db.finish(&[]).await;
+}
