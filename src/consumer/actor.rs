@@ -9,7 +9,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::worker::{self, BatchOutcome};
+use super::worker::{self, BatchOutcome, Isolation};
 use super::{ConsumerConfig, Delivery};
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::PgPool;
@@ -64,16 +64,17 @@ impl ConsumerActor {
             tracing::warn!(consumer = %self.cfg.name, "handler actor stopped; starting a new one");
             self.handler = (self.factory)();
         }
-        while self.in_flight < self.cfg.concurrency {
-            self.in_flight += 1;
-            let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
-            let draining = self.draining.clone();
-            let run = async move { batch_loop(&pool, &cfg, &handler, &draining).await };
-            ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
-                act.in_flight -= 1;
-                act.after_loop(outcome, ctx);
-            }));
-        }
+        // One loop per wake-up; a loop that finds a full batch asks for another (up to
+        // `concurrency`), so a single event does not cost `concurrency` empty claims.
+        self.in_flight += 1;
+        let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
+        let draining = self.draining.clone();
+        let me = ctx.address().recipient();
+        let run = async move { batch_loop(&pool, &cfg, &handler, &draining, &me).await };
+        ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
+            act.in_flight -= 1;
+            act.after_loop(outcome, ctx);
+        }));
     }
 
     fn after_loop(&mut self, outcome: LoopOutcome, ctx: &mut Context<Self>) {
@@ -109,11 +110,13 @@ async fn batch_loop(
     cfg: &ConsumerConfig,
     handler: &Recipient<Delivery>,
     draining: &AtomicBool,
+    me: &Recipient<Wake>,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
+    let mut isolation = Isolation::Fast;
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = worker::run_batch(pool, cfg, handler).await;
+        let batch = worker::run_batch(pool, cfg, handler, isolation).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
@@ -129,8 +132,14 @@ async fn batch_loop(
                 next_retry,
                 handler_lost,
                 abandoned,
+                replay_safe,
                 ..
             }) => {
+                if replay_safe {
+                    isolation = Isolation::Safe;
+                    continue;
+                }
+                isolation = Isolation::Fast;
                 out.next_retry = match (out.next_retry, next_retry) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
@@ -142,6 +151,8 @@ async fn batch_loop(
                 if claimed < cfg.batch_size as usize && !abandoned {
                     return out;
                 }
+                // A full batch: more rows are probably due; let another loop help.
+                let _ = me.try_send(Wake);
             }
             Err(e) => {
                 // The database is unreachable or a statement failed; the poll tries again.

@@ -33,6 +33,8 @@ pub(crate) struct BatchOutcome {
     pub next_retry: Option<Duration>,
     /// The handler actor stopped (panicked) during the batch and must be replaced.
     pub handler_lost: bool,
+    /// A fast batch hit a failure and was rolled back whole; replay it with savepoints.
+    pub replay_safe: bool,
     /// The transaction was abandoned (handler kept the connection, left a nested transaction
     /// open, or timed out mid-query); the unmarked rows will be claimed again.
     pub abandoned: bool,
@@ -52,14 +54,28 @@ pub(crate) fn handler_timed_out(cfg: &ConsumerConfig) -> HandlerError {
 /// When to look again at rows deferred because another batch held their aggregate.
 const DEFER_DELAY: Duration = Duration::from_millis(10);
 
-/// Transaction depth while a handler runs: the batch transaction plus the row's savepoint.
-const HANDLER_DEPTH: u32 = 2;
+/// How a batch isolates its rows.
+///
+/// `Fast` runs the handlers without savepoints: two round trips fewer per row. Any failure
+/// then rolls back the whole batch (nothing is marked, no attempt is counted) and the loop
+/// replays it `Safe`, with a savepoint per row, so that only the failing row's writes are
+/// undone and its attempt is recorded. A row's effect still commits at most once either way;
+/// a fast batch that fails only means the handlers before the failure run again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    Fast,
+    Safe,
+}
 
 pub(crate) async fn run_batch(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     handler: &Recipient<Delivery>,
+    isolation: Isolation,
 ) -> Result<BatchOutcome> {
+    let safe = isolation == Isolation::Safe;
+    // Transaction depth while a handler runs: the batch transaction (plus the row's savepoint).
+    let handler_depth = if safe { 2 } else { 1 };
     let mut conn: OwnedConn = pool.get_owned().await?;
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
     // transaction manager and closes the connection, so PostgreSQL rolls back and no session
@@ -87,7 +103,9 @@ pub(crate) async fn run_batch(
             failures.push(decide(&cfg.retry, &row, &err));
             continue;
         }
-        Tm::begin_transaction(&mut *conn).await?;
+        if safe {
+            Tm::begin_transaction(&mut *conn).await?;
+        }
         if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
             let name = cfg.name.as_str();
             match inbox::advance_version(
@@ -101,7 +119,9 @@ pub(crate) async fn run_batch(
             {
                 Advance::Applied => {}
                 Advance::Stale(current) => {
-                    Tm::commit_transaction(&mut *conn).await?;
+                    if safe {
+                        Tm::commit_transaction(&mut *conn).await?;
+                    }
                     tracing::info!(consumer = name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
                         version, current, code = "EVENT_STALE", "stale event recorded, not applied");
                     stale.push((row.id, current));
@@ -109,7 +129,10 @@ pub(crate) async fn run_batch(
                 }
                 Advance::Busy => {
                     // Left unmarked: the row is unlocked at commit and claimed again shortly.
-                    Tm::rollback_transaction(&mut *conn).await?;
+                    // Nothing was written (the lock was not taken), so a fast batch goes on.
+                    if safe {
+                        Tm::rollback_transaction(&mut *conn).await?;
+                    }
                     out.deferred += 1;
                     continue;
                 }
@@ -129,6 +152,7 @@ pub(crate) async fn run_batch(
             "consumer.started"
         );
         let sent = tokio::time::timeout(cfg.handler_timeout, handler.send(delivery)).await;
+        let timed_out = sent.is_err();
         let result = match sent {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => {
@@ -136,9 +160,7 @@ pub(crate) async fn run_batch(
                 // that future's task. Either way this delivery failed; only a dead actor needs
                 // replacing.
                 out.handler_lost = !handler.connected();
-                Err(HandlerError::retry(
-                    "the handler panicked or stopped while handling",
-                ))
+                Err(HandlerError::retry(HANDLER_LOST))
             }
             Err(_) => Err(handler_timed_out(cfg)),
         };
@@ -146,7 +168,7 @@ pub(crate) async fn run_batch(
         // timeout, a guard kept alive), nothing on it can be trusted: abandon the batch.
         let taken = slot.try_lock().ok().and_then(|mut g| g.take());
         let Some(mut back) =
-            taken.and_then(|mut c| (depth(&mut c) == Some(HANDLER_DEPTH)).then_some(c))
+            taken.and_then(|mut c| (depth(&mut c) == Some(handler_depth)).then_some(c))
         else {
             let err = result.err().unwrap_or_else(|| {
                 HandlerError::retry("the handler left the delivery's transaction in a bad state")
@@ -158,8 +180,26 @@ pub(crate) async fn run_batch(
         };
         match result {
             Ok(()) => {
-                Tm::commit_transaction(&mut *back).await?; // RELEASE SAVEPOINT
+                if safe {
+                    Tm::commit_transaction(&mut *back).await?; // RELEASE SAVEPOINT
+                }
                 processed.push(row);
+            }
+            Err(err) if !safe => {
+                // Undo the whole batch (the handler's partial writes with it).
+                Tm::rollback_transaction(&mut *back).await?;
+                if out.handler_lost || timed_out {
+                    // The handler died or hung: calling it again at once would only repeat
+                    // that, so this row's attempt is recorded now and the rest are claimed
+                    // again by the next batch.
+                    abandon(pool, cfg, &row, &err).await;
+                    out.failed += 1;
+                } else {
+                    // It answered with an error: replay the batch with savepoints, which
+                    // records this row's attempt and keeps the other rows' effects.
+                    out.replay_safe = true;
+                }
+                return Ok(out);
             }
             Err(err) => {
                 Tm::rollback_transaction(&mut *back).await?; // ROLLBACK TO SAVEPOINT

@@ -144,24 +144,15 @@ async fn claim_in_process(
     notify_as: Option<&str>,
 ) -> bool {
     tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
-    let fan_out = match pool.get().await {
-        Ok(mut conn) => {
-            let f = store::outbox::claim_and_fan_out(&mut conn, limit).await;
-            if let (Ok(f), Some(me)) = (&f, notify_as) {
-                if !f.delivered.is_empty() {
-                    let consumers: Vec<&str> =
-                        f.delivered.iter().map(|(c, _)| c.as_str()).collect();
-                    let payload = format!("{me}|{}", consumers.join(","));
-                    if let Err(e) = store::outbox::notify(&mut conn, INBOX_CHANNEL, &payload).await
-                    {
-                        tracing::debug!(error = %e, "NOTIFY after fan-out failed; other instances will poll");
-                    }
-                }
-            }
-            f
+    let mut conn = match pool.get().await {
+        Ok(conn) => conn,
+        Err(e) => {
+            metrics::outbox_publish_failed(1);
+            tracing::warn!(name: "outbox.publish.failed", error = %e, "outbox.publish.failed");
+            return false;
         }
-        Err(e) => Err(e.into()),
     };
+    let fan_out = store::outbox::claim_and_fan_out(&mut conn, limit).await;
     match fan_out {
         Ok(f) => {
             metrics::outbox_published(f.published as u64);
@@ -178,9 +169,20 @@ async fn claim_in_process(
             }
             let full = f.published as i64 >= limit;
             if !f.delivered.is_empty() {
+                // Local consumers first; the NOTIFY for other instances is a commit of its own.
+                let payload = notify_as.map(|me| {
+                    let names: Vec<&str> = f.delivered.iter().map(|(c, _)| c.as_str()).collect();
+                    format!("{me}|{}", names.join(","))
+                });
                 registry.do_send(InboxRowsWritten {
                     consumers: f.delivered,
                 });
+                if let Some(payload) = payload {
+                    if let Err(e) = store::outbox::notify(&mut conn, INBOX_CHANNEL, &payload).await
+                    {
+                        tracing::debug!(error = %e, "NOTIFY after fan-out failed; other instances will poll");
+                    }
+                }
             }
             full
         }

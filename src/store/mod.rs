@@ -20,11 +20,15 @@ pub(crate) type OwnedConn =
     bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>;
 
 /// Builds a pool for `database_url` with `max_size` connections; a convenience for
-/// applications that do not configure bb8 themselves.
+/// applications that do not configure bb8 themselves. Connections are not tested on
+/// check-out (bb8's default costs a round trip each time); build your own pool the same way.
 pub async fn connect(database_url: &str, max_size: u32) -> crate::Result<PgPool> {
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
     bb8::Pool::builder()
         .max_size(max_size)
+        // A `SELECT 1` per check-out is a round trip per batch and per claim; a broken
+        // connection fails its first statement instead, and the caller retries.
+        .test_on_check_out(false)
         .build(manager)
         .await
         .map_err(|e| crate::Error::Pool(e.to_string()))
