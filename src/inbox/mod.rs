@@ -42,13 +42,15 @@ pub async fn claim_key(
             "an idempotency key must not be empty".into(),
         ));
     }
-    let inserted = diesel::sql_query(
-        "INSERT INTO idempotency_keys (key, claimed_by, event_id) VALUES ($1, $2, $3) \
+    let inserted = crate::store::Cached(
+        diesel::sql_query(
+            "INSERT INTO idempotency_keys (key, claimed_by, event_id) VALUES ($1, $2, $3) \
          ON CONFLICT (key) DO NOTHING",
+        )
+        .bind::<Text, _>(key)
+        .bind::<Text, _>(claimed_by)
+        .bind::<Nullable<SqlUuid>, _>(event_id.map(|e| e.as_uuid())),
     )
-    .bind::<Text, _>(key)
-    .bind::<Text, _>(claimed_by)
-    .bind::<Nullable<SqlUuid>, _>(event_id.map(|e| e.as_uuid()))
     .execute(conn)
     .await?;
     Ok(if inserted == 1 {

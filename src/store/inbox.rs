@@ -8,6 +8,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
+use crate::store::Cached;
 
 /// One claimed inbox row: everything a handler needs without re-reading the outbox.
 #[derive(Debug, Clone, QueryableByName)]
@@ -47,13 +48,13 @@ pub(crate) async fn register_consumer(
     consumer: &str,
     event_types: &[String],
 ) -> Result<()> {
-    diesel::sql_query(
+    Cached(diesel::sql_query(
         "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING) \
          INSERT INTO consumer_subscriptions (consumer, event_type) \
          SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING",
     )
     .bind::<Text, _>(consumer)
-    .bind::<Array<Text>, _>(event_types)
+    .bind::<Array<Text>, _>(event_types))
     .execute(conn)
     .await?;
     Ok(())
@@ -66,8 +67,9 @@ pub(crate) async fn claim_due(
     consumer: &str,
     limit: i64,
 ) -> Result<Vec<InboxRow>> {
-    let rows = diesel::sql_query(
-        "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
+    let rows = Cached(
+        diesel::sql_query(
+            "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
              i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
              i.causation_id, i.event_created_at, i.attempt_count \
          FROM inbox_events i \
@@ -77,9 +79,10 @@ pub(crate) async fn claim_due(
          ORDER BY i.next_attempt_at, i.id \
          LIMIT $2 \
          FOR UPDATE OF i SKIP LOCKED",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<BigInt, _>(limit),
     )
-    .bind::<Text, _>(consumer)
-    .bind::<BigInt, _>(limit)
     .load(conn)
     .await?;
     Ok(rows)
@@ -90,12 +93,12 @@ pub(crate) async fn mark_processed(conn: &mut AsyncPgConnection, ids: &[i64]) ->
     if ids.is_empty() {
         return Ok(());
     }
-    diesel::sql_query(
+    Cached(diesel::sql_query(
         "UPDATE inbox_events SET status = 'PROCESSED', attempt_count = attempt_count + 1, \
              processed_at = clock_timestamp(), updated_at = now(), last_error = NULL, error_code = NULL \
          WHERE id = ANY($1)",
     )
-    .bind::<Array<BigInt>, _>(ids)
+    .bind::<Array<BigInt>, _>(ids))
     .execute(conn)
     .await?;
     Ok(())
@@ -133,8 +136,9 @@ pub(crate) async fn mark_failed(
         .iter()
         .map(|f| truncate(&f.message, 2000))
         .collect();
-    let n = diesel::sql_query(
-        "UPDATE inbox_events i \
+    let n = Cached(
+        diesel::sql_query(
+            "UPDATE inbox_events i \
          SET attempt_count = i.attempt_count + 1, \
              status = CASE WHEN f.dead THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
              next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
@@ -143,13 +147,14 @@ pub(crate) async fn mark_failed(
              AS f(id, attempts, dead, delay_ms, code, message) \
          WHERE i.id = f.id AND i.attempt_count = f.attempts \
            AND i.status IN ('RECEIVED', 'RETRY_PENDING')",
+        )
+        .bind::<Array<BigInt>, _>(ids)
+        .bind::<Array<Integer>, _>(attempts)
+        .bind::<Array<diesel::sql_types::Bool>, _>(dead)
+        .bind::<Array<BigInt>, _>(delays)
+        .bind::<Array<Text>, _>(codes)
+        .bind::<Array<Text>, _>(messages),
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<Integer>, _>(attempts)
-    .bind::<Array<diesel::sql_types::Bool>, _>(dead)
-    .bind::<Array<BigInt>, _>(delays)
-    .bind::<Array<Text>, _>(codes)
-    .bind::<Array<Text>, _>(messages)
     .execute(conn)
     .await?;
     Ok(n)
@@ -170,14 +175,14 @@ pub(crate) async fn set_paused(
     by: &str,
     reason: Option<&str>,
 ) -> Result<bool> {
-    let n = diesel::sql_query(
+    let n = Cached(diesel::sql_query(
         "UPDATE consumer_states SET paused = $2, paused_by = $3, reason = $4, updated_at = now() \
          WHERE consumer = $1",
     )
     .bind::<Text, _>(consumer)
     .bind::<diesel::sql_types::Bool, _>(paused)
     .bind::<Text, _>(by)
-    .bind::<Nullable<Text>, _>(reason)
+    .bind::<Nullable<Text>, _>(reason))
     .execute(conn)
     .await?;
     Ok(n == 1)
@@ -197,7 +202,7 @@ pub(crate) async fn receive(
     conn: &mut AsyncPgConnection,
     e: &crate::publisher::OutboxEvent,
 ) -> Result<(usize, usize)> {
-    let r: ReceiveRow = diesel::sql_query(
+    let r: ReceiveRow = Cached(diesel::sql_query(
         "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \
          ins AS ( \
              INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
@@ -218,7 +223,7 @@ pub(crate) async fn receive(
     .bind::<Jsonb, _>(&e.metadata)
     .bind::<Text, _>(&e.correlation_id)
     .bind::<Nullable<Text>, _>(e.causation_id.as_deref())
-    .bind::<Timestamptz, _>(e.created_at)
+    .bind::<Timestamptz, _>(e.created_at))
     .get_result(conn)
     .await?;
     Ok((r.rows as usize, (r.wanted - r.rows).max(0) as usize))
@@ -259,8 +264,9 @@ pub(crate) async fn advance_version(
     aggregate_id: &str,
     version: i64,
 ) -> Result<Advance> {
-    let r: AdvanceRow = diesel::sql_query(
-        "WITH l AS ( \
+    let r: AdvanceRow = Cached(
+        diesel::sql_query(
+            "WITH l AS ( \
              SELECT pg_try_advisory_xact_lock( \
                  hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 7)) AS ok \
          ), up AS ( \
@@ -274,11 +280,12 @@ pub(crate) async fn advance_version(
          SELECT (SELECT ok FROM l) AS locked, (SELECT count(*) FROM up) AS applied, \
                 (SELECT version FROM aggregate_versions \
                  WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3) AS current",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(aggregate_type)
+        .bind::<Text, _>(aggregate_id)
+        .bind::<BigInt, _>(version),
     )
-    .bind::<Text, _>(consumer)
-    .bind::<Text, _>(aggregate_type)
-    .bind::<Text, _>(aggregate_id)
-    .bind::<BigInt, _>(version)
     .get_result(conn)
     .await?;
     Ok(match (r.locked, r.applied) {
@@ -296,14 +303,16 @@ pub(crate) async fn mark_stale(conn: &mut AsyncPgConnection, stale: &[(i64, i64)
     }
     let ids: Vec<i64> = stale.iter().map(|s| s.0).collect();
     let current: Vec<i64> = stale.iter().map(|s| s.1).collect();
-    diesel::sql_query(
-        "UPDATE inbox_events i SET status = 'PROCESSED', attempt_count = i.attempt_count + 1, \
+    Cached(
+        diesel::sql_query(
+            "UPDATE inbox_events i SET status = 'PROCESSED', attempt_count = i.attempt_count + 1, \
              processed_at = clock_timestamp(), updated_at = now(), error_code = 'EVENT_STALE', \
              last_error = 'stale: the consumer already applied aggregate version ' || s.current \
          FROM unnest($1::int8[], $2::int8[]) AS s(id, current) WHERE i.id = s.id",
+        )
+        .bind::<Array<BigInt>, _>(ids)
+        .bind::<Array<BigInt>, _>(current),
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<BigInt>, _>(current)
     .execute(conn)
     .await?;
     Ok(())

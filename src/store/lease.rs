@@ -10,6 +10,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
+use crate::store::Cached;
 
 /// One leased outbox row.
 #[derive(Debug, Clone, QueryableByName)]
@@ -51,8 +52,9 @@ pub(crate) async fn claim_leased(
     limit: i64,
     lease_ms: i64,
 ) -> Result<Vec<LeasedRow>> {
-    let rows = diesel::sql_query(
-        "WITH due AS ( \
+    let rows = Cached(
+        diesel::sql_query(
+            "WITH due AS ( \
              SELECT id FROM outbox_events \
              WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
              ORDER BY seq LIMIT $1 \
@@ -67,10 +69,11 @@ pub(crate) async fn claim_leased(
          RETURNING o.id, o.lease_token, o.event_type, o.event_version, o.aggregate_type, \
              o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
              o.causation_id, o.created_at, o.attempt_count",
+        )
+        .bind::<BigInt, _>(limit)
+        .bind::<Text, _>(owner)
+        .bind::<BigInt, _>(lease_ms),
     )
-    .bind::<BigInt, _>(limit)
-    .bind::<Text, _>(owner)
-    .bind::<BigInt, _>(lease_ms)
     .load(conn)
     .await?;
     Ok(rows)
@@ -83,13 +86,13 @@ pub(crate) async fn mark_published(
     id: uuid::Uuid,
     token: i64,
 ) -> Result<bool> {
-    let n = diesel::sql_query(
+    let n = Cached(diesel::sql_query(
         "UPDATE outbox_events SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
              locked_by = NULL, locked_until = NULL, last_error = NULL, error_code = NULL \
          WHERE id = $1 AND status = 'PROCESSING' AND lease_token = $2",
     )
     .bind::<SqlUuid, _>(id)
-    .bind::<BigInt, _>(token)
+    .bind::<BigInt, _>(token))
     .execute(conn)
     .await?;
     Ok(n == 1)
@@ -106,7 +109,7 @@ pub(crate) async fn mark_failed(
     code: &str,
     message: &str,
 ) -> Result<bool> {
-    let n = diesel::sql_query(
+    let n = Cached(diesel::sql_query(
         "UPDATE outbox_events SET \
              status = CASE WHEN $3 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
              next_attempt_at = now() + $4 * interval '1 millisecond', \
@@ -118,7 +121,7 @@ pub(crate) async fn mark_failed(
     .bind::<Bool, _>(dead)
     .bind::<BigInt, _>(delay_ms)
     .bind::<Text, _>(code)
-    .bind::<Text, _>(message)
+    .bind::<Text, _>(message))
     .execute(conn)
     .await?;
     Ok(n == 1)
@@ -133,7 +136,7 @@ pub(crate) async fn reap_expired(
     max_attempts: i32,
     limit: i64,
 ) -> Result<usize> {
-    let n = diesel::sql_query(
+    let n = Cached(diesel::sql_query(
         "UPDATE outbox_events o SET \
              status = CASE WHEN o.attempt_count >= $1 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
              next_attempt_at = now(), locked_by = NULL, locked_until = NULL, \
@@ -144,7 +147,7 @@ pub(crate) async fn reap_expired(
                         ORDER BY locked_until LIMIT $2 FOR UPDATE SKIP LOCKED)",
     )
     .bind::<Integer, _>(max_attempts)
-    .bind::<BigInt, _>(limit)
+    .bind::<BigInt, _>(limit))
     .execute(conn)
     .await?;
     Ok(n)

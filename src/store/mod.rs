@@ -9,6 +9,9 @@ pub(crate) mod outbox;
 pub(crate) mod stats;
 pub(crate) mod timeline;
 
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::QueryResult;
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::AsyncPgConnection;
 
@@ -32,4 +35,31 @@ pub async fn connect(database_url: &str, max_size: u32) -> crate::Result<PgPool>
         .build(manager)
         .await
         .map_err(|e| crate::Error::Pool(e.to_string()))
+}
+
+/// A raw statement whose SQL text never changes, so diesel-async may keep its prepared
+/// statement per connection. `sql_query` alone is never cached (its SQL could be built at run
+/// time), which costs a prepare round trip on every execution; every statement in this folder
+/// is a constant string with bind parameters, so it is safe to cache by its text.
+#[derive(Debug, Clone)]
+pub(crate) struct Cached<Q>(pub Q);
+
+impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Cached<Q> {
+    fn walk_ast<'b>(&'b self, pass: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        self.0.walk_ast(pass)
+    }
+
+    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
+        Ok(true)
+    }
+}
+
+impl<Q> QueryId for Cached<Q> {
+    type QueryId = ();
+    // Cached by SQL text, not by type: one wrapper type serves many statements.
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<Q: Query> Query for Cached<Q> {
+    type SqlType = Q::SqlType;
 }

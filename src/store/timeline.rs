@@ -6,6 +6,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
+use crate::store::Cached;
 
 /// One record in a correlation timeline. Metadata only, never the payload.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
@@ -53,7 +54,7 @@ pub(crate) async fn timeline(
     conn: &mut AsyncPgConnection,
     correlation_id: &str,
 ) -> Result<Vec<TimelineEntry>> {
-    let rows = diesel::sql_query(
+    let rows = Cached(diesel::sql_query(
         "SELECT * FROM ( \
              SELECT 'outbox' AS kind, id AS event_id, event_type, aggregate_id, NULL::text AS consumer, \
                  status, attempt_count AS attempts, error_code, causation_id, created_at AS at, \
@@ -66,7 +67,7 @@ pub(crate) async fn timeline(
          ) t ORDER BY at, kind DESC, ord LIMIT $2",
     )
     .bind::<Text, _>(correlation_id)
-    .bind::<diesel::sql_types::BigInt, _>(TIMELINE_LIMIT)
+    .bind::<diesel::sql_types::BigInt, _>(TIMELINE_LIMIT))
     .load(conn)
     .await?;
     Ok(rows)
