@@ -28,7 +28,8 @@
 //!   by the events, as the peers measure it: anything else the server writes meanwhile counts
 //!   too. "this db" is the share of this benchmark's database, read with `pg_walinspect` when
 //!   the extension is available (n/a otherwise).
-//! - The handler writes its effect with `diesel::sql_query`, as the crate's quick start does
+//! - The handler writes its effect with a `diesel::sql_query` wrapped in `actix_outbox::Prepared`
+//!   (prepared once per connection), as the crate's quick start does
 //!   (diesel never caches those statements, so each is a prepare and an execute).
 //! - `history` times the claim statement itself: `CLAIM_SQL`, read from the library's source,
 //!   run as the publisher runs it (autocommit, one-off prepared statement) — 300 polls with
@@ -46,7 +47,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use actix_outbox::{
     enqueue, enqueue_many, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxHandle,
-    OutboxRuntime, PgPool, RuntimeConfig,
+    OutboxRuntime, PgPool, Prepared, RuntimeConfig,
 };
 use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
@@ -296,12 +297,14 @@ impl Handler<Delivery> for Sink {
         let name = self.name.clone();
         Box::pin(async move {
             let mut conn = d.conn().await?;
-            diesel::sql_query(
-                "INSERT INTO bench_effects (consumer, event_id, order_id) VALUES ($1, $2, $3)",
+            Prepared(
+                diesel::sql_query(
+                    "INSERT INTO bench_effects (consumer, event_id, order_id) VALUES ($1, $2, $3)",
+                )
+                .bind::<Text, _>(&*name)
+                .bind::<SqlUuid, _>(d.event_id().as_uuid())
+                .bind::<Text, _>(d.aggregate_id()),
             )
-            .bind::<Text, _>(&*name)
-            .bind::<SqlUuid, _>(d.event_id().as_uuid())
-            .bind::<Text, _>(d.aggregate_id())
             .execute(&mut *conn)
             .await?;
             Ok(())
@@ -575,11 +578,13 @@ async fn produce(
             .collect();
         conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
             if events.len() == 1 {
-                diesel::sql_query(
-                    "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2)",
+                Prepared(
+                    diesel::sql_query(
+                        "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2)",
+                    )
+                    .bind::<Text, _>(&ids[0])
+                    .bind::<BigInt, _>(first as i64 * 100),
                 )
-                .bind::<Text, _>(&ids[0])
-                .bind::<BigInt, _>(first as i64 * 100)
                 .execute(conn)
                 .await?;
                 enqueue(conn, &events[0]).await?;

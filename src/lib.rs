@@ -41,10 +41,13 @@
 //!     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
 //!         Box::pin(async move {
 //!             let mut conn = d.conn().await?;
-//!             diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
-//!                 .bind::<diesel::sql_types::Text, _>(d.aggregate_id())
-//!                 .execute(&mut *conn)
-//!                 .await?;
+//!             // `Prepared`: a constant statement is prepared once per connection.
+//!             actix_outbox::Prepared(
+//!                 diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
+//!                     .bind::<diesel::sql_types::Text, _>(d.aggregate_id()),
+//!             )
+//!             .execute(&mut *conn)
+//!             .await?;
 //!             Ok(())
 //!         })
 //!     }
@@ -159,4 +162,4 @@ pub use runtime::Fault;
 pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};
 pub use store::migrate::{migrate, MIGRATIONS};
 pub use store::timeline::TimelineEntry;
-pub use store::{connect, PgPool};
+pub use store::{connect, PgPool, Prepared};

@@ -42,7 +42,7 @@ pub async fn claim_key(
             "an idempotency key must not be empty".into(),
         ));
     }
-    let inserted = crate::store::Cached(
+    let inserted = crate::store::Prepared(
         diesel::sql_query(
             "INSERT INTO idempotency_keys (key, claimed_by, event_id) VALUES ($1, $2, $3) \
          ON CONFLICT (key) DO NOTHING",

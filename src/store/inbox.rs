@@ -8,7 +8,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
-use crate::store::Cached;
+use crate::store::Prepared;
 
 /// One claimed inbox row: everything a handler needs without re-reading the outbox.
 #[derive(Debug, Clone, QueryableByName)]
@@ -48,7 +48,7 @@ pub(crate) async fn register_consumer(
     consumer: &str,
     event_types: &[String],
 ) -> Result<()> {
-    Cached(diesel::sql_query(
+    Prepared(diesel::sql_query(
         "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING) \
          INSERT INTO consumer_subscriptions (consumer, event_type) \
          SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING",
@@ -67,7 +67,7 @@ pub(crate) async fn claim_due(
     consumer: &str,
     limit: i64,
 ) -> Result<Vec<InboxRow>> {
-    let rows = Cached(
+    let rows = Prepared(
         diesel::sql_query(
             "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
              i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
@@ -93,7 +93,7 @@ pub(crate) async fn mark_processed(conn: &mut AsyncPgConnection, ids: &[i64]) ->
     if ids.is_empty() {
         return Ok(());
     }
-    Cached(diesel::sql_query(
+    Prepared(diesel::sql_query(
         "UPDATE inbox_events SET status = 'PROCESSED', attempt_count = attempt_count + 1, \
              processed_at = clock_timestamp(), updated_at = now(), last_error = NULL, error_code = NULL \
          WHERE id = ANY($1)",
@@ -136,7 +136,7 @@ pub(crate) async fn mark_failed(
         .iter()
         .map(|f| truncate(&f.message, 2000))
         .collect();
-    let n = Cached(
+    let n = Prepared(
         diesel::sql_query(
             "UPDATE inbox_events i \
          SET attempt_count = i.attempt_count + 1, \
@@ -175,7 +175,7 @@ pub(crate) async fn set_paused(
     by: &str,
     reason: Option<&str>,
 ) -> Result<bool> {
-    let n = Cached(diesel::sql_query(
+    let n = Prepared(diesel::sql_query(
         "UPDATE consumer_states SET paused = $2, paused_by = $3, reason = $4, updated_at = now() \
          WHERE consumer = $1",
     )
@@ -202,7 +202,7 @@ pub(crate) async fn receive(
     conn: &mut AsyncPgConnection,
     e: &crate::publisher::OutboxEvent,
 ) -> Result<(usize, usize)> {
-    let r: ReceiveRow = Cached(diesel::sql_query(
+    let r: ReceiveRow = Prepared(diesel::sql_query(
         "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \
          ins AS ( \
              INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
@@ -264,7 +264,7 @@ pub(crate) async fn advance_version(
     aggregate_id: &str,
     version: i64,
 ) -> Result<Advance> {
-    let r: AdvanceRow = Cached(
+    let r: AdvanceRow = Prepared(
         diesel::sql_query(
             "WITH l AS ( \
              SELECT pg_try_advisory_xact_lock( \
@@ -303,7 +303,7 @@ pub(crate) async fn mark_stale(conn: &mut AsyncPgConnection, stale: &[(i64, i64)
     }
     let ids: Vec<i64> = stale.iter().map(|s| s.0).collect();
     let current: Vec<i64> = stale.iter().map(|s| s.1).collect();
-    Cached(
+    Prepared(
         diesel::sql_query(
             "UPDATE inbox_events i SET status = 'PROCESSED', attempt_count = i.attempt_count + 1, \
              processed_at = clock_timestamp(), updated_at = now(), error_code = 'EVENT_STALE', \

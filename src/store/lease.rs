@@ -10,7 +10,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
-use crate::store::Cached;
+use crate::store::Prepared;
 
 /// One leased outbox row.
 #[derive(Debug, Clone, QueryableByName)]
@@ -52,7 +52,7 @@ pub(crate) async fn claim_leased(
     limit: i64,
     lease_ms: i64,
 ) -> Result<Vec<LeasedRow>> {
-    let rows = Cached(
+    let rows = Prepared(
         diesel::sql_query(
             "WITH due AS ( \
              SELECT id FROM outbox_events \
@@ -86,7 +86,7 @@ pub(crate) async fn mark_published(
     id: uuid::Uuid,
     token: i64,
 ) -> Result<bool> {
-    let n = Cached(diesel::sql_query(
+    let n = Prepared(diesel::sql_query(
         "UPDATE outbox_events SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
              locked_by = NULL, locked_until = NULL, last_error = NULL, error_code = NULL \
          WHERE id = $1 AND status = 'PROCESSING' AND lease_token = $2",
@@ -109,7 +109,7 @@ pub(crate) async fn mark_failed(
     code: &str,
     message: &str,
 ) -> Result<bool> {
-    let n = Cached(diesel::sql_query(
+    let n = Prepared(diesel::sql_query(
         "UPDATE outbox_events SET \
              status = CASE WHEN $3 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
              next_attempt_at = now() + $4 * interval '1 millisecond', \
@@ -136,7 +136,7 @@ pub(crate) async fn reap_expired(
     max_attempts: i32,
     limit: i64,
 ) -> Result<usize> {
-    let n = Cached(diesel::sql_query(
+    let n = Prepared(diesel::sql_query(
         "UPDATE outbox_events o SET \
              status = CASE WHEN o.attempt_count >= $1 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
              next_attempt_at = now(), locked_by = NULL, locked_until = NULL, \

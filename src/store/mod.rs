@@ -37,14 +37,30 @@ pub async fn connect(database_url: &str, max_size: u32) -> crate::Result<PgPool>
         .map_err(|e| crate::Error::Pool(e.to_string()))
 }
 
-/// A raw statement whose SQL text never changes, so diesel-async may keep its prepared
-/// statement per connection. `sql_query` alone is never cached (its SQL could be built at run
-/// time), which costs a prepare round trip on every execution; every statement in this folder
-/// is a constant string with bind parameters, so it is safe to cache by its text.
-#[derive(Debug, Clone)]
-pub(crate) struct Cached<Q>(pub Q);
+/// A raw SQL statement whose text never changes, marked so that diesel-async prepares it once
+/// per connection and reuses it.
+///
+/// `diesel::sql_query` is never cached (its SQL could be built at run time), so each call costs
+/// a prepare round trip before the execution — one extra round trip per event in a handler.
+/// Wrap a constant statement with bind parameters to avoid it:
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
+/// use diesel_async::RunQueryDsl;
+/// actix_outbox::Prepared(
+///     diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
+///         .bind::<diesel::sql_types::Text, _>("o1"),
+/// )
+/// .execute(conn)
+/// .await?;
+/// # Ok(()) }
+/// ```
+///
+/// Only for SQL whose text is the same on every call: each distinct text is kept as a prepared
+/// statement for the life of the connection.
+pub struct Prepared<Q>(pub Q);
 
-impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Cached<Q> {
+impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Prepared<Q> {
     fn walk_ast<'b>(&'b self, pass: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         self.0.walk_ast(pass)
     }
@@ -54,12 +70,12 @@ impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Cached<Q> {
     }
 }
 
-impl<Q> QueryId for Cached<Q> {
+impl<Q> QueryId for Prepared<Q> {
     type QueryId = ();
-    // Cached by SQL text, not by type: one wrapper type serves many statements.
+    // Prepared by SQL text, not by type: one wrapper type serves many statements.
     const HAS_STATIC_QUERY_ID: bool = false;
 }
 
-impl<Q: Query> Query for Cached<Q> {
+impl<Q: Query> Query for Prepared<Q> {
     type SqlType = Q::SqlType;
 }

@@ -6,7 +6,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
 use crate::event::NewEvent;
-use crate::store::Cached;
+use crate::store::Prepared;
 
 /// Inserts all `events` with one statement (`unnest` of column arrays), so a producer that
 /// writes 500 events in one business transaction pays for one round trip, not 500.
@@ -40,7 +40,7 @@ pub(crate) async fn insert_events(conn: &mut AsyncPgConnection, events: &[NewEve
         correlations.push(e.correlation_id.clone().unwrap_or_else(|| e.id.to_string()));
         causations.push(e.causation_id.as_deref());
     }
-    Cached(diesel::sql_query(
+    Prepared(diesel::sql_query(
         "INSERT INTO outbox_events (id, event_type, event_version, aggregate_type, aggregate_id, \
              aggregate_version, payload, metadata, correlation_id, causation_id) \
          SELECT * FROM unnest($1::uuid[], $2::text[], $3::int4[], $4::text[], $5::text[], \
@@ -134,7 +134,7 @@ pub(crate) const CLAIM_SQL: &str = "WITH due AS ( \
 /// `= ANY (ARRAY(...))`, so those 10% of a large analyzed backlog do not make it hash-join the
 /// whole table. `tests/plan.rs` asserts the plan on a fresh, a large and a backlogged table.
 pub(crate) async fn claim_and_fan_out(conn: &mut AsyncPgConnection, limit: i64) -> Result<FanOut> {
-    let rows: Vec<FanOutRow> = Cached(diesel::sql_query(CLAIM_SQL).bind::<BigInt, _>(limit))
+    let rows: Vec<FanOutRow> = Prepared(diesel::sql_query(CLAIM_SQL).bind::<BigInt, _>(limit))
         .load(conn)
         .await?;
     let mut out = FanOut::default();
@@ -162,7 +162,7 @@ pub(crate) async fn notify(
     channel: &str,
     payload: &str,
 ) -> Result<()> {
-    Cached(
+    Prepared(
         diesel::sql_query("SELECT pg_notify($1, $2)")
             .bind::<Text, _>(channel)
             .bind::<Text, _>(payload),

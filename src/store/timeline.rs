@@ -6,7 +6,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
-use crate::store::Cached;
+use crate::store::Prepared;
 
 /// One record in a correlation timeline. Metadata only, never the payload.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
@@ -54,7 +54,7 @@ pub(crate) async fn timeline(
     conn: &mut AsyncPgConnection,
     correlation_id: &str,
 ) -> Result<Vec<TimelineEntry>> {
-    let rows = Cached(diesel::sql_query(
+    let rows = Prepared(diesel::sql_query(
         "SELECT * FROM ( \
              SELECT 'outbox' AS kind, id AS event_id, event_type, aggregate_id, NULL::text AS consumer, \
                  status, attempt_count AS attempts, error_code, causation_id, created_at AS at, \
