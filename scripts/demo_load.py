@@ -349,7 +349,8 @@ def cmd_report(args):
             s["events_written"], ", ".join("%s %d" % kv for kv in sorted(s["events_by_status"].items())),
             ", ".join("%s %d" % kv for kv in sorted(s["outbox"].items())))),
         ("delivered", "; ".join("%s %d PROCESSED" % (c, s["inbox"][c].get("PROCESSED", 0)) for c in consumers)),
-        ("duplicates absorbed", "%d redeliveries after the crash (effects rolled back, not repeated); "
+        ("duplicates absorbed", "%d repeated handler calls (redeliveries after the crash and batches "
+            "replayed after a failure; their effects rolled back, never repeated); "
             "%d events whose notification already existed (idempotency key); "
             "%d repeated creates answered with the order their first attempt made" % (
             dup["redeliveries"], dup["idempotency_keys"], load.get("creates_replayed", 0))),

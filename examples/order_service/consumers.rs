@@ -2,7 +2,7 @@
 //! [`Delivery::conn`], so the effect commits with the inbox's PROCESSED mark or not at all.
 
 use actix::prelude::*;
-use actix_outbox::{claim_key, Delivery, HandlerError, KeyClaim, PgPool};
+use actix_outbox::{claim_key, Delivery, HandlerError, KeyClaim, PgPool, Prepared};
 use diesel::sql_types::Text;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde::Deserialize;
@@ -31,13 +31,15 @@ pub async fn insert_job(
     key: &str,
     created_by: &str,
 ) -> Result<(), diesel::result::Error> {
-    diesel::sql_query(
-        "INSERT INTO notification_jobs (order_id, status, key, created_by) VALUES ($1, $2, $3, $4)",
+    Prepared(
+        diesel::sql_query(
+            "INSERT INTO notification_jobs (order_id, status, key, created_by) VALUES ($1, $2, $3, $4)",
+        )
+        .bind::<Text, _>(order_id)
+        .bind::<Text, _>(status)
+        .bind::<Text, _>(key)
+        .bind::<Text, _>(created_by),
     )
-    .bind::<Text, _>(order_id)
-    .bind::<Text, _>(status)
-    .bind::<Text, _>(key)
-    .bind::<Text, _>(created_by)
     .execute(conn)
     .await?;
     Ok(())
@@ -159,11 +161,13 @@ impl Handler<Delivery> for AnalyticsConsumer {
             // A counter is not idempotent by itself: the inbox (one PROCESSED mark per event,
             // in this same transaction) is what makes `+ 1` happen once per event.
             let mut conn = d.conn().await?;
-            diesel::sql_query(
-                "INSERT INTO order_status_counts (status, count) VALUES ($1, 1) \
-                 ON CONFLICT (status) DO UPDATE SET count = order_status_counts.count + 1",
+            Prepared(
+                diesel::sql_query(
+                    "INSERT INTO order_status_counts (status, count) VALUES ($1, 1) \
+                     ON CONFLICT (status) DO UPDATE SET count = order_status_counts.count + 1",
+                )
+                .bind::<Text, _>(&change.status),
             )
-            .bind::<Text, _>(&change.status)
             .execute(&mut *conn)
             .await?;
             drop(conn);
