@@ -29,10 +29,9 @@
 //!   too. "this db" is the share of this benchmark's database, read with `pg_walinspect` when
 //!   the extension is available (n/a otherwise).
 //! - The handler writes its effect with a `diesel::sql_query` wrapped in `actix_outbox::Prepared`
-//!   (prepared once per connection), as the crate's quick start does
-//!   (diesel never caches those statements, so each is a prepare and an execute).
-//! - `history` times the claim statement itself: `CLAIM_SQL`, read from the library's source,
-//!   run as the publisher runs it (autocommit, one-off prepared statement) — 300 polls with
+//!   (prepared once per connection), as the crate's quick start does.
+//! - `history` times the claim statement itself: `src/store/claim.sql`, the file the library
+//!   includes, run in autocommit as the publisher runs it — 300 polls with
 //!   nothing due, and 300 claims of one just-committed event that fan it out to one consumer —
 //!   first on an empty table, then with N PUBLISHED rows (one `INSERT … SELECT
 //!   generate_series`, then `VACUUM ANALYZE`). Timing an idle runtime's publish cycles would
@@ -832,35 +831,8 @@ async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
 
 // ------------------------------------------------------------------------------ history
 
-/// The claim statement exactly as the publisher runs it: `CLAIM_SQL` read from the library's
-/// source at compile time (the constant is `pub(crate)`), so this measures the real statement
-/// through the real driver path (a one-off prepared statement per call, in autocommit).
-fn claim_sql() -> String {
-    const SOURCE: &str = include_str!("../src/store/outbox.rs");
-    const MARKER: &str = "const CLAIM_SQL: &str = \"";
-    let start = SOURCE
-        .find(MARKER)
-        .expect("src/store/outbox.rs defines `const CLAIM_SQL: &str = \"…\"`")
-        + MARKER.len();
-    let mut sql = String::new();
-    let mut chars = SOURCE[start..].chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' => return sql,
-            '\\' => match chars.next() {
-                Some('\n') => while chars.next_if(|c| c.is_whitespace()).is_some() {},
-                Some('"') => sql.push('"'),
-                Some('\\') => sql.push('\\'),
-                Some('\'') => sql.push('\''),
-                Some('n') => sql.push('\n'),
-                Some('t') => sql.push('\t'),
-                other => panic!("CLAIM_SQL: unexpected escape \\{other:?}"),
-            },
-            c => sql.push(c),
-        }
-    }
-    panic!("CLAIM_SQL: unterminated string literal");
-}
+/// The claim statement exactly as the library runs it.
+const CLAIM_SQL: &str = include_str!("../src/store/claim.sql");
 
 #[derive(QueryableByName)]
 struct ClaimRow {
@@ -922,7 +894,7 @@ async fn time_claims(
 
 async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     const ITERATIONS: usize = 300;
-    let sql = claim_sql();
+    let sql = CLAIM_SQL;
     let batch = i64::from(ctx.opts.publish_batch);
     let rows = ctx.opts.history_rows;
     let mut conn = ctx.pool.get().await?;
@@ -931,7 +903,7 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
          INSERT INTO consumer_subscriptions (consumer, event_type) VALUES ('history', '{EVENT_TYPE}');"
     ))
     .await?;
-    let (idle0, one0, wal0) = time_claims(&mut conn, &sql, ITERATIONS, batch).await?;
+    let (idle0, one0, wal0) = time_claims(&mut conn, sql, ITERATIONS, batch).await?;
 
     // History: PUBLISHED rows as the in-process transport leaves them. Ids count up like the
     // producers' UUID v7, so the primary key fills in order as it does in production.
@@ -949,7 +921,7 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     let t = Instant::now();
     conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
     let vacuum_s = t.elapsed().as_secs_f64();
-    let (idle1, one1, wal1) = time_claims(&mut conn, &sql, ITERATIONS, batch).await?;
+    let (idle1, one1, wal1) = time_claims(&mut conn, sql, ITERATIONS, batch).await?;
     drop(conn);
 
     let rss = peak_rss_mib();

@@ -8,8 +8,8 @@
 //! only hides the limit from the planner then makes it hash-join a large analyzed backlog
 //! against a sequential scan of the whole table. Each test below builds one of those tables.
 //!
-//! The statement is not copied: [`claim_sql`] reads `CLAIM_SQL` from `src/store/outbox.rs`, so
-//! the plan asserted here is the plan of what the publisher runs.
+//! The statement is not copied: it is included from `src/store/claim.sql`, the file the
+//! library includes, so the plan asserted here is the plan of what the publisher runs.
 
 mod common;
 
@@ -19,34 +19,8 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde_json::Value;
 
-/// The claim statement as the library runs it: the string literal of `CLAIM_SQL`, unescaped.
-fn claim_sql() -> String {
-    const SOURCE: &str = include_str!("../src/store/outbox.rs");
-    const MARKER: &str = "const CLAIM_SQL: &str = \"";
-    let start = SOURCE
-        .find(MARKER)
-        .expect("src/store/outbox.rs defines `const CLAIM_SQL: &str = \"…\"`")
-        + MARKER.len();
-    let mut sql = String::new();
-    let mut chars = SOURCE[start..].chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' => return sql,
-            '\\' => match chars.next() {
-                // A line continuation drops the newline and the next line's indentation.
-                Some('\n') => while chars.next_if(|c| c.is_whitespace()).is_some() {},
-                Some('"') => sql.push('"'),
-                Some('\\') => sql.push('\\'),
-                Some('\'') => sql.push('\''),
-                Some('n') => sql.push('\n'),
-                Some('t') => sql.push('\t'),
-                other => panic!("CLAIM_SQL: unexpected escape \\{other:?}; extend claim_sql()"),
-            },
-            c => sql.push(c),
-        }
-    }
-    panic!("CLAIM_SQL: unterminated string literal");
-}
+/// The claim statement exactly as the library runs it.
+const CLAIM_SQL: &str = include_str!("../src/store/claim.sql");
 
 #[derive(QueryableByName)]
 struct ExplainRow {
@@ -105,17 +79,17 @@ fn render(nodes: &[Node]) -> String {
 }
 
 /// `EXPLAIN (FORMAT JSON)` of the claim with a batch of 500, twice: planned with the bound
-/// value, as the publisher's one-off prepared statement is today (a custom plan), and as a
-/// generic plan, which a statement cached per connection gets after five executions.
+/// value (a custom plan, what the publisher's cached statement gets for its first executions),
+/// and as the generic plan PostgreSQL may switch a cached statement to after five.
 async fn explain_claim(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'static str); 2] {
-    let custom: ExplainRow = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {}", claim_sql()))
+    let custom: ExplainRow = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {}", CLAIM_SQL))
         .bind::<BigInt, _>(500_i64)
         .get_result(conn)
         .await
         .expect("EXPLAIN the claim");
     conn.batch_execute(&format!(
         "PREPARE claim_plan_test (int8) AS {}; SET plan_cache_mode = force_generic_plan",
-        claim_sql()
+        CLAIM_SQL
     ))
     .await
     .expect("PREPARE the claim");
@@ -231,7 +205,7 @@ async fn claim_uses_the_due_index_on_a_fresh_unanalyzed_table() {
     assert_claim_plan(&nodes, "fresh table, 50,000 PENDING, no ANALYZE");
 
     // The statement still does what it did: the 500 oldest rows, published and fanned out.
-    diesel::sql_query(claim_sql())
+    diesel::sql_query(CLAIM_SQL)
         .bind::<BigInt, _>(500_i64)
         .execute(&mut conn)
         .await

@@ -82,39 +82,9 @@ pub(crate) struct FanOut {
     pub duplicates: Vec<(String, usize)>,
 }
 
-/// The statement of [`claim_and_fan_out`]; its own item so that `tests/plan.rs` can EXPLAIN
-/// exactly what runs (it reads this constant from the source).
-pub(crate) const CLAIM_SQL: &str = "WITH due AS ( \
-         SELECT id FROM outbox_events \
-         WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
-         ORDER BY seq LIMIT (SELECT $1::int8) \
-         FOR UPDATE SKIP LOCKED \
-     ), published AS ( \
-         UPDATE outbox_events o \
-         SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
-             attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL \
-         WHERE o.id = ANY (ARRAY(SELECT id FROM due)) \
-         RETURNING o.* \
-     ), delivered AS ( \
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, \
-             aggregate_type, aggregate_id, aggregate_version, payload, metadata, \
-             correlation_id, causation_id, event_created_at) \
-         SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type, \
-             p.aggregate_id, p.aggregate_version, p.payload, p.metadata, \
-             p.correlation_id, p.causation_id, p.created_at \
-         FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
-         ORDER BY p.seq, s.consumer \
-         ON CONFLICT (event_id, consumer) DO NOTHING \
-         RETURNING consumer \
-     ), wanted AS ( \
-         SELECT s.consumer, count(*) AS n \
-         FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type \
-         GROUP BY s.consumer \
-     ) \
-     SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w \
-         LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d \
-         USING (consumer) \
-     UNION ALL SELECT NULL, 0, count(*) FROM published";
+/// The statement of [`claim_and_fan_out`], kept in `claim.sql` so that `tests/plan.rs` and the
+/// benchmark include exactly the text that runs.
+pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 
 /// The in-process transport in one statement: claim up to `limit` due outbox rows in `seq`
 /// order (`FOR UPDATE SKIP LOCKED`, so concurrent publishers take disjoint rows), insert one

@@ -1,0 +1,34 @@
+-- The in-process claim (`claim_and_fan_out`): claim due outbox rows, fan them out to the inbox of
+-- every subscribed consumer and mark them PUBLISHED, in one statement. Its own file so that the
+-- plan test and the benchmark run exactly this text.
+WITH due AS (
+    SELECT id FROM outbox_events
+    WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now()
+    ORDER BY seq LIMIT (SELECT $1::int8)
+    FOR UPDATE SKIP LOCKED
+), published AS (
+    UPDATE outbox_events o
+    SET status = 'PUBLISHED', published_at = now(), updated_at = now(),
+        attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL
+    WHERE o.id = ANY (ARRAY(SELECT id FROM due))
+    RETURNING o.*
+), delivered AS (
+    INSERT INTO inbox_events (event_id, consumer, event_type, event_version,
+        aggregate_type, aggregate_id, aggregate_version, payload, metadata,
+        correlation_id, causation_id, event_created_at)
+    SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type,
+        p.aggregate_id, p.aggregate_version, p.payload, p.metadata,
+        p.correlation_id, p.causation_id, p.created_at
+    FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
+    ORDER BY p.seq, s.consumer
+    ON CONFLICT (event_id, consumer) DO NOTHING
+    RETURNING consumer
+), wanted AS (
+    SELECT s.consumer, count(*) AS n
+    FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
+    GROUP BY s.consumer
+)
+SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w
+    LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d
+    USING (consumer)
+UNION ALL SELECT NULL, 0, count(*) FROM published
