@@ -39,6 +39,10 @@
 //! - Peak RSS is this process's `VmHWM`, reset through `/proc/self/clear_refs` before each
 //!   scenario (if the kernel refuses, it is the peak since the start and says so).
 
+#[path = "../tests/common/url.rs"]
+mod url;
+use url::with_database;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -312,23 +316,6 @@ impl Handler<Delivery> for Sink {
 }
 
 // ------------------------------------------------------------------------------ database
-
-/// `url` with its database name replaced by `db`.
-fn with_database(url: &str, db: &str) -> String {
-    let (head, query) = match url.split_once('?') {
-        Some((h, q)) => (h, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = head.find("://").map(|i| i + 3).unwrap_or(0);
-    let base = match head[scheme_end..].find('/') {
-        Some(i) => &head[..scheme_end + i],
-        None => head,
-    };
-    match query {
-        Some(q) => format!("{base}/{db}?{q}"),
-        None => format!("{base}/{db}"),
-    }
-}
 
 const SCHEMA: &str = "
     CREATE TABLE bench_orders (

@@ -139,8 +139,13 @@ pub(crate) async fn run_batch(
             }
         }
         let slot = Arc::new(Mutex::new(Some(conn)));
+        // The payload and metadata move into the delivery instead of being copied per row;
+        // what stays behind (ids, attempt, aggregate) is all the marks and logs need.
+        let mut handed = row.clone_without_payload();
+        handed.payload = std::mem::take(&mut row.payload);
+        handed.metadata = std::mem::take(&mut row.metadata);
         let delivery = Delivery {
-            row: row.clone(),
+            row: handed,
             consumer: cfg.name.clone(),
             slot: slot.clone(),
         };

@@ -41,6 +41,22 @@ pub(crate) struct InboxRow {
     pub attempt_count: i32,
 }
 
+impl InboxRow {
+    /// A copy without the (possibly large) payload and metadata.
+    pub(crate) fn clone_without_payload(&self) -> InboxRow {
+        InboxRow {
+            payload: serde_json::Value::Null,
+            metadata: serde_json::Value::Null,
+            event_type: self.event_type.clone(),
+            aggregate_type: self.aggregate_type.clone(),
+            aggregate_id: self.aggregate_id.clone(),
+            correlation_id: self.correlation_id.clone(),
+            causation_id: self.causation_id.clone(),
+            ..*self
+        }
+    }
+}
+
 /// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
 /// Subscriptions are only ever added here: removing one is an operator's decision.
 pub(crate) async fn register_consumer(
