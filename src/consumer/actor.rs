@@ -30,6 +30,8 @@ pub(crate) struct ConsumerActor {
     in_flight: u32,
     /// A wake-up arrived that no running loop has answered yet: there may be due rows.
     want: bool,
+    /// A running loop found a full batch: more rows are due than one loop takes at a time.
+    backlog: bool,
     /// Set by `Drain`: start nothing new (graceful shutdown). Shared with the running loops so
     /// that they stop after their current batch instead of draining the whole backlog.
     draining: Arc<AtomicBool>,
@@ -47,6 +49,7 @@ impl ConsumerActor {
             handler,
             in_flight: 0,
             want: true,
+            backlog: false,
             draining: Arc::new(AtomicBool::new(false)),
             drained: Vec::new(),
         }
@@ -59,13 +62,19 @@ impl ConsumerActor {
         {
             return;
         }
+        // While a loop runs, a wake-up is folded into that loop's next batch (its end pumps
+        // again): rows that trickle in share one transaction instead of each costing its own.
+        // Only a backlog, a full batch, is worth another connection in parallel.
+        if self.in_flight > 0 && !self.backlog {
+            return;
+        }
         self.want = false;
+        self.backlog = false;
         if !self.handler.connected() {
             tracing::warn!(consumer = %self.cfg.name, "handler actor stopped; starting a new one");
             self.handler = (self.factory)();
         }
-        // One loop per wake-up; a loop that finds a full batch asks for another (up to
-        // `concurrency`), so a single event does not cost `concurrency` empty claims.
+        // A loop that finds a full batch asks for another (up to `concurrency`).
         self.in_flight += 1;
         let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
         let draining = self.draining.clone();
@@ -110,7 +119,7 @@ async fn batch_loop(
     cfg: &ConsumerConfig,
     handler: &Recipient<Delivery>,
     draining: &AtomicBool,
-    me: &Recipient<Wake>,
+    me: &Recipient<Backlog>,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
     let mut isolation = Isolation::Fast;
@@ -152,7 +161,7 @@ async fn batch_loop(
                     return out;
                 }
                 // A full batch: more rows are probably due; let another loop help.
-                let _ = me.try_send(Wake);
+                let _ = me.try_send(Backlog);
             }
             Err(e) => {
                 // The database is unreachable or a statement failed; the poll tries again.
@@ -181,6 +190,20 @@ impl Handler<Wake> for ConsumerActor {
     type Result = ();
     fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
         self.want = true;
+        self.pump(ctx);
+    }
+}
+
+/// From a running loop that found a full batch: start another loop, up to `concurrency`.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Backlog;
+
+impl Handler<Backlog> for ConsumerActor {
+    type Result = ();
+    fn handle(&mut self, _: Backlog, ctx: &mut Context<Self>) {
+        self.want = true;
+        self.backlog = true;
         self.pump(ctx);
     }
 }

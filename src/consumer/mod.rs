@@ -355,7 +355,11 @@ impl ConsumerConfig {
         self.batch_size = n;
         self
     }
-    /// Batches in flight at once, each on its own connection.
+    /// Batches in flight at once, each on its own connection. Extra batches start only for a
+    /// backlog (a batch came back full); rows that trickle in while a batch runs wait for that
+    /// loop's next batch and share its transaction, which is cheaper than a transaction each.
+    /// For slow handlers (a remote call per row) that should run side by side, keep
+    /// `batch_size` small so that batches fill.
     pub fn concurrency(mut self, n: u32) -> Self {
         self.concurrency = n;
         self
