@@ -839,8 +839,11 @@ async fn time_claims(
 ) -> Res<(Vec<f64>, Vec<f64>, (f64, Option<f64>))> {
     let claim = async |conn: &mut AsyncPgConnection| -> Res<(f64, i64)> {
         let t = Instant::now();
+        // As the publisher runs it with no other instance listening.
         let rows: Vec<ClaimRow> = diesel::sql_query(sql)
             .bind::<BigInt, _>(batch)
+            .bind::<Nullable<Text>, _>(None::<&str>)
+            .bind::<Nullable<Text>, _>(None::<&str>)
             .load(conn)
             .await?;
         let ms = t.elapsed().as_secs_f64() * 1e3;

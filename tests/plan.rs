@@ -14,7 +14,7 @@
 mod common;
 
 use common::*;
-use diesel::sql_types::{BigInt, Json};
+use diesel::sql_types::{BigInt, Json, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde_json::Value;
@@ -84,17 +84,19 @@ fn render(nodes: &[Node]) -> String {
 async fn explain_claim(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'static str); 2] {
     let custom: ExplainRow = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {}", CLAIM_SQL))
         .bind::<BigInt, _>(500_i64)
+        .bind::<Nullable<Text>, _>(None::<&str>)
+        .bind::<Nullable<Text>, _>(None::<&str>)
         .get_result(conn)
         .await
         .expect("EXPLAIN the claim");
     conn.batch_execute(&format!(
-        "PREPARE claim_plan_test (int8) AS {}; SET plan_cache_mode = force_generic_plan",
+        "PREPARE claim_plan_test (int8, text, text) AS {}; SET plan_cache_mode = force_generic_plan",
         CLAIM_SQL
     ))
     .await
     .expect("PREPARE the claim");
     let generic: ExplainRow =
-        diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500)")
+        diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500, NULL, NULL)")
             .get_result(conn)
             .await
             .expect("EXPLAIN the prepared claim");
@@ -207,6 +209,8 @@ async fn claim_uses_the_due_index_on_a_fresh_unanalyzed_table() {
     // The statement still does what it did: the 500 oldest rows, published and fanned out.
     diesel::sql_query(CLAIM_SQL)
         .bind::<BigInt, _>(500_i64)
+        .bind::<Nullable<Text>, _>(None::<&str>)
+        .bind::<Nullable<Text>, _>(None::<&str>)
         .execute(&mut conn)
         .await
         .expect("run the claim");

@@ -80,8 +80,8 @@ pub(crate) async fn run_batch(
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
     // transaction manager and closes the connection, so PostgreSQL rolls back and no session
     // is left idle in transaction.
-    Tm::begin_transaction(&mut *conn).await?;
-    let rows = inbox::claim_due(&mut conn, cfg.name.as_str(), i64::from(cfg.batch_size)).await?;
+    let rows =
+        inbox::begin_and_claim(&mut conn, cfg.name.as_str(), i64::from(cfg.batch_size)).await?;
     let mut out = BatchOutcome {
         claimed: rows.len(),
         ..Default::default()
@@ -221,10 +221,7 @@ pub(crate) async fn run_batch(
     }
 
     let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
-    inbox::mark_processed(&mut conn, &ids).await?;
-    inbox::mark_stale(&mut conn, &stale).await?;
-    inbox::mark_failed(&mut conn, &failures).await?;
-    Tm::commit_transaction(&mut *conn).await?;
+    inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
     out.failed += failures.len();
@@ -325,7 +322,7 @@ async fn abandon(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &Hand
     log_failure(cfg, row, err);
     let failure = decide(&cfg.retry, row, err);
     let marked = match pool.get().await {
-        Ok(mut conn) => inbox::mark_failed(&mut conn, &[failure]).await,
+        Ok(conn) => inbox::mark_failed(&conn, &[failure]).await,
         Err(e) => Err(e.into()),
     };
     if let Err(e) = marked {

@@ -42,8 +42,9 @@ pub(crate) struct PublisherActor {
     /// Where fan-out results go; set again by the supervisor if the registry restarts.
     registry: Addr<ConsumerRegistry>,
     route: Route,
-    /// This instance's id, when other instances listen: after a fan-out one NOTIFY (per batch,
-    /// not per event) tells them which consumers got rows. Their own notifications are ignored.
+    /// This instance's id, when other instances listen: each claim that fans out sends one
+    /// NOTIFY (per batch, not per event, inside the claim statement) naming the consumers that
+    /// got rows. Its own notifications are ignored.
     notify_as: Option<Arc<str>>,
     batch_size: u32,
     poll_interval: Duration,
@@ -152,7 +153,8 @@ async fn claim_in_process(
             return false;
         }
     };
-    let fan_out = store::outbox::claim_and_fan_out(&mut conn, limit).await;
+    let notify = notify_as.map(|me| (INBOX_CHANNEL, me));
+    let fan_out = store::outbox::claim_and_fan_out(&mut conn, limit, notify).await;
     match fan_out {
         Ok(f) => {
             metrics::outbox_published(f.published as u64);
@@ -169,20 +171,9 @@ async fn claim_in_process(
             }
             let full = f.published as i64 >= limit;
             if !f.delivered.is_empty() {
-                // Local consumers first; the NOTIFY for other instances is a commit of its own.
-                let payload = notify_as.map(|me| {
-                    let names: Vec<&str> = f.delivered.iter().map(|(c, _)| c.as_str()).collect();
-                    format!("{me}|{}", names.join(","))
-                });
                 registry.do_send(InboxRowsWritten {
                     consumers: f.delivered,
                 });
-                if let Some(payload) = payload {
-                    if let Err(e) = store::outbox::notify(&mut conn, INBOX_CHANNEL, &payload).await
-                    {
-                        tracing::debug!(error = %e, "NOTIFY after fan-out failed; other instances will poll");
-                    }
-                }
             }
             full
         }

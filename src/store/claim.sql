@@ -1,6 +1,9 @@
 -- The in-process claim (`claim_and_fan_out`): claim due outbox rows, fan them out to the inbox of
 -- every subscribed consumer and mark them PUBLISHED, in one statement. Its own file so that the
 -- plan test and the benchmark run exactly this text.
+--   $1  batch size
+--   $2  NOTIFY channel for other instances, or NULL when none listen
+--   $3  this instance's id, the payload's prefix (its own listener ignores it)
 WITH due AS (
     SELECT id FROM outbox_events
     WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now()
@@ -23,6 +26,12 @@ WITH due AS (
     ORDER BY p.seq, s.consumer
     ON CONFLICT (event_id, consumer) DO NOTHING
     RETURNING consumer
+), notified AS (
+    -- One notification per claim, naming the consumers that got rows. Part of the statement,
+    -- so it goes out with the commit that makes the rows visible and costs no round trip.
+    SELECT pg_notify($2, $3 || '|' || string_agg(DISTINCT consumer, ','))
+    FROM delivered WHERE $2 IS NOT NULL
+    HAVING count(*) > 0
 ), wanted AS (
     SELECT s.consumer, count(*) AS n
     FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
@@ -31,4 +40,6 @@ WITH due AS (
 SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w
     LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d
     USING (consumer)
-UNION ALL SELECT NULL, 0, count(*) FROM published
+-- The NULL row: rows published, and (as `wanted`) notifications sent; naming `notified` here is
+-- what makes PostgreSQL run it.
+UNION ALL SELECT NULL, (SELECT count(*) FROM notified), count(*) FROM published

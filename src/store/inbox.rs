@@ -8,7 +8,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
-use crate::store::Prepared;
+use crate::store::{self, Prepared};
 
 /// One claimed inbox row: everything a handler needs without re-reading the outbox.
 #[derive(Debug, Clone, QueryableByName)]
@@ -76,10 +76,29 @@ pub(crate) async fn register_consumer(
     Ok(())
 }
 
-/// Locks up to `limit` due rows of `consumer` for the caller's open transaction. Rows locked by
-/// another instance are skipped, never waited for; a paused consumer claims nothing.
-pub(crate) async fn claim_due(
+/// Opens the batch's transaction and locks up to `limit` due rows of `consumer` in it, both in
+/// one round trip (`BEGIN` and the claim are pipelined). Rows locked by another instance are
+/// skipped, never waited for; a paused consumer claims nothing.
+///
+/// Once `BEGIN` has run, the connection's transaction manager counts the transaction even if
+/// the claim failed, so an error return hands back a connection that the pool will close
+/// (rolling the transaction back) rather than reuse.
+pub(crate) async fn begin_and_claim(
     conn: &mut AsyncPgConnection,
+    consumer: &str,
+    limit: i64,
+) -> Result<Vec<InboxRow>> {
+    let (begun, rows) = {
+        let c: &AsyncPgConnection = conn;
+        futures_util::future::join(store::run(c, "BEGIN"), claim_due(c, consumer, limit)).await
+    };
+    begun?;
+    store::entered_transaction(conn)?;
+    rows
+}
+
+async fn claim_due(
+    mut conn: &AsyncPgConnection,
     consumer: &str,
     limit: i64,
 ) -> Result<Vec<InboxRow>> {
@@ -99,13 +118,40 @@ pub(crate) async fn claim_due(
         .bind::<Text, _>(consumer)
         .bind::<BigInt, _>(limit),
     )
-    .load(conn)
+    .load(&mut conn)
     .await?;
     Ok(rows)
 }
 
+/// Marks the batch's outcomes and commits it, in one round trip: the marks and `COMMIT` are
+/// pipelined. The transaction is only counted as closed when every mark and the commit
+/// succeeded; otherwise the connection is left for the pool to close, and PostgreSQL rolls
+/// back whatever the commit did not make durable.
+pub(crate) async fn mark_and_commit(
+    conn: &mut AsyncPgConnection,
+    processed: &[i64],
+    stale: &[(i64, i64)],
+    failures: &[Failure],
+) -> Result<()> {
+    let (p, s, f, committed) = {
+        let c: &AsyncPgConnection = conn;
+        futures_util::future::join4(
+            mark_processed(c, processed),
+            mark_stale(c, stale),
+            mark_failed(c, failures),
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    p?;
+    s?;
+    f?;
+    committed?;
+    store::left_transaction(conn)
+}
+
 /// Marks rows PROCESSED inside the transaction that holds the handlers' effects.
-pub(crate) async fn mark_processed(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<()> {
+async fn mark_processed(mut conn: &AsyncPgConnection, ids: &[i64]) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
@@ -115,7 +161,7 @@ pub(crate) async fn mark_processed(conn: &mut AsyncPgConnection, ids: &[i64]) ->
          WHERE id = ANY($1)",
     )
     .bind::<Array<BigInt>, _>(ids))
-    .execute(conn)
+    .execute(&mut conn)
     .await?;
     Ok(())
 }
@@ -137,7 +183,7 @@ pub(crate) struct Failure {
 /// row failing late in a long batch still waits its full backoff) or DEAD_LETTER. Fenced on the attempt count seen at claim,
 /// so a mark made outside the claiming transaction cannot overwrite a newer outcome.
 pub(crate) async fn mark_failed(
-    conn: &mut AsyncPgConnection,
+    mut conn: &AsyncPgConnection,
     failures: &[Failure],
 ) -> Result<usize> {
     if failures.is_empty() {
@@ -171,7 +217,7 @@ pub(crate) async fn mark_failed(
         .bind::<Array<Text>, _>(codes)
         .bind::<Array<Text>, _>(messages),
     )
-    .execute(conn)
+    .execute(&mut conn)
     .await?;
     Ok(n)
 }
@@ -313,7 +359,7 @@ pub(crate) async fn advance_version(
 
 /// Marks stale rows: PROCESSED (nothing is left to do) but with `EVENT_STALE` and the version
 /// the consumer was already at, so they stay visible and countable.
-pub(crate) async fn mark_stale(conn: &mut AsyncPgConnection, stale: &[(i64, i64)]) -> Result<()> {
+async fn mark_stale(mut conn: &AsyncPgConnection, stale: &[(i64, i64)]) -> Result<()> {
     if stale.is_empty() {
         return Ok(());
     }
@@ -329,7 +375,7 @@ pub(crate) async fn mark_stale(conn: &mut AsyncPgConnection, stale: &[(i64, i64)
         .bind::<Array<BigInt>, _>(ids)
         .bind::<Array<BigInt>, _>(current),
     )
-    .execute(conn)
+    .execute(&mut conn)
     .await?;
     Ok(())
 }

@@ -9,11 +9,12 @@ pub(crate) mod outbox;
 pub(crate) mod stats;
 pub(crate) mod timeline;
 
+use diesel::connection::TransactionDepthChange;
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::QueryResult;
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-use diesel_async::AsyncPgConnection;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
 /// The connection pool the runtime and the application share.
 pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
@@ -78,4 +79,31 @@ impl<Q> QueryId for Prepared<Q> {
 
 impl<Q: Query> Query for Prepared<Q> {
     type SqlType = Q::SqlType;
+}
+
+/// Runs one constant statement through a shared reference, so that it can be pipelined with
+/// others on the same connection (diesel-async sends futures polled together without waiting
+/// for each answer; the server still runs them in the order they were first polled).
+pub(crate) async fn run(mut conn: &AsyncPgConnection, sql: &'static str) -> crate::Result<()> {
+    Prepared(diesel::sql_query(sql)).execute(&mut conn).await?;
+    Ok(())
+}
+
+/// Tells the connection's transaction manager that a pipelined `BEGIN` opened a transaction,
+/// so that nested `transaction()` calls in handlers use savepoints and the pool notices a
+/// connection handed back mid-transaction.
+pub(crate) fn entered_transaction(conn: &mut AsyncPgConnection) -> crate::Result<()> {
+    change_depth(conn, TransactionDepthChange::IncreaseDepth)
+}
+
+/// The counterpart of [`entered_transaction`] after a pipelined `COMMIT` succeeded.
+pub(crate) fn left_transaction(conn: &mut AsyncPgConnection) -> crate::Result<()> {
+    change_depth(conn, TransactionDepthChange::DecreaseDepth)
+}
+
+fn change_depth(conn: &mut AsyncPgConnection, change: TransactionDepthChange) -> crate::Result<()> {
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(change)?;
+    Ok(())
 }

@@ -103,10 +103,23 @@ pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 /// it then sorts the whole backlog for each batch). And the update looks the ids up with
 /// `= ANY (ARRAY(...))`, so those 10% of a large analyzed backlog do not make it hash-join the
 /// whole table. `tests/plan.rs` asserts the plan on a fresh, a large and a backlogged table.
-pub(crate) async fn claim_and_fan_out(conn: &mut AsyncPgConnection, limit: i64) -> Result<FanOut> {
-    let rows: Vec<FanOutRow> = Prepared(diesel::sql_query(CLAIM_SQL).bind::<BigInt, _>(limit))
-        .load(conn)
-        .await?;
+///
+/// With `notify = Some((channel, sender))` the same statement sends one notification,
+/// `sender|consumer,…`, for other instances; it goes out with the commit that makes the rows
+/// visible, so it cannot be lost between the two and costs no round trip of its own.
+pub(crate) async fn claim_and_fan_out(
+    conn: &mut AsyncPgConnection,
+    limit: i64,
+    notify: Option<(&str, &str)>,
+) -> Result<FanOut> {
+    let rows: Vec<FanOutRow> = Prepared(
+        diesel::sql_query(CLAIM_SQL)
+            .bind::<BigInt, _>(limit)
+            .bind::<Nullable<Text>, _>(notify.map(|n| n.0))
+            .bind::<Nullable<Text>, _>(notify.map(|n| n.1)),
+    )
+    .load(conn)
+    .await?;
     let mut out = FanOut::default();
     for row in rows {
         match row.consumer {
