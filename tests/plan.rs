@@ -21,6 +21,8 @@ use serde_json::Value;
 
 /// The claim statement exactly as the library runs it.
 const CLAIM_SQL: &str = include_str!("../src/store/claim.sql");
+/// What the library runs before it in the same transaction.
+const PLAN_GUARD: &str = include_str!("../src/store/plan_guard.sql");
 
 #[derive(QueryableByName)]
 struct ExplainRow {
@@ -82,6 +84,15 @@ fn render(nodes: &[Node]) -> String {
 /// value (a custom plan, what the publisher's cached statement gets for its first executions),
 /// and as the generic plan PostgreSQL may switch a cached statement to after five.
 async fn explain_claim(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'static str); 2] {
+    conn.batch_execute(&format!("BEGIN; {PLAN_GUARD}"))
+        .await
+        .expect("apply the plan guard");
+    let plans = explain_unguarded(conn).await;
+    conn.batch_execute("ROLLBACK").await.unwrap();
+    plans
+}
+
+async fn explain_unguarded(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'static str); 2] {
     let custom: ExplainRow = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {}", CLAIM_SQL))
         .bind::<BigInt, _>(500_i64)
         .bind::<Nullable<Text>, _>(None::<&str>)
@@ -100,7 +111,7 @@ async fn explain_claim(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'static st
             .get_result(conn)
             .await
             .expect("EXPLAIN the prepared claim");
-    conn.batch_execute("DEALLOCATE claim_plan_test; RESET plan_cache_mode")
+    conn.batch_execute("DEALLOCATE claim_plan_test; SET plan_cache_mode = auto")
         .await
         .unwrap();
     [(custom, "custom plan"), (generic, "generic plan")].map(|(row, kind)| {
@@ -267,5 +278,28 @@ async fn claim_finds_claimed_rows_by_key_on_an_analyzed_backlog() {
     let nodes = explain_claim(&mut conn).await;
     drop(conn);
     assert_claim_plan(&nodes, "200,000 PENDING, analyzed");
+    db.finish(&[]).await;
+}
+
+/// A fresh deployment: the publisher's cached statement gets its generic plan while the table
+/// is still empty, and keeps it as the table grows until an ANALYZE. Unguarded, that plan scans
+/// the whole table for every claim (checked below, so this test would notice if PostgreSQL
+/// stopped doing that); with the guard the library runs first, it uses the indexes.
+#[actix_rt::test]
+async fn claim_planned_on_an_empty_table_still_uses_the_indexes() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    prepare(&mut conn).await;
+    let [_, (unguarded, _)] = explain_unguarded(&mut conn).await;
+    assert!(
+        unguarded
+            .iter()
+            .any(|n| n.node_type == "Seq Scan" && n.relation.as_deref() == Some("outbox_events")),
+        "without the guard, an empty table was expected to get a table scan:\n{}",
+        render(&unguarded)
+    );
+    let nodes = explain_claim(&mut conn).await;
+    drop(conn);
+    assert_claim_plan(&nodes, "empty table, never analyzed");
     db.finish(&[]).await;
 }

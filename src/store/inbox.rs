@@ -80,20 +80,19 @@ pub(crate) async fn register_consumer(
 /// one round trip (`BEGIN` and the claim are pipelined). Rows locked by another instance are
 /// skipped, never waited for; a paused consumer claims nothing.
 ///
-/// Once `BEGIN` has run, the connection's transaction manager counts the transaction even if
-/// the claim failed, so an error return hands back a connection that the pool will close
-/// (rolling the transaction back) rather than reuse.
+/// The connection's transaction manager counts the transaction from before `BEGIN` is sent,
+/// so an error return hands back a connection that the pool will close (rolling the
+/// transaction back) rather than reuse.
 pub(crate) async fn begin_and_claim(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     limit: i64,
 ) -> Result<Vec<InboxRow>> {
-    let (begun, rows) = {
-        let c: &AsyncPgConnection = conn;
-        futures_util::future::join(store::run(c, "BEGIN"), claim_due(c, consumer, limit)).await
-    };
-    begun?;
     store::entered_transaction(conn)?;
+    let c: &AsyncPgConnection = conn;
+    let (begun, rows) =
+        futures_util::future::join(store::run(c, "BEGIN"), claim_due(c, consumer, limit)).await;
+    begun?;
     rows
 }
 
@@ -124,7 +123,7 @@ async fn claim_due(
 }
 
 /// Marks the batch's outcomes and commits it, in one round trip: the marks and `COMMIT` are
-/// pipelined. The transaction is only counted as closed when every mark and the commit
+/// pipelined, after the [`PLAN_GUARD`](store::PLAN_GUARD) (no handler code runs after it). The transaction is only counted as closed when every mark and the commit
 /// succeeded; otherwise the connection is left for the pool to close, and PostgreSQL rolls
 /// back whatever the commit did not make durable.
 pub(crate) async fn mark_and_commit(
@@ -133,9 +132,10 @@ pub(crate) async fn mark_and_commit(
     stale: &[(i64, i64)],
     failures: &[Failure],
 ) -> Result<()> {
-    let (p, s, f, committed) = {
+    let (g, p, s, f, committed) = {
         let c: &AsyncPgConnection = conn;
-        futures_util::future::join4(
+        futures_util::future::join5(
+            store::run(c, store::PLAN_GUARD),
             mark_processed(c, processed),
             mark_stale(c, stale),
             mark_failed(c, failures),
@@ -143,6 +143,7 @@ pub(crate) async fn mark_and_commit(
         )
         .await
     };
+    g?;
     p?;
     s?;
     f?;

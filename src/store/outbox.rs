@@ -6,7 +6,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
 use crate::event::NewEvent;
-use crate::store::Prepared;
+use crate::store::{self, Prepared};
 
 /// Inserts all `events` with one statement (`unnest` of column arrays), so a producer that
 /// writes 500 events in one business transaction pays for one round trip, not 500.
@@ -112,14 +112,32 @@ pub(crate) async fn claim_and_fan_out(
     limit: i64,
     notify: Option<(&str, &str)>,
 ) -> Result<FanOut> {
-    let rows: Vec<FanOutRow> = Prepared(
-        diesel::sql_query(CLAIM_SQL)
-            .bind::<BigInt, _>(limit)
-            .bind::<Nullable<Text>, _>(notify.map(|n| n.0))
-            .bind::<Nullable<Text>, _>(notify.map(|n| n.1)),
-    )
-    .load(conn)
-    .await?;
+    // BEGIN, the plan guard, the claim and COMMIT in one round trip. The transaction manager
+    // counts the transaction until the COMMIT is known to have run, so a failure or a drop
+    // half-way leaves a connection the pool closes rather than one still inside it.
+    store::entered_transaction(conn)?;
+    let (begun, guarded, rows, committed) = {
+        let mut c: &AsyncPgConnection = conn;
+        let claim = Prepared(
+            diesel::sql_query(CLAIM_SQL)
+                .bind::<BigInt, _>(limit)
+                .bind::<Nullable<Text>, _>(notify.map(|n| n.0))
+                .bind::<Nullable<Text>, _>(notify.map(|n| n.1)),
+        )
+        .load::<FanOutRow>(&mut c);
+        futures_util::future::join4(
+            store::run(c, "BEGIN"),
+            store::run(c, store::PLAN_GUARD),
+            claim,
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    begun?;
+    guarded?;
+    let rows = rows?;
+    committed?;
+    store::left_transaction(conn)?;
     let mut out = FanOut::default();
     for row in rows {
         match row.consumer {
