@@ -82,6 +82,12 @@ pub(crate) struct FanOut {
     pub duplicates: Vec<(String, usize)>,
 }
 
+/// Sent before the claim in its transaction: the [`PLAN_GUARD`](store::PLAN_GUARD)'s settings
+/// and `synchronous_commit = off` (see the comment in [`claim_and_fan_out`] for why that is
+/// safe there and nowhere else).
+const CLAIM_SETTINGS: &str = "SELECT set_config('enable_seqscan', 'off', true), \
+     set_config('enable_bitmapscan', 'off', true), set_config('synchronous_commit', 'off', true)";
+
 /// The statement of [`claim_and_fan_out`], kept in `claim.sql` so that `tests/plan.rs` and the
 /// benchmark include exactly the text that runs.
 pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
@@ -90,8 +96,8 @@ pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 /// order (`FOR UPDATE SKIP LOCKED`, so concurrent publishers take disjoint rows), insert one
 /// inbox row per subscribed consumer, and mark the outbox rows PUBLISHED.
 ///
-/// One statement is one transaction: there is no moment at which a row is claimed but not yet
-/// fanned out, so nothing can be stuck half-way, and no lease is needed. `ON CONFLICT DO
+/// One statement in a transaction of its own: there is no moment at which a row is claimed but
+/// not yet fanned out, so nothing can be stuck half-way, and no lease is needed. `ON CONFLICT DO
 /// NOTHING` makes a repeated fan-out of the same event harmless.
 ///
 /// Expected plan: a `LockRows` over an `Index Scan using outbox_events_due` (never a bitmap
@@ -102,7 +108,9 @@ pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 /// fresh or stale table makes it think there are fewer due rows than the limit (with `LIMIT $1`
 /// it then sorts the whole backlog for each batch). And the update looks the ids up with
 /// `= ANY (ARRAY(...))`, so those 10% of a large analyzed backlog do not make it hash-join the
-/// whole table. `tests/plan.rs` asserts the plan on a fresh, a large and a backlogged table.
+/// whole table. Neither shape helps a plan made while the table was empty (a cached generic
+/// plan then scans the table); the [`PLAN_GUARD`](store::PLAN_GUARD) sent before it does.
+/// `tests/plan.rs` asserts the plan on an empty, a fresh, a large and a backlogged table.
 ///
 /// With `notify = Some((channel, sender))` the same statement sends one notification,
 /// `sender|consumer,…`, for other instances; it goes out with the commit that makes the rows
@@ -112,9 +120,16 @@ pub(crate) async fn claim_and_fan_out(
     limit: i64,
     notify: Option<(&str, &str)>,
 ) -> Result<FanOut> {
-    // BEGIN, the plan guard, the claim and COMMIT in one round trip. The transaction manager
-    // counts the transaction until the COMMIT is known to have run, so a failure or a drop
-    // half-way leaves a connection the pool closes rather than one still inside it.
+    // BEGIN, the plan guard and no wait for the WAL flush, the claim and COMMIT, in one round
+    // trip. The transaction manager counts the transaction until the COMMIT is known to have
+    // run, so a failure or a drop half-way leaves a connection the pool closes rather than one
+    // still inside it.
+    //
+    // Why the claim need not wait for its commit to reach disk: WAL is flushed in order, so no
+    // later synchronous commit (a consumer's batch, holding the effect of one of these inbox
+    // rows) can be durable unless this one is. A crash can only lose a claim nobody's effect
+    // depends on, and it loses it whole: the outbox rows are PENDING again and are claimed
+    // again. Not waiting takes a disk flush out of every event's path to its consumer.
     store::entered_transaction(conn)?;
     let (begun, guarded, rows, committed) = {
         let mut c: &AsyncPgConnection = conn;
@@ -127,7 +142,7 @@ pub(crate) async fn claim_and_fan_out(
         .load::<FanOutRow>(&mut c);
         futures_util::future::join4(
             store::run(c, "BEGIN"),
-            store::run(c, store::PLAN_GUARD),
+            store::run(c, CLAIM_SETTINGS),
             claim,
             store::run(c, "COMMIT"),
         )

@@ -39,15 +39,20 @@ impl TestDb {
     /// Creates `ao_test_<random>`, applies the library's migrations and the test's business
     /// tables. `effects` has no unique constraint on purpose: a duplicate effect must show.
     pub async fn new() -> TestDb {
+        TestDb::new_on(&base_url()).await
+    }
+
+    /// The same on the server at `server_url` (a test's own cluster).
+    pub async fn new_on(server_url: &str) -> TestDb {
         let name = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = AsyncPgConnection::establish(&base_url())
+        let mut admin = AsyncPgConnection::establish(server_url)
             .await
-            .expect("connect to DATABASE_URL");
+            .expect("connect to the server");
         admin
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await
             .expect("create test database");
-        let url = with_database(&base_url(), &name);
+        let url = with_database(server_url, &name);
         actix_outbox::migrate(&url).await.expect("migrate");
         let pool = actix_outbox::connect(&url, 30).await.expect("pool");
         let mut conn = pool.get().await.unwrap();

@@ -1,0 +1,258 @@
+//! PostgreSQL itself crashes mid-run: an immediate shutdown (no checkpoint; WAL not yet
+//! written is lost, as on a power cut for anything not flushed) while events are produced and
+//! consumed, twice. The runtime must get through on new connections, lose no committed event
+//! and repeat no effect.
+//!
+//! This is the fault behind the publisher's claim committing without waiting for its WAL flush
+//! (`synchronous_commit = off` for that transaction only): a crash may lose recent claims, and
+//! then their outbox rows are PENDING again and claimed again; every consumer commit still
+//! waits for its flush, which covers all WAL before it, so no effect can outlive the claim it
+//! came from.
+//!
+//! The test runs its own throwaway cluster (crashing the shared server would break every other
+//! test), from the system's PostgreSQL binaries, as the `postgres` OS user when run as root.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use diesel::sql_types::{BigInt, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+
+/// Events produced; the crashes come after a third and after two thirds of them.
+const EVENTS: usize = 1_500;
+
+struct Cluster {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Runs a PostgreSQL binary, as the `postgres` OS user when we are root (initdb and postgres
+/// refuse to run as root).
+fn as_owner(program: &Path, args: &[&str]) -> std::process::Output {
+    let mut cmd = if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    };
+    cmd.args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
+}
+
+fn find_bin() -> PathBuf {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .filter(|p| p.join("initdb").exists())
+        .collect();
+    dirs.sort();
+    dirs.pop().expect(
+        "no PostgreSQL binaries under /usr/lib/postgresql/*/bin: this test starts and crashes \
+         its own cluster (apt-get install postgresql)",
+    )
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let bin = find_bin();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        // Under the system's temporary folder: the server's user may not reach the checkout.
+        let dir = std::env::temp_dir().join(format!("ao-crash-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        if is_root() {
+            let ok = Command::new("chown")
+                .arg("postgres")
+                .arg(&dir)
+                .status()
+                .unwrap();
+            assert!(ok.success(), "chown the cluster folder to postgres");
+        }
+        let c = Cluster { bin, dir, port };
+        let data = c.data();
+        let out = as_owner(
+            &c.bin.join("initdb"),
+            &["-D", &data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
+        );
+        assert!(out.status.success(), "initdb: {out:?}");
+        c.run_server();
+        c
+    }
+
+    fn data(&self) -> String {
+        self.dir.join("data").display().to_string()
+    }
+
+    fn run_server(&self) {
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=on -c synchronous_commit=on",
+            self.port,
+            self.dir.display()
+        );
+        let log = self.dir.join("server.log").display().to_string();
+        let out = as_owner(
+            &self.bin.join("pg_ctl"),
+            &["-D", &self.data(), "-l", &log, "-o", &opts, "-w", "start"],
+        );
+        assert!(out.status.success(), "pg_ctl start: {out:?}");
+    }
+
+    /// Immediate shutdown: every backend is killed, nothing is checkpointed; the next start
+    /// replays the WAL that reached the disk.
+    fn crash(&self) {
+        let out = as_owner(
+            &self.bin.join("pg_ctl"),
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        );
+        assert!(out.status.success(), "pg_ctl stop -m immediate: {out:?}");
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = as_owner(
+            &self.bin.join("pg_ctl"),
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        );
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[derive(QueryableByName)]
+struct N {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// A count on a fresh connection, retried while the server is down or recovering.
+async fn count(url: &str, sql: &str) -> i64 {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let attempt = async {
+            let mut conn = AsyncPgConnection::establish(url).await.ok()?;
+            let r: N = diesel::sql_query(sql).get_result(&mut conn).await.ok()?;
+            Some(r.n)
+        };
+        if let Some(n) = attempt.await {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "the server did not come back");
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One business transaction: the order and its event, unless the order already exists (a
+/// retried transaction whose COMMIT went through before the crash cut the answer off).
+async fn place(url: &str, order: &str) -> Result<(), actix_outbox::Error> {
+    let mut conn = AsyncPgConnection::establish(url)
+        .await
+        .map_err(|e| actix_outbox::Error::Pool(e.to_string()))?;
+    conn.transaction(async |conn| {
+        let new = diesel::sql_query(
+            "INSERT INTO orders (id, status, version) VALUES ($1, 'COMPLETED', 2) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind::<Text, _>(order)
+        .execute(conn)
+        .await?;
+        if new == 1 {
+            actix_outbox::enqueue(conn, &order_event(order)).await?;
+        }
+        Ok(())
+    })
+    .await
+}
+
+#[actix_rt::test]
+async fn a_server_crash_mid_run_loses_nothing_and_duplicates_nothing() {
+    let cluster = Cluster::start();
+    let db = TestDb::new_on(&cluster.url()).await;
+    let runtime = start(
+        &db,
+        vec![(
+            consumer("c1", 50).batch_size(16).concurrency(2),
+            Behaviour::default(),
+        )],
+    )
+    .await;
+
+    // The producer reconnects per transaction and retries one until it commits.
+    let url = db.url.clone();
+    let producer = actix_rt::spawn(async move {
+        for i in 0..EVENTS {
+            let order = format!("o-{i}");
+            while place(&url, &order).await.is_err() {
+                actix_rt::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+
+    for third in [1, 2] {
+        let at = (EVENTS * third / 3) as i64;
+        while count(&db.url, "SELECT count(*) AS n FROM orders").await < at {
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Consumers are behind the producer, so batches and claims are in flight here.
+        cluster.crash();
+        actix_rt::time::sleep(Duration::from_millis(300)).await;
+        cluster.run_server();
+    }
+    within(WAIT, producer).await.unwrap();
+
+    let n = EVENTS as i64;
+    let deadline = Instant::now() + WAIT;
+    let effects = loop {
+        let effects = count(&db.url, "SELECT count(*) AS n FROM effects").await;
+        if effects >= n || Instant::now() > deadline {
+            break effects;
+        }
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    };
+    let orders = count(&db.url, "SELECT count(*) AS n FROM orders").await;
+    let events = count(&db.url, "SELECT count(*) AS n FROM outbox_events").await;
+    let distinct = count(&db.url, "SELECT count(DISTINCT event_id) AS n FROM effects").await;
+    let open = count(
+        &db.url,
+        "SELECT count(*) AS n FROM inbox_events WHERE status <> 'PROCESSED'",
+    )
+    .await;
+    let unpublished = count(
+        &db.url,
+        "SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'",
+    )
+    .await;
+    assert_eq!(orders, n, "every order committed once");
+    assert_eq!(events, n, "one event per committed order");
+    assert_eq!(distinct, n, "an event's effect was lost");
+    assert_eq!(effects, n, "an effect was repeated");
+    assert_eq!(open, 0, "inbox rows left unprocessed");
+    assert_eq!(unpublished, 0, "outbox rows left unpublished");
+    runtime.shutdown().await;
+    drop(cluster);
+}
