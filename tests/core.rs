@@ -174,6 +174,34 @@ async fn a_handler_error_leaves_no_partial_state_and_is_retried_until_it_succeed
     db.finish(&[&rt]).await;
 }
 
+/// A handler's own `transaction()` inside the delivery must be a savepoint of the batch's
+/// transaction, not a transaction of its own: the batch's BEGIN and COMMIT are pipelined, and
+/// the connection's transaction manager has to know about them. Were it not told, the nested
+/// call would COMMIT the batch, and the failed first attempts' effects would stay.
+#[actix_rt::test]
+async fn a_handlers_nested_transaction_is_undone_with_its_failed_attempt() {
+    let db = TestDb::new().await;
+    let nested = Behaviour {
+        fail_attempts: 1,
+        nested: true,
+        ..Default::default()
+    };
+    let rt = start(&db, vec![(consumer("nested", 5).batch_size(8), nested)]).await;
+    db.produce(40, "o").await;
+    rt.handle().wake();
+
+    let done =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 2";
+    assert_eq!(db.wait_for(done, 40, WAIT).await, 40);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 40);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE attempt <> 2")
+            .await,
+        0
+    );
+    db.finish(&[&rt]).await;
+}
+
 #[actix_rt::test]
 async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
     let db = TestDb::new().await;

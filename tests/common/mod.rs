@@ -201,6 +201,9 @@ pub struct Behaviour {
     pub poison_aggregate: Option<String>,
     /// Work time per delivery, to keep deliveries in flight (not a wait for an effect).
     pub work: Duration,
+    /// Write the effect inside the handler's own `conn.transaction(…)`, nested in the
+    /// delivery's transaction.
+    pub nested: bool,
 }
 
 /// A consumer actor that records one `effects` row per successful handling.
@@ -228,14 +231,20 @@ impl Handler<Delivery> for Recorder {
         let me = self.clone();
         Box::pin(async move {
             let mut conn = d.conn().await?;
-            diesel::sql_query(
+            let effect = diesel::sql_query(
                 "INSERT INTO effects (consumer, event_id, attempt) VALUES ($1, $2, $3)",
             )
             .bind::<Text, _>(&me.name)
             .bind::<SqlUuid, _>(d.event_id().as_uuid())
-            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
-            .execute(&mut *conn)
-            .await?;
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32);
+            if me.behaviour.nested {
+                conn.transaction::<_, diesel::result::Error, _>(async |c| {
+                    effect.execute(c).await.map(drop)
+                })
+                .await?;
+            } else {
+                effect.execute(&mut *conn).await?;
+            }
             if d.attempt() <= me.behaviour.panic_attempts {
                 panic!("injected panic in {} for {}", me.name, d.event_id());
             }
