@@ -123,9 +123,10 @@ async fn claim_due(
 }
 
 /// Marks the batch's outcomes and commits it, in one round trip: the marks and `COMMIT` are
-/// pipelined, after the [`PLAN_GUARD`](store::PLAN_GUARD) (no handler code runs after it). The transaction is only counted as closed when every mark and the commit
-/// succeeded; otherwise the connection is left for the pool to close, and PostgreSQL rolls
-/// back whatever the commit did not make durable.
+/// pipelined, after the [`PLAN_GUARD`](store::PLAN_GUARD) (no handler code runs after it).
+/// The transaction is only counted as closed when every mark and the commit succeeded;
+/// otherwise the connection is left for the pool to close, and PostgreSQL rolls back whatever
+/// the commit did not make durable.
 pub(crate) async fn mark_and_commit(
     conn: &mut AsyncPgConnection,
     processed: &[i64],

@@ -85,8 +85,10 @@ pub(crate) struct FanOut {
 /// Sent before the claim in its transaction: the [`PLAN_GUARD`](store::PLAN_GUARD)'s settings
 /// and `synchronous_commit = off` (see the comment in [`claim_and_fan_out`] for why that is
 /// safe there and nowhere else).
-const CLAIM_SETTINGS: &str = "SELECT set_config('enable_seqscan', 'off', true), \
-     set_config('enable_bitmapscan', 'off', true), set_config('synchronous_commit', 'off', true)";
+const CLAIM_SETTINGS: &str = concat!(
+    include_str!("plan_guard.sql"),
+    ", set_config('synchronous_commit', 'off', true)"
+);
 
 /// The statement of [`claim_and_fan_out`], kept in `claim.sql` so that `tests/plan.rs` and the
 /// benchmark include exactly the text that runs.
