@@ -216,3 +216,58 @@ async fn exhausted_publishes_and_rejections_are_dead_lettered_with_their_codes()
     assert_eq!(db.count("SELECT count(*) AS n FROM inbox_events").await, 0);
     db.finish(&[&rt]).await;
 }
+
+/// A service that receives an event from another database's outbox and continues its chain:
+/// its timeline shows the received inbox row next to its own follow-up. Received rows have no
+/// outbox row here, so they are found by their own (partial) correlation index.
+#[actix_rt::test]
+async fn the_timeline_of_a_receiving_database_shows_what_it_received_and_what_followed() {
+    let (producer, receiver) = (TestDb::new().await, TestDb::new().await);
+    let rt_b = start_on(
+        receiver.pool.clone(),
+        vec![(consumer("c1", 5), Behaviour::default())],
+    )
+    .await;
+    let transport = ScriptedTransport::new(receiver.pool.clone());
+    let rt_a = start_external(
+        &producer,
+        &transport,
+        external(2_000, 1_000, 3),
+        producer.pool.clone(),
+    )
+    .await;
+    let ids = producer.produce(1, "o").await;
+    let correlation = ids[0].to_string();
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(receiver.wait_for(done, 1, WAIT).await, 1);
+    let mut conn = receiver.pool.get().await.unwrap();
+    let follow_up = actix_outbox::NewEvent::new(
+        "NOTIFICATION_REQUESTED",
+        "order",
+        "o-0",
+        serde_json::json!({"order_id": "o-0"}),
+    )
+    .correlation_id(correlation.as_str())
+    .causation_id(correlation.as_str());
+    actix_outbox::enqueue(&mut conn, &follow_up).await.unwrap();
+    let timeline = actix_outbox::timeline(&mut conn, &correlation)
+        .await
+        .unwrap();
+    drop(conn);
+
+    let seen: Vec<(String, String)> = timeline
+        .iter()
+        .map(|t| (t.kind.clone(), t.event_type.clone()))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("inbox".into(), "ORDER_STATUS_CHANGED".into()),
+            ("outbox".into(), "NOTIFICATION_REQUESTED".into()),
+        ]
+    );
+    assert_eq!(timeline[0].event_id, ids[0]);
+    producer.finish(&[&rt_a]).await;
+    receiver.finish(&[&rt_b]).await;
+}

@@ -271,8 +271,8 @@ pub(crate) async fn receive(
          ins AS ( \
              INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
                  aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id, \
-                 event_created_at) \
-             SELECT $1, consumer, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 FROM subs \
+                 event_created_at, external) \
+             SELECT $1, consumer, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, true FROM subs \
              ON CONFLICT (event_id, consumer) DO NOTHING RETURNING 1 \
          ) \
          SELECT (SELECT count(*) FROM subs) AS wanted, (SELECT count(*) FROM ins) AS rows",
