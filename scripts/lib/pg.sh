@@ -46,7 +46,9 @@ pg_as_owner() {
     fi
 }
 
-pg_start_private() {
+# Sets PG_BIN to the system's PostgreSQL binaries, installing Debian's package first when they
+# are missing and we are root.
+pg_ensure_bin() {
     PG_BIN=$(pg_find_bin) || {
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
             pg_log "installing Debian's postgresql package"
@@ -54,10 +56,14 @@ pg_start_private() {
             DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
             PG_BIN=$(pg_find_bin) || { pg_log "no PostgreSQL binaries after install"; return 1; }
         else
-            pg_log "no PostgreSQL server reachable and no binaries to start one (set DATABASE_URL)"
+            pg_log "no PostgreSQL binaries found (apt-get install postgresql)"
             return 1
         fi
     }
+}
+
+pg_start_private() {
+    pg_ensure_bin || return 1
     if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
         useradd --system --home-dir /var/lib/postgresql --shell /bin/sh postgres
     fi
