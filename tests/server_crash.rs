@@ -10,12 +10,11 @@
 //! came from.
 //!
 //! The test runs its own throwaway cluster (crashing the shared server would break every other
-//! test), from the system's PostgreSQL binaries, as the `postgres` OS user when run as root.
+//! test), from the system's PostgreSQL binaries.
 
 mod common;
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -27,106 +26,65 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 /// Events produced; the crashes come after a third and after two thirds of them.
 const EVENTS: usize = 1_500;
 
+/// A throwaway cluster, managed by the same shell functions `scripts/test` uses for its
+/// private cluster (`scripts/lib/pg.sh`: binaries, the `postgres` OS user when we are root,
+/// initdb, pg_ctl).
 struct Cluster {
-    bin: PathBuf,
-    dir: PathBuf,
+    dir: String,
     port: u16,
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
+/// Runs `script` with `scripts/lib/pg.sh` loaded and PG_BIN set; `$1…` are `args`.
+fn pg_sh_output(script: &str, args: &[&str]) -> std::process::Output {
+    Command::new("bash")
+        .arg("-c")
+        .arg(format!(". scripts/lib/pg.sh && pg_ensure_bin && {script}"))
+        .arg("pg_sh")
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
+        .expect("run bash")
 }
 
-/// Runs a PostgreSQL binary, as the `postgres` OS user when we are root (initdb and postgres
-/// refuse to run as root).
-fn as_owner(program: &Path, args: &[&str]) -> std::process::Output {
-    let mut cmd = if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    };
-    cmd.args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
-}
-
-fn find_bin() -> PathBuf {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("bin"))
-        .filter(|p| p.join("initdb").exists())
-        .collect();
-    dirs.sort();
-    dirs.pop().expect(
-        "no PostgreSQL binaries under /usr/lib/postgresql/*/bin: this test starts and crashes \
-         its own cluster (apt-get install postgresql)",
-    )
+/// [`pg_sh_output`] that must succeed; returns its standard output.
+fn pg_sh(script: &str, args: &[&str]) -> String {
+    let out = pg_sh_output(script, args);
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 impl Cluster {
     fn start() -> Cluster {
-        let bin = find_bin();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        // Under the system's temporary folder: the server's user may not reach the checkout.
-        let dir = std::env::temp_dir().join(format!("ao-crash-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        if is_root() {
-            let ok = Command::new("chown")
-                .arg("postgres")
-                .arg(&dir)
-                .status()
-                .unwrap();
-            assert!(ok.success(), "chown the cluster folder to postgres");
-        }
-        let c = Cluster { bin, dir, port };
-        let data = c.data();
-        let out = as_owner(
-            &c.bin.join("initdb"),
-            &["-D", &data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
-        );
-        assert!(out.status.success(), "initdb: {out:?}");
+        let want = std::env::temp_dir()
+            .join(format!("ao-crash-{}", uuid::Uuid::new_v4().simple()))
+            .display()
+            .to_string();
+        let dir = pg_sh(r#"pg_owned_dir "$1""#, &[&want]);
+        let c = Cluster { dir, port };
         c.run_server();
         c
     }
 
-    fn data(&self) -> String {
-        self.dir.join("data").display().to_string()
-    }
-
     fn run_server(&self) {
-        let opts = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=on -c synchronous_commit=on",
-            self.port,
-            self.dir.display()
+        pg_sh(
+            r#"pg_cluster_start "$1" "$2" "-c fsync=on -c synchronous_commit=on""#,
+            &[&self.dir, &self.port.to_string()],
         );
-        let log = self.dir.join("server.log").display().to_string();
-        let out = as_owner(
-            &self.bin.join("pg_ctl"),
-            &["-D", &self.data(), "-l", &log, "-o", &opts, "-w", "start"],
-        );
-        assert!(out.status.success(), "pg_ctl start: {out:?}");
     }
 
     /// Immediate shutdown: every backend is killed, nothing is checkpointed; the next start
     /// replays the WAL that reached the disk.
     fn crash(&self) {
-        let out = as_owner(
-            &self.bin.join("pg_ctl"),
-            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
-        );
-        assert!(out.status.success(), "pg_ctl stop -m immediate: {out:?}");
+        pg_sh(r#"pg_cluster_stop "$1" immediate"#, &[&self.dir]);
     }
 
     fn url(&self) -> String {
@@ -136,10 +94,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let _ = as_owner(
-            &self.bin.join("pg_ctl"),
-            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
-        );
+        let _ = pg_sh_output(r#"pg_cluster_stop "$1" immediate"#, &[&self.dir]);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

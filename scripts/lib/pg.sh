@@ -32,7 +32,7 @@ pg_free_port() {
 pg_stop_private() {
     if [ -n "${PG_PRIVATE_DIR:-}" ] && [ -d "$PG_PRIVATE_DIR/data" ]; then
         pg_log "stopping the private cluster"
-        pg_as_owner "$PG_BIN/pg_ctl" -D "$PG_PRIVATE_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
+        pg_cluster_stop "$PG_PRIVATE_DIR" fast 2>/dev/null || true
         rm -rf "$PG_PRIVATE_DIR"
     fi
 }
@@ -62,35 +62,55 @@ pg_ensure_bin() {
     }
 }
 
-pg_start_private() {
-    pg_ensure_bin || return 1
+# Prints a folder the server's user can write: $1 (made empty) if it can reach it, else a new
+# temporary one (the server runs as `postgres`, which may not reach a checkout under a
+# private home directory).
+pg_owned_dir() {
+    local dir=$1
     if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
         useradd --system --home-dir /var/lib/postgresql --shell /bin/sh postgres
     fi
-    local root port
-    root="$(pwd)/target/pg-private"
-    port=$(pg_free_port) || { pg_log "no free port"; return 1; }
-    rm -rf "$root"
-    mkdir -p "$root"
+    rm -rf "$dir"
+    mkdir -p "$dir"
     if [ "$(id -u)" = 0 ]; then
-        chown postgres "$root"
-        # The server runs as `postgres`, which may not be able to reach a checkout under a
-        # private home directory; fall back to a temporary folder then.
-        if ! runuser -u postgres -- test -w "$root"; then
-            rmdir "$root"
-            root=$(mktemp -d /tmp/actix-outbox-pg.XXXXXX)
-            chown postgres "$root"
-            pg_log "target/ is not reachable by the postgres user; using $root"
+        chown postgres "$dir"
+        if ! runuser -u postgres -- test -w "$dir"; then
+            rmdir "$dir"
+            dir=$(mktemp -d /tmp/actix-outbox-pg.XXXXXX)
+            chown postgres "$dir"
+            pg_log "the postgres user cannot reach $1; using $dir"
         fi
     fi
+    printf '%s\n' "$dir"
+}
+
+# Starts the cluster in $1/data on port $2 (running initdb first when there is none), with the
+# extra server settings $3. Needs PG_BIN (pg_ensure_bin).
+pg_cluster_start() {
+    local dir=$1 port=$2 settings=${3:-}
+    if [ ! -d "$dir/data" ]; then
+        pg_as_owner "$PG_BIN/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 >"$dir/initdb.log" 2>&1 \
+            || { cat "$dir/initdb.log" >&2; return 1; }
+    fi
+    pg_as_owner "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w \
+        -o "-p $port -k $dir -c listen_addresses=127.0.0.1 $settings" start >/dev/null \
+        || { cat "$dir/server.log" >&2; return 1; }
+}
+
+# Stops the cluster in $1/data: `fast` (clean) or `immediate` (a crash: no checkpoint).
+pg_cluster_stop() {
+    pg_as_owner "$PG_BIN/pg_ctl" -D "$1/data" -m "$2" -w stop >/dev/null
+}
+
+pg_start_private() {
+    pg_ensure_bin || return 1
+    local root port
+    port=$(pg_free_port) || { pg_log "no free port"; return 1; }
+    root=$(pg_owned_dir "$(pwd)/target/pg-private") || return 1
     PG_PRIVATE_DIR="$root"
     trap pg_stop_private EXIT
-    pg_log "starting a private cluster in target/pg-private on port $port"
-    pg_as_owner "$PG_BIN/initdb" -D "$root/data" -U postgres --auth=trust -E UTF8 >"$root/initdb.log" 2>&1 \
-        || { cat "$root/initdb.log" >&2; return 1; }
-    pg_as_owner "$PG_BIN/pg_ctl" -D "$root/data" -l "$root/server.log" -w \
-        -o "-p $port -k $root -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off" start >/dev/null \
-        || { cat "$root/server.log" >&2; return 1; }
+    pg_log "starting a private cluster in $root on port $port"
+    pg_cluster_start "$root" "$port" "-c max_connections=300 -c fsync=off" || return 1
     DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
 }
 
