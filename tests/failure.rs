@@ -6,7 +6,7 @@ mod common;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use actix_outbox::{pause_consumer, resume_consumer, ConsumerName};
+use actix_outbox::{pause_consumer, resume_consumer, ConsumerName, Fault};
 use common::*;
 
 const MAX_EFFECTS_PER_EVENT: &str =
@@ -93,6 +93,37 @@ async fn a_poison_event_is_dead_lettered_while_healthy_events_flow() {
                 AND attempt_count = 4 AND error_code = 'INBOX_CONSUMER_FAILED'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1000);
+    db.finish(&[&rt]).await;
+}
+
+/// The consumer actor dies while its batch is open (a handler has written its effect and is
+/// still working). The batch's BEGIN and COMMIT are pipelined outside diesel's transaction
+/// manager, which is told about the BEGIN beforehand: so the connection, handed back when the
+/// handler lets go of it, is closed by the pool (PostgreSQL rolls the batch back) instead of
+/// being lent out again still inside that transaction, where the next batch would commit the
+/// dead batch's effects along with its own.
+#[actix_rt::test]
+async fn a_consumer_killed_mid_batch_leaves_no_open_transaction_and_repeats_no_effect() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let rt = start(&db, vec![(consumer("c1", 5).batch_size(5), slow)]).await;
+    db.produce(10, "o").await;
+    rt.handle().wake();
+    let open = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+         AND state LIKE 'idle in transaction%'",
+        db.name
+    );
+    assert_eq!(db.wait_for(&open, 1, WAIT).await, 1, "a batch is in flight");
+    assert!(rt.inject_fault(Fault::PanicConsumer("c1".into())).await);
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 10);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     db.finish(&[&rt]).await;
 }
 

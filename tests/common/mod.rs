@@ -245,6 +245,9 @@ impl Handler<Delivery> for Recorder {
             } else {
                 effect.execute(&mut *conn).await?;
             }
+            if !me.behaviour.work.is_zero() {
+                actix_rt::time::sleep(me.behaviour.work).await;
+            }
             if d.attempt() <= me.behaviour.panic_attempts {
                 panic!("injected panic in {} for {}", me.name, d.event_id());
             }
