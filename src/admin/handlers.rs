@@ -376,16 +376,14 @@ async fn list_outbox(_: Operator, st: web::Data<State>, q: web::Query<OutboxQuer
     };
     let before = cursor(q.before, parse_event_id)?;
     let mut conn = st.pool.get().await?;
-    let mut items = stmt::list_outbox(&mut conn, &filter, before).await?;
-    if let Some(redact) = &st.redact {
-        for i in &mut items {
-            i.payload = i.payload.take().map(|p| redact(&i.event_type, &p));
-        }
-    }
-    let next = (items.len() as i64 == filter.limit)
-        .then(|| items.last().map(|i| i.id.to_string()))
-        .flatten();
-    Ok(ok_json(json!({"items": items, "next_before": next})))
+    let items = stmt::list_outbox(&mut conn, &filter, before).await?;
+    Ok(list_page(
+        items,
+        filter.limit,
+        &st,
+        |i| (&i.event_type, &mut i.payload),
+        |i| i.id.to_string(),
+    ))
 }
 
 async fn list_inbox(_: Operator, st: web::Data<State>, q: web::Query<InboxQuery>) -> Reply {
@@ -406,16 +404,35 @@ async fn list_inbox(_: Operator, st: web::Data<State>, q: web::Query<InboxQuery>
     };
     let before = cursor(q.before, parse_inbox_id)?;
     let mut conn = st.pool.get().await?;
-    let mut items = stmt::list_inbox(&mut conn, &filter, before).await?;
+    let items = stmt::list_inbox(&mut conn, &filter, before).await?;
+    Ok(list_page(
+        items,
+        filter.limit,
+        &st,
+        |i| (&i.event_type, &mut i.payload),
+        |i| i.id.to_string(),
+    ))
+}
+
+/// One page of a list: payloads redacted when the application enabled that view (otherwise
+/// they were never selected), and the cursor of the next page when this one is full.
+fn list_page<T: Serialize>(
+    mut items: Vec<T>,
+    limit: i64,
+    st: &State,
+    payload: impl Fn(&mut T) -> (&String, &mut Option<serde_json::Value>),
+    id: impl Fn(&T) -> String,
+) -> HttpResponse {
     if let Some(redact) = &st.redact {
-        for i in &mut items {
-            i.payload = i.payload.take().map(|p| redact(&i.event_type, &p));
+        for item in &mut items {
+            let (event_type, p) = payload(item);
+            *p = p.take().map(|v| redact(event_type, &v));
         }
     }
-    let next = (items.len() as i64 == filter.limit)
-        .then(|| items.last().map(|i| i.id.to_string()))
+    let next = (items.len() as i64 == limit)
+        .then(|| items.last().map(&id))
         .flatten();
-    Ok(ok_json(json!({"items": items, "next_before": next})))
+    ok_json(json!({"items": items, "next_before": next}))
 }
 
 async fn timeline(_: Operator, st: web::Data<State>, path: web::Path<String>) -> Reply {
