@@ -496,6 +496,71 @@ async fn migrations_run_concurrently_and_twice_without_harm() {
     db.finish(&[]).await;
 }
 
+/// The upgrade that narrowed the inbox's correlation index to received rows (migration
+/// 000007), run on a database that already has inbox rows: a row whose event is not in this
+/// database's outbox (it came from another one) is marked `external`, so the timeline still
+/// finds it; a row fanned out from here is found through its outbox event.
+#[actix_rt::test]
+async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_timeline() {
+    let db = TestDb::new().await;
+    let url = db.url.clone();
+    let reverted = std::thread::spawn(move || {
+        use diesel_migrations::MigrationHarness;
+        type Sync = diesel_async::async_connection_wrapper::AsyncConnectionWrapper<
+            diesel_async::AsyncPgConnection,
+        >;
+        let mut conn = <Sync as diesel::Connection>::establish(&url).unwrap();
+        conn.revert_last_migration(actix_outbox::MIGRATIONS)
+            .unwrap()
+            .to_string()
+    })
+    .join()
+    .unwrap();
+    assert!(
+        reverted.ends_with("000007"),
+        "this test reverts migration 000007; a newer one is {reverted}"
+    );
+    let local = uuid::Uuid::now_v7();
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+             correlation_id, status) \
+         VALUES ('{local}', 'ORDER_STATUS_CHANGED', 'order', 'o-1', '{{}}', 'corr-up', 'PUBLISHED');
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
+             aggregate_id, payload, correlation_id, event_created_at) \
+         VALUES ('{local}', 'c1', 'ORDER_STATUS_CHANGED', 1, 'order', 'o-1', '{{}}', 'corr-up', now()), \
+                (gen_random_uuid(), 'c1', 'ORDER_SHIPPED', 1, 'order', 'o-1', '{{}}', 'corr-up', now());"
+    ))
+    .await
+    .unwrap();
+    drop(conn);
+
+    actix_outbox::migrate(&db.url).await.unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE external")
+            .await,
+        1,
+        "only the row without a local outbox event is marked received"
+    );
+    let mut conn = db.pool.get().await.unwrap();
+    let timeline = actix_outbox::timeline(&mut conn, "corr-up").await.unwrap();
+    drop(conn);
+    let mut seen: Vec<(String, String)> = timeline
+        .iter()
+        .map(|t| (t.kind.clone(), t.event_type.clone()))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            ("inbox".into(), "ORDER_SHIPPED".into()),
+            ("inbox".into(), "ORDER_STATUS_CHANGED".into()),
+            ("outbox".into(), "ORDER_STATUS_CHANGED".into()),
+        ]
+    );
+    db.finish(&[]).await;
+}
+
 #[actix_rt::test]
 async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll() {
     let db = TestDb::new().await;
