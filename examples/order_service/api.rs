@@ -18,9 +18,6 @@ use crate::ORDER_STATUS_CHANGED;
 pub struct AppState {
     pub pool: PgPool,
     pub outbox: OutboxHandle,
-    /// Kept for the admin endpoints that come next (replay, pause); nothing checks it yet.
-    #[allow(dead_code)]
-    pub admin_token: Option<String>,
 }
 
 pub fn routes(cfg: &mut web::ServiceConfig) {

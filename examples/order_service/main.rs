@@ -165,7 +165,6 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let state = web::Data::new(api::AppState {
         pool: http_pool,
         outbox: runtime.handle(),
-        admin_token: cfg.admin_token.clone(),
     });
     tracing::info!(
         bind = %cfg.bind,
