@@ -9,7 +9,9 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history` (all, in that order, by
 //! default). `--quick` puts 500,000 rows instead of 5,000,000 under `history`. Tuning flags for
 //! experiments: `--events N`, `--consumer-batch N`, `--concurrency N`, `--publish-batch N`,
-//! `--listen on|off`.
+//! `--listen on|off`. `--handler batch` registers the consumers as batch consumers
+//! (`OutboxBuilder::batch_consumer`), which write a whole batch's effect rows in one statement;
+//! the default, `--handler each`, writes one effect row per handler call.
 //!
 //! How it measures:
 //! - The benchmark creates its own database `ao_bench_<random>` on the server of
@@ -29,7 +31,8 @@
 //!   too. "this db" is the share of this benchmark's database, read with `pg_walinspect` when
 //!   the extension is available (n/a otherwise).
 //! - The handler writes its effect with a `diesel::sql_query` wrapped in `actix_outbox::Prepared`
-//!   (prepared once per connection), as the crate's quick start does.
+//!   (prepared once per connection), as the crate's quick start does; the batch handler writes
+//!   its batch's effects with one such `INSERT … SELECT … FROM unnest(…)`.
 //! - `history` times the claim statement itself: `src/store/claim.sql`, the file the library
 //!   includes, run alone in autocommit (the publisher pipelines it with BEGIN, its plan
 //!   settings and COMMIT in one round trip) — 1,000 polls with nothing due, and 1,000 claims of
@@ -50,8 +53,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actix_outbox::{
-    enqueue, enqueue_many, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxHandle,
-    OutboxRuntime, PgPool, Prepared, RuntimeConfig,
+    enqueue, enqueue_many, ConsumerConfig, Delivery, DeliveryBatch, HandlerError, NewEvent,
+    OutboxHandle, OutboxRuntime, PgPool, Prepared, RuntimeConfig,
 };
 use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
@@ -82,6 +85,8 @@ struct Opts {
     consumer_batch: u32,
     concurrency: u32,
     listen: bool,
+    /// Batch consumers (`--handler batch`) instead of one event per handler call.
+    batch_handler: bool,
 }
 
 impl Opts {
@@ -102,6 +107,7 @@ impl Opts {
             consumer_batch: 250,
             concurrency: 4,
             listen: RuntimeConfig::default().listen,
+            batch_handler: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -131,6 +137,13 @@ impl Opts {
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
                 "--listen" => o.listen = value()? != "off",
+                "--handler" => {
+                    o.batch_handler = match value()?.as_str() {
+                        "each" => false,
+                        "batch" => true,
+                        other => return Err(format!("--handler each|batch, not {other}").into()),
+                    }
+                }
                 other => return Err(format!("unknown argument {other}").into()),
             }
         }
@@ -181,11 +194,12 @@ impl Opts {
         let rc = self.runtime_config();
         format!(
             "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
-             {} poll 100ms mailbox 64 | producer: own thread + connection, {} events ({} per tx \
+             {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
              batched), paced {} at {}/s | history {} rows",
             self.pool_size(),
             self.consumer_batch,
             self.concurrency,
+            if self.batch_handler { "batch" } else { "each" },
             self.events,
             self.batch_per_tx,
             self.paced_events,
@@ -308,6 +322,41 @@ impl Handler<Delivery> for Sink {
                 .bind::<Text, _>(&*name)
                 .bind::<SqlUuid, _>(d.event_id().as_uuid())
                 .bind::<Text, _>(d.aggregate_id()),
+            )
+            .execute(&mut *conn)
+            .await?;
+            Ok(())
+        })
+    }
+}
+
+/// The batch consumer: records each event's start, then writes the batch's effect rows in one
+/// statement in the batch's transaction.
+impl Handler<DeliveryBatch> for Sink {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        let at = self.track.now();
+        let mut ids = Vec::with_capacity(b.len());
+        let mut orders = Vec::with_capacity(b.len());
+        for d in b.deliveries() {
+            if let Some(n) = d.payload().get("n").and_then(Value::as_u64) {
+                self.track.handler_started(self.index, n as usize, at);
+            }
+            ids.push(d.event_id().as_uuid());
+            orders.push(d.aggregate_id().to_owned());
+        }
+        let name = self.name.clone();
+        Box::pin(async move {
+            let mut conn = b.conn().await?;
+            Prepared(
+                diesel::sql_query(
+                    "INSERT INTO bench_effects (consumer, event_id, order_id) \
+                     SELECT $1, e, o FROM unnest($2::uuid[], $3::text[]) AS t(e, o)",
+                )
+                .bind::<Text, _>(&*name)
+                .bind::<Array<SqlUuid>, _>(&ids)
+                .bind::<Array<Text>, _>(&orders),
             )
             .execute(&mut *conn)
             .await?;
@@ -625,11 +674,17 @@ async fn start_runtime(ctx: &Ctx, track: &Arc<Track>, names: &[String]) -> Res<O
     let mut b = OutboxRuntime::builder(ctx.pool.clone()).config(ctx.opts.runtime_config());
     for (index, name) in names.iter().enumerate() {
         let (track, name_arc): (Arc<Track>, Arc<str>) = (track.clone(), Arc::from(name.as_str()));
-        b = b.consumer(ctx.opts.consumer_config(name), move || Sink {
+        let sink = move || Sink {
             track: track.clone(),
             index,
             name: name_arc.clone(),
-        });
+        };
+        let cfg = ctx.opts.consumer_config(name);
+        b = if ctx.opts.batch_handler {
+            b.batch_consumer(cfg, sink)
+        } else {
+            b.consumer(cfg, sink)
+        };
     }
     Ok(b.start().await?)
 }

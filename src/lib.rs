@@ -143,7 +143,7 @@ pub mod testing;
 
 #[cfg(feature = "admin")]
 pub use admin::{admin_scope, install_prometheus_recorder, AdminConfig};
-pub use consumer::{ConsumerConfig, Delivery, HandlerError, RetryPolicy, TxConn};
+pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, RetryPolicy, TxConn};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{
     ConsumerName, Event, EventId, EventRegistry, NewEvent, DEFAULT_SENSITIVE_KEYS,

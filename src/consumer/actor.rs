@@ -9,15 +9,33 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::worker::{self, BatchOutcome, Isolation};
-use super::{ConsumerConfig, Delivery};
+use super::worker::{self, BatchOutcome, Isolation, Suspects};
+use super::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::PgPool;
 
 /// Builds the user's handler actor. Called again whenever that actor has died (a panic in its
 /// `handle` stops it, and so does the actor stopping itself; the next delivery goes to a fresh
 /// one).
-pub(crate) type HandlerFactory = Rc<dyn Fn() -> Recipient<Delivery>>;
+pub(crate) type HandlerFactory = Rc<dyn Fn() -> HandlerRef>;
+
+/// The user's handler actor, by the message it handles.
+#[derive(Clone)]
+pub(crate) enum HandlerRef {
+    /// `Handler<Delivery>`: one event per call.
+    One(Recipient<Delivery>),
+    /// `Handler<DeliveryBatch>`: a batch's events in one call.
+    Batch(Recipient<DeliveryBatch>),
+}
+
+impl HandlerRef {
+    pub(crate) fn connected(&self) -> bool {
+        match self {
+            HandlerRef::One(r) => r.connected(),
+            HandlerRef::Batch(r) => r.connected(),
+        }
+    }
+}
 
 pub(crate) struct ConsumerActor {
     /// Shared with the batch futures, which outlive a borrow of the actor.
@@ -25,7 +43,9 @@ pub(crate) struct ConsumerActor {
     pool: PgPool,
     factory: HandlerFactory,
     /// The live handler; replaced through `factory` once it is found disconnected.
-    handler: Recipient<Delivery>,
+    handler: HandlerRef,
+    /// Rows of batches that failed as a whole; shared with the loops.
+    suspects: Suspects,
     /// Batch loops running now; at most `cfg.concurrency`.
     in_flight: u32,
     /// A wake-up arrived that no running loop has answered yet: there may be due rows.
@@ -47,6 +67,7 @@ impl ConsumerActor {
             pool,
             factory,
             handler,
+            suspects: Suspects::default(),
             in_flight: 0,
             want: true,
             backlog: false,
@@ -79,7 +100,8 @@ impl ConsumerActor {
         let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
         let draining = self.draining.clone();
         let me = ctx.address().recipient();
-        let run = async move { batch_loop(&pool, &cfg, &handler, &draining, &me).await };
+        let suspects = self.suspects.clone();
+        let run = async move { batch_loop(&pool, &cfg, &handler, &suspects, &draining, &me).await };
         ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
             act.in_flight -= 1;
             act.after_loop(outcome, ctx);
@@ -117,7 +139,8 @@ struct LoopOutcome {
 async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
-    handler: &Recipient<Delivery>,
+    handler: &HandlerRef,
+    suspects: &Suspects,
     draining: &AtomicBool,
     me: &Recipient<Backlog>,
 ) -> LoopOutcome {
@@ -125,7 +148,7 @@ async fn batch_loop(
     let mut isolation = Isolation::Fast;
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = worker::run_batch(pool, cfg, handler, isolation).await;
+        let batch = worker::run_batch(pool, cfg, handler, suspects, isolation).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
@@ -144,7 +167,9 @@ async fn batch_loop(
                 replay_safe,
                 ..
             }) => {
-                if replay_safe {
+                if replay_safe && !handler_lost {
+                    // A lost handler is replaced first; the replacement's batches find the
+                    // failed batch's rows among the suspects.
                     isolation = Isolation::Safe;
                     continue;
                 }

@@ -1,9 +1,11 @@
-//! Consumers: the [`Delivery`] message a consumer actor handles, the [`HandlerError`] it
-//! returns, its [`ConsumerConfig`], and the actors that feed it.
+//! Consumers: the [`Delivery`] message a consumer actor handles (or [`DeliveryBatch`], several
+//! at once), the [`HandlerError`] it returns, its [`ConsumerConfig`], and the actors that feed
+//! it.
 //!
-//! A consumer is an ordinary actix actor implementing `Handler<Delivery>`. Each delivery
-//! carries the open inbox transaction: the handler's writes through [`Delivery::conn`] and the
-//! inbox row's PROCESSED mark commit together, so a redelivered event never repeats an effect.
+//! A consumer is an ordinary actix actor implementing `Handler<Delivery>` or
+//! `Handler<DeliveryBatch>`. Each delivery carries the open inbox transaction: the handler's
+//! writes through [`Delivery::conn`] and the inbox row's PROCESSED mark commit together, so a
+//! redelivered event never repeats an effect.
 
 pub(crate) mod actor;
 pub(crate) mod registry;
@@ -177,10 +179,67 @@ impl Delivery {
     /// A retryable [`HandlerError`] if the delivery has already finished (the handler kept the
     /// delivery past its return).
     pub async fn conn(&self) -> Result<TxConn, HandlerError> {
-        let guard: OwnedMutexGuard<Option<OwnedConn>> = self.slot.clone().lock_owned().await;
-        OwnedMutexGuard::try_map(guard, |slot| slot.as_mut())
-            .map(TxConn)
-            .map_err(|_| HandlerError::retry("the delivery has finished; its transaction is gone"))
+        lend(&self.slot).await
+    }
+}
+
+/// Locks a delivery's connection slot for the handler.
+async fn lend(slot: &Arc<Mutex<Option<OwnedConn>>>) -> Result<TxConn, HandlerError> {
+    let guard: OwnedMutexGuard<Option<OwnedConn>> = slot.clone().lock_owned().await;
+    OwnedMutexGuard::try_map(guard, |slot| slot.as_mut())
+        .map(TxConn)
+        .map_err(|_| HandlerError::retry("the delivery has finished; its transaction is gone"))
+}
+
+/// Several events for one batch consumer, delivered in one call with the transaction they are
+/// all marked in. Registered with
+/// [`OutboxBuilder::batch_consumer`](crate::OutboxBuilder::batch_consumer).
+///
+/// Why: a handler that writes one row per event pays a round trip per event, and at a few
+/// thousand events per second that round trip is most of a consumer's cost. Given the whole
+/// batch, it can write every effect in one statement (`INSERT … SELECT … FROM unnest(…)`).
+///
+/// `Ok(())` marks every event of the batch PROCESSED in the batch's transaction. An error
+/// (or a panic, or a timeout: [`ConsumerConfig::handler_timeout`] applies to the whole call)
+/// rolls back the batch's writes and counts no attempt; the runtime then hands those rows over
+/// again one per call, each in a savepoint, so that the failure is recorded against the event
+/// that causes it and the other events still commit. A batch is never empty; each
+/// [`Delivery`] in it has the usual accessors, and [`Delivery::conn`] and
+/// [`Delivery::enqueue`] work on the batch's transaction too.
+pub struct DeliveryBatch {
+    pub(crate) deliveries: Vec<Delivery>,
+    pub(crate) slot: Arc<Mutex<Option<OwnedConn>>>,
+}
+
+impl Message for DeliveryBatch {
+    type Result = Result<(), HandlerError>;
+}
+
+impl std::fmt::Debug for DeliveryBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(&self.deliveries).finish()
+    }
+}
+
+impl DeliveryBatch {
+    /// The events, in claim order.
+    pub fn deliveries(&self) -> &[Delivery] {
+        &self.deliveries
+    }
+    /// How many events the batch holds (at least one).
+    pub fn len(&self) -> usize {
+        self.deliveries.len()
+    }
+    /// Always false: a batch holds at least one event.
+    pub fn is_empty(&self) -> bool {
+        self.deliveries.is_empty()
+    }
+    /// The batch transaction's connection, as [`Delivery::conn`].
+    ///
+    /// # Errors
+    /// A retryable [`HandlerError`] if the batch has already finished.
+    pub async fn conn(&self) -> Result<TxConn, HandlerError> {
+        lend(&self.slot).await
     }
 }
 
@@ -350,7 +409,8 @@ impl ConsumerConfig {
         self.retry = policy;
         self
     }
-    /// Inbox rows handled per transaction (each in its own savepoint).
+    /// Inbox rows claimed per transaction: for a [`Delivery`] handler, each handled in one
+    /// call; for a [`DeliveryBatch`] handler, the most one call gets.
     pub fn batch_size(mut self, n: u32) -> Self {
         self.batch_size = n;
         self
@@ -369,7 +429,8 @@ impl ConsumerConfig {
         self.mailbox_capacity = n;
         self
     }
-    /// How long one handler call may take before it counts as a failure.
+    /// How long one handler call may take before it counts as a failure (for a batch consumer,
+    /// one call handles a whole batch).
     pub fn handler_timeout(mut self, d: Duration) -> Self {
         self.handler_timeout = d;
         self

@@ -7,14 +7,15 @@
 //! anywhere before the commit rolls back effects and marks together, so the rows are simply
 //! claimed again: at-least-once delivery, effectively-once effects.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::Recipient;
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
 use tokio::sync::Mutex;
 
-use super::{ConsumerConfig, Delivery, HandlerError, RetryPolicy};
+use super::actor::HandlerRef;
+use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, RetryPolicy};
 use crate::error::{ErrorCode, Result};
 use crate::event::Upcast;
 use crate::maintenance::metrics;
@@ -67,21 +68,61 @@ pub(crate) enum Isolation {
     Safe,
 }
 
+/// Rows of batches that failed as a whole (inbox ids), shared by one consumer's loops. A batch
+/// that claims one of them runs [`Isolation::Safe`], so the row that fails is found whenever
+/// those rows come back: right away, or once a handler that hung lets go of their locks.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Suspects(Arc<std::sync::Mutex<HashSet<i64>>>);
+
+impl Suspects {
+    /// More than this many are forgotten at once (rows another instance handled are never
+    /// seen here again); forgetting a suspect costs one more whole-batch failure.
+    const MAX: usize = 100_000;
+
+    fn any(&self, rows: &[InboxRow]) -> bool {
+        let set = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        !set.is_empty() && rows.iter().any(|r| set.contains(&r.id))
+    }
+
+    fn add(&self, rows: &[InboxRow]) {
+        let mut set = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if set.len() > Self::MAX {
+            set.clear();
+        }
+        set.extend(rows.iter().map(|r| r.id));
+    }
+
+    fn remove(&self, ids: &[i64]) {
+        let mut set = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if !set.is_empty() {
+            for id in ids {
+                set.remove(id);
+            }
+        }
+    }
+}
+
 pub(crate) async fn run_batch(
     pool: &PgPool,
     cfg: &ConsumerConfig,
-    handler: &Recipient<Delivery>,
+    handler: &HandlerRef,
+    suspects: &Suspects,
     isolation: Isolation,
 ) -> Result<BatchOutcome> {
-    let safe = isolation == Isolation::Safe;
-    // Transaction depth while a handler runs: the batch transaction (plus the row's savepoint).
-    let handler_depth = if safe { 2 } else { 1 };
     let mut conn: OwnedConn = pool.get_owned().await?;
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
     // transaction manager and closes the connection, so PostgreSQL rolls back and no session
     // is left idle in transaction.
     let rows =
         inbox::begin_and_claim(&mut conn, cfg.name.as_str(), i64::from(cfg.batch_size)).await?;
+    let safe = isolation == Isolation::Safe || suspects.any(&rows);
+    // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
+    let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
+    let claimed_ids: Vec<i64> = if safe {
+        rows.iter().map(|r| r.id).collect()
+    } else {
+        Vec::new()
+    };
     let mut out = BatchOutcome {
         claimed: rows.len(),
         ..Default::default()
@@ -89,139 +130,143 @@ pub(crate) async fn run_batch(
     let mut processed = Vec::with_capacity(rows.len());
     let mut failures = Vec::new();
     let mut stale = Vec::new();
+    // Rows ready for the handler, with their payloads, not yet handed over.
+    let mut group: Vec<InboxRow> = Vec::new();
+    let mut rows = rows.into_iter();
 
-    for mut row in rows {
-        if !handler.connected() {
-            // The handler actor stopped itself after its last reply. This row was never
-            // offered to it, so it costs no attempt: it is left for the replacement actor.
-            out.handler_lost = true;
-            break;
+    loop {
+        let next = rows.next();
+        let last = next.is_none();
+        if let Some(mut row) = next {
+            if !handler.connected() {
+                // The handler actor stopped itself after its last reply. This row was never
+                // offered to it, so it costs no attempt: it is left for the replacement actor.
+                out.handler_lost = true;
+            } else {
+                if let Err(err) = upcast(cfg, &mut row) {
+                    // Never handed to the handler: no code here can read it, and retrying
+                    // cannot help.
+                    log_failure(cfg, &row, &err);
+                    failures.push(decide(&cfg.retry, &row, &err));
+                    continue;
+                }
+                if safe {
+                    Tm::begin_transaction(&mut *conn).await?;
+                }
+                if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
+                    let name = cfg.name.as_str();
+                    match inbox::advance_version(
+                        &mut conn,
+                        name,
+                        &row.aggregate_type,
+                        &row.aggregate_id,
+                        version,
+                    )
+                    .await?
+                    {
+                        Advance::Applied => {}
+                        Advance::Stale(current) => {
+                            if safe {
+                                Tm::commit_transaction(&mut *conn).await?;
+                            }
+                            tracing::info!(consumer = name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
+                                version, current, code = "EVENT_STALE", "stale event recorded, not applied");
+                            stale.push((row.id, current));
+                            continue;
+                        }
+                        Advance::Busy => {
+                            // Left unmarked: the row is unlocked at commit and claimed again
+                            // shortly. Nothing was written (the lock was not taken), so a fast
+                            // batch goes on.
+                            if safe {
+                                Tm::rollback_transaction(&mut *conn).await?;
+                            }
+                            out.deferred += 1;
+                            continue;
+                        }
+                    }
+                }
+                group.push(row);
+                if together {
+                    continue;
+                }
+            }
         }
-        if let Err(err) = upcast(cfg, &mut row) {
-            // Never handed to the handler: no code here can read it, and retrying cannot help.
-            log_failure(cfg, &row, &err);
-            failures.push(decide(&cfg.retry, &row, &err));
+        if group.is_empty() {
+            if last || out.handler_lost {
+                break;
+            }
             continue;
         }
-        if safe {
-            Tm::begin_transaction(&mut *conn).await?;
+
+        let call = hand_over(cfg, handler, conn, &mut group, safe).await;
+        let many = group.len() > 1;
+        if call.lost {
+            out.handler_lost = true;
         }
-        if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
-            let name = cfg.name.as_str();
-            match inbox::advance_version(
-                &mut conn,
-                name,
-                &row.aggregate_type,
-                &row.aggregate_id,
-                version,
-            )
-            .await?
-            {
-                Advance::Applied => {}
-                Advance::Stale(current) => {
-                    if safe {
-                        Tm::commit_transaction(&mut *conn).await?;
-                    }
-                    tracing::info!(consumer = name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
-                        version, current, code = "EVENT_STALE", "stale event recorded, not applied");
-                    stale.push((row.id, current));
-                    continue;
-                }
-                Advance::Busy => {
-                    // Left unmarked: the row is unlocked at commit and claimed again shortly.
-                    // Nothing was written (the lock was not taken), so a fast batch goes on.
-                    if safe {
-                        Tm::rollback_transaction(&mut *conn).await?;
-                    }
-                    out.deferred += 1;
-                    continue;
-                }
+        // If the handler still holds the connection (a query in flight after a timeout, a
+        // guard kept alive), nothing on it can be trusted: abandon the batch.
+        let Some(mut back) = call.conn else {
+            if many {
+                // Dropping the connection rolls the batch back (once the handler lets go of
+                // it). Which row hung is unknown, so no attempt is counted; the rows become
+                // suspects, handed over one per call when next claimed.
+                suspects.add(&group);
+                out.replay_safe = true;
+                return Ok(out);
             }
-        }
-        let slot = Arc::new(Mutex::new(Some(conn)));
-        // The payload and metadata move into the delivery instead of being copied per row;
-        // what stays behind (ids, attempt, aggregate) is all the marks and logs need.
-        let mut handed = row.clone_without_payload();
-        handed.payload = std::mem::take(&mut row.payload);
-        handed.metadata = std::mem::take(&mut row.metadata);
-        let delivery = Delivery {
-            row: handed,
-            consumer: cfg.name.clone(),
-            slot: slot.clone(),
-        };
-        tracing::debug!(
-            name: "consumer.started",
-            consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
-            aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
-            causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
-            "consumer.started"
-        );
-        let sent = tokio::time::timeout(cfg.handler_timeout, handler.send(delivery)).await;
-        let timed_out = sent.is_err();
-        let result = match sent {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => {
-                // A panic in `handle` kills the actor; one inside a returned future only kills
-                // that future's task. Either way this delivery failed; only a dead actor needs
-                // replacing.
-                out.handler_lost = !handler.connected();
-                Err(HandlerError::retry(HANDLER_LOST))
-            }
-            Err(_) => Err(handler_timed_out(cfg)),
-        };
-        // Take the connection back. If the handler still holds it (a query in flight after a
-        // timeout, a guard kept alive), nothing on it can be trusted: abandon the batch.
-        let taken = slot.try_lock().ok().and_then(|mut g| g.take());
-        let Some(mut back) =
-            taken.and_then(|mut c| (depth(&mut c) == Some(handler_depth)).then_some(c))
-        else {
-            let err = result.err().unwrap_or_else(|| {
+            let err = call.result.err().unwrap_or_else(|| {
                 HandlerError::retry("the handler left the delivery's transaction in a bad state")
             });
-            abandon(pool, cfg, &row, &err).await;
+            abandon(pool, cfg, &group[0], &err).await;
             out.failed += 1;
             out.abandoned = true;
             return Ok(out);
         };
-        match result {
+        match call.result {
             Ok(()) => {
                 if safe {
                     Tm::commit_transaction(&mut *back).await?; // RELEASE SAVEPOINT
                 }
-                processed.push(row);
+                processed.append(&mut group);
             }
             Err(err) if !safe => {
                 // Undo the whole batch (the handler's partial writes with it).
                 Tm::rollback_transaction(&mut *back).await?;
-                if out.handler_lost || timed_out {
-                    // The handler died or hung: calling it again at once would only repeat
-                    // that, so this row's attempt is recorded now and the rest are claimed
-                    // again by the next batch.
-                    abandon(pool, cfg, &row, &err).await;
+                if !many && (call.lost || call.timed_out) {
+                    // The handler died or hung on this one row: calling it again at once would
+                    // only repeat that, so this row's attempt is recorded now and the rest are
+                    // claimed again by the next batch.
+                    abandon(pool, cfg, &group[0], &err).await;
                     out.failed += 1;
                 } else {
-                    // It answered with an error: replay the batch with savepoints, which
-                    // records this row's attempt and keeps the other rows' effects.
+                    // Replay the batch with savepoints, one row per call, which records the
+                    // failing row's attempt and keeps the other rows' effects.
+                    if many {
+                        suspects.add(&group);
+                    }
                     out.replay_safe = true;
                 }
                 return Ok(out);
             }
             Err(err) => {
                 Tm::rollback_transaction(&mut *back).await?; // ROLLBACK TO SAVEPOINT
+                let row = group.pop().expect("a safe group holds one row");
                 log_failure(cfg, &row, &err);
                 failures.push(decide(&cfg.retry, &row, &err));
             }
         }
         conn = back;
-        if out.handler_lost {
-            // The rows not yet handled stay locked by this transaction until the commit, then
-            // are claimed again once the handler is replaced.
+        if last || out.handler_lost {
+            // Rows not yet handled stay locked by this transaction until the commit, then
+            // are claimed again (once the handler is replaced).
             break;
         }
     }
 
     let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
     inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
+    suspects.remove(&claimed_ids);
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
     out.failed += failures.len();
@@ -234,6 +279,86 @@ pub(crate) async fn run_batch(
         .chain(deferred)
         .min();
     Ok(out)
+}
+
+/// What handing rows to the handler came to.
+struct Call {
+    result: std::result::Result<(), HandlerError>,
+    timed_out: bool,
+    /// The handler actor died during the call.
+    lost: bool,
+    /// The connection, back at the depth it was lent at; `None` if the handler kept it or
+    /// left a transaction of its own open.
+    conn: Option<OwnedConn>,
+}
+
+/// Lends the connection to the handler for `group`'s rows (one row unless the handler takes
+/// batches), moving their payloads into the deliveries, and takes it back.
+async fn hand_over(
+    cfg: &ConsumerConfig,
+    handler: &HandlerRef,
+    conn: OwnedConn,
+    group: &mut [InboxRow],
+    safe: bool,
+) -> Call {
+    // Transaction depth while a handler runs: the batch transaction (plus the row's savepoint).
+    let lent_depth = if safe { 2 } else { 1 };
+    let slot = Arc::new(Mutex::new(Some(conn)));
+    let deliveries: Vec<Delivery> = group
+        .iter_mut()
+        .map(|row| {
+            tracing::debug!(
+                name: "consumer.started",
+                consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
+                aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
+                causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
+                "consumer.started"
+            );
+            // The payload and metadata move into the delivery instead of being copied; what
+            // stays behind (ids, attempt, aggregate) is all the marks and logs need.
+            let mut handed = row.clone_without_payload();
+            handed.payload = std::mem::take(&mut row.payload);
+            handed.metadata = std::mem::take(&mut row.metadata);
+            Delivery {
+                row: handed,
+                consumer: cfg.name.clone(),
+                slot: slot.clone(),
+            }
+        })
+        .collect();
+    let sent = match handler {
+        HandlerRef::One(h) => {
+            let d = deliveries.into_iter().next().expect("one row per call");
+            tokio::time::timeout(cfg.handler_timeout, h.send(d)).await
+        }
+        HandlerRef::Batch(h) => {
+            let batch = DeliveryBatch {
+                deliveries,
+                slot: slot.clone(),
+            };
+            tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
+        }
+    };
+    let mut call = Call {
+        result: Ok(()),
+        timed_out: sent.is_err(),
+        lost: false,
+        conn: None,
+    };
+    call.result = match sent {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => {
+            // A panic in `handle` kills the actor; one inside a returned future only kills
+            // that future's task. Either way this call failed; only a dead actor needs
+            // replacing.
+            call.lost = !handler.connected();
+            Err(HandlerError::retry(HANDLER_LOST))
+        }
+        Err(_) => Err(handler_timed_out(cfg)),
+    };
+    let taken = slot.try_lock().ok().and_then(|mut g| g.take());
+    call.conn = taken.and_then(|mut c| (depth(&mut c) == Some(lent_depth)).then_some(c));
+    call
 }
 
 /// Lifts the row's payload to the current version of its registered type, if the runtime has

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 
-use crate::consumer::actor::HandlerFactory;
-use crate::consumer::{ConsumerConfig, Delivery};
+use crate::consumer::actor::{HandlerFactory, HandlerRef};
+use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
 use crate::maintenance::{RetentionConfig, StatsConfig};
@@ -160,7 +160,22 @@ impl OutboxBuilder {
         A: Actor<Context = Context<A>> + Handler<Delivery>,
         F: Fn() -> A + 'static,
     {
-        let factory: HandlerFactory = Rc::new(move || make().start().recipient());
+        let factory: HandlerFactory = Rc::new(move || HandlerRef::One(make().start().recipient()));
+        self.consumers.push((config, factory));
+        self
+    }
+
+    /// Registers a batch consumer: `make` builds the actor that handles its [`DeliveryBatch`]
+    /// messages, each holding up to [`ConsumerConfig::batch_size`] events that commit in one
+    /// transaction. For handlers that can write a whole batch's effects in one statement;
+    /// rebuilt like [`OutboxBuilder::consumer`]'s actor.
+    pub fn batch_consumer<A, F>(mut self, config: ConsumerConfig, make: F) -> Self
+    where
+        A: Actor<Context = Context<A>> + Handler<DeliveryBatch>,
+        F: Fn() -> A + 'static,
+    {
+        let factory: HandlerFactory =
+            Rc::new(move || HandlerRef::Batch(make().start().recipient()));
         self.consumers.push((config, factory));
         self
     }

@@ -18,8 +18,9 @@ use actix::prelude::*;
 use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::Mutex;
 
+use crate::consumer::actor::HandlerRef;
 use crate::consumer::worker::{decide, handler_timed_out, upcast, HANDLER_LOST};
-use crate::consumer::{ConsumerConfig, Delivery, HandlerError};
+use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::{ConsumerName, EventId, EventRegistry, NewEvent, PayloadRules};
 use crate::store::inbox::{truncate, Failure, InboxRow};
@@ -158,14 +159,14 @@ struct InboxEntry {
 }
 
 /// Builds a consumer's handler actor, as `OutboxBuilder::consumer`'s factory does.
-type Factory = Box<dyn Fn() -> Recipient<Delivery>>;
+type Factory = Box<dyn Fn() -> HandlerRef>;
 
 struct ConsumerSlot {
     cfg: ConsumerConfig,
     factory: Factory,
     /// The live handler; replaced through `factory` once found disconnected, at the points
     /// where the runtime's `ConsumerActor::pump` looks.
-    handler: Recipient<Delivery>,
+    handler: HandlerRef,
     /// The `consumer_states.paused` switch.
     paused: bool,
     restarts: u32,
@@ -360,6 +361,31 @@ impl Harness {
         A: Actor<Context = Context<A>> + Handler<Delivery>,
         F: Fn() -> A + 'static,
     {
+        self.register(
+            config,
+            Box::new(move || HandlerRef::One(make().start().recipient())),
+        )
+    }
+
+    /// Registers a batch consumer as
+    /// [`OutboxBuilder::batch_consumer`](crate::OutboxBuilder::batch_consumer) does. The
+    /// harness hands rows over one at a time, so each [`DeliveryBatch`] holds one event: what
+    /// the runtime does when it replays a failed batch to find the failing event.
+    ///
+    /// # Errors
+    /// As [`Harness::consumer`].
+    pub fn batch_consumer<A, F>(&mut self, config: ConsumerConfig, make: F) -> Result<&mut Self>
+    where
+        A: Actor<Context = Context<A>> + Handler<DeliveryBatch>,
+        F: Fn() -> A + 'static,
+    {
+        self.register(
+            config,
+            Box::new(move || HandlerRef::Batch(make().start().recipient())),
+        )
+    }
+
+    fn register(&mut self, config: ConsumerConfig, factory: Factory) -> Result<&mut Self> {
         config.validate()?;
         if self.slot(config.name.as_str()).is_some() {
             return Err(Error::Config(format!(
@@ -369,7 +395,6 @@ impl Harness {
         }
         let mut cfg = config;
         cfg.events = self.events.clone();
-        let factory: Factory = Box::new(move || make().start().recipient());
         let handler = factory();
         self.consumers.push(ConsumerSlot {
             cfg,
@@ -779,14 +804,24 @@ impl Harness {
             }
         }
 
+        // No connection: `Delivery::conn` reports the delivery as finished.
+        let slot = Arc::new(Mutex::new(None));
         let delivery = Delivery {
             row: row.clone(),
             consumer: cfg.name.clone(),
-            // No connection: `Delivery::conn` reports the delivery as finished.
-            slot: Arc::new(Mutex::new(None)),
+            slot: slot.clone(),
         };
         let handler = self.consumers[c].handler.clone();
-        let sent = tokio::time::timeout(cfg.handler_timeout, handler.send(delivery)).await;
+        let sent = match &handler {
+            HandlerRef::One(h) => tokio::time::timeout(cfg.handler_timeout, h.send(delivery)).await,
+            HandlerRef::Batch(h) => {
+                let batch = DeliveryBatch {
+                    deliveries: vec![delivery],
+                    slot,
+                };
+                tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
+            }
+        };
         outcome.handler_ran = true;
         // The same errors as `worker::run_batch` makes: they are stored.
         let result = match sent {

@@ -4,14 +4,16 @@
 #![allow(dead_code)]
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actix_outbox::{
-    enqueue, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime, PgPool, RetryPolicy,
-    RuntimeConfig,
+    enqueue, ConsumerConfig, Delivery, DeliveryBatch, HandlerError, NewEvent, OutboxRuntime,
+    PgPool, RetryPolicy, RuntimeConfig,
 };
-use diesel::sql_types::{BigInt, Text, Uuid as SqlUuid};
+use diesel::sql_types::{Array, BigInt, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
@@ -197,13 +199,39 @@ pub struct Behaviour {
     pub panic_attempts: u32,
     /// Attempts 1..=n panic in `handle` itself, which kills the handler actor.
     pub kill_attempts: u32,
-    /// Events of this aggregate id fail on every attempt.
+    /// Events of this aggregate id fail on every attempt, as `poison` says.
     pub poison_aggregate: Option<String>,
+    /// How the poison event fails.
+    pub poison: Poison,
+    /// The most events one call got (a [`BatchRecorder`] records it).
+    pub largest_call: Arc<AtomicUsize>,
     /// Work time per delivery, to keep deliveries in flight (not a wait for an effect).
     pub work: Duration,
     /// Write the effect inside the handler's own `conn.transaction(…)`, nested in the
     /// delivery's transaction.
     pub nested: bool,
+}
+
+/// How a poison event fails.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub enum Poison {
+    /// The handler returns a retryable error after writing its effect.
+    #[default]
+    Fail,
+    /// The handler panics in `handle`, killing its actor.
+    Kill,
+    /// The handler writes its effect and keeps the connection for two seconds, past any test's
+    /// handler timeout.
+    Hang,
+}
+
+/// How long a [`Poison::Hang`] handler holds on.
+pub const HANG: Duration = Duration::from_secs(2);
+
+impl Behaviour {
+    fn poisoned<'a>(&self, mut aggregates: impl Iterator<Item = &'a str>) -> bool {
+        aggregates.any(|a| self.poison_aggregate.as_deref() == Some(a))
+    }
 }
 
 /// A consumer actor that records one `effects` row per successful handling.
@@ -221,7 +249,10 @@ impl Handler<Delivery> for Recorder {
     type Result = ResponseFuture<Result<(), HandlerError>>;
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
-        if d.attempt() <= self.behaviour.kill_attempts {
+        let poisoned = self.behaviour.poisoned(std::iter::once(d.aggregate_id()));
+        if d.attempt() <= self.behaviour.kill_attempts
+            || (poisoned && self.behaviour.poison == Poison::Kill)
+        {
             panic!(
                 "injected panic in handle of {} for {}",
                 self.name,
@@ -251,9 +282,65 @@ impl Handler<Delivery> for Recorder {
             if d.attempt() <= me.behaviour.panic_attempts {
                 panic!("injected panic in {} for {}", me.name, d.event_id());
             }
-            if d.attempt() <= me.behaviour.fail_attempts
-                || me.behaviour.poison_aggregate.as_deref() == Some(d.aggregate_id())
-            {
+            if poisoned && me.behaviour.poison == Poison::Hang {
+                actix_rt::time::sleep(HANG).await;
+            }
+            if d.attempt() <= me.behaviour.fail_attempts || poisoned {
+                return Err(HandlerError::retry("injected failure"));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A batch consumer actor: writes the effect rows of a whole [`DeliveryBatch`] in one
+/// statement, then fails as its [`Behaviour`] says if the batch holds the poison event.
+#[derive(Clone)]
+pub struct BatchRecorder {
+    pub name: String,
+    pub behaviour: Behaviour,
+}
+
+impl Actor for BatchRecorder {
+    type Context = Context<Self>;
+}
+
+impl Handler<DeliveryBatch> for BatchRecorder {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        let me = self.clone();
+        let poisoned = me
+            .behaviour
+            .poisoned(b.deliveries().iter().map(|d| d.aggregate_id()));
+        if poisoned && me.behaviour.poison == Poison::Kill {
+            panic!("injected panic in handle of {}", me.name);
+        }
+        me.behaviour
+            .largest_call
+            .fetch_max(b.len(), Ordering::Relaxed);
+        Box::pin(async move {
+            let ids: Vec<uuid::Uuid> = b
+                .deliveries()
+                .iter()
+                .map(|d| d.event_id().as_uuid())
+                .collect();
+            let attempts: Vec<i32> = b.deliveries().iter().map(|d| d.attempt() as i32).collect();
+            let mut conn = b.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) \
+                 SELECT $1, e, a FROM unnest($2::uuid[], $3::int4[]) AS t(e, a)",
+            )
+            .bind::<Text, _>(&me.name)
+            .bind::<Array<SqlUuid>, _>(&ids)
+            .bind::<Array<diesel::sql_types::Integer>, _>(&attempts)
+            .execute(&mut *conn)
+            .await?;
+            if poisoned && me.behaviour.poison == Poison::Hang {
+                actix_rt::time::sleep(HANG).await;
+            }
+            drop(conn);
+            if poisoned {
                 return Err(HandlerError::retry("injected failure"));
             }
             Ok(())
@@ -280,6 +367,22 @@ pub fn fast_runtime() -> RuntimeConfig {
 
 pub async fn start(db: &TestDb, consumers: Vec<(ConsumerConfig, Behaviour)>) -> OutboxRuntime {
     start_on(db.pool.clone(), consumers).await
+}
+
+/// Starts a runtime whose consumers are [`BatchRecorder`]s.
+pub async fn start_batch(
+    db: &TestDb,
+    consumers: Vec<(ConsumerConfig, Behaviour)>,
+) -> OutboxRuntime {
+    let mut b = OutboxRuntime::builder(db.pool.clone()).config(fast_runtime());
+    for (cfg, behaviour) in consumers {
+        let name = cfg.name().to_string();
+        b = b.batch_consumer(cfg, move || BatchRecorder {
+            name: name.clone(),
+            behaviour: behaviour.clone(),
+        });
+    }
+    b.start().await.expect("start runtime")
 }
 
 pub async fn start_on(pool: PgPool, consumers: Vec<(ConsumerConfig, Behaviour)>) -> OutboxRuntime {

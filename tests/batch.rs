@@ -1,0 +1,94 @@
+//! Batch consumers against real PostgreSQL: a whole batch's effects in one handler call, and a
+//! batch that fails as a whole (an error, a panic that kills the actor, a hang past the
+//! timeout) narrowed down to the event that causes it. Every assertion counts rows.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+
+const MAX_EFFECTS_PER_EVENT: &str =
+    "SELECT coalesce(max(c), 0) AS n FROM (SELECT count(*) AS c FROM effects GROUP BY consumer, event_id) x";
+
+#[actix_rt::test]
+async fn a_batch_consumer_gets_a_backlog_in_batches_and_writes_each_effect_once() {
+    let db = TestDb::new().await;
+    db.produce_batched(400, 100, "o").await;
+    let behaviour = Behaviour::default();
+    let largest = behaviour.largest_call.clone();
+    let rt = start_batch(&db, vec![(consumer("bulk", 3).batch_size(50), behaviour)]).await;
+
+    let done =
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 1";
+    assert_eq!(db.wait_for(done, 400, WAIT).await, 400);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 400);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    // The backlog was there before the runtime started: every claim was a full batch of 50,
+    // handed over in one call.
+    assert_eq!(largest.load(Ordering::Relaxed), 50);
+    db.finish(&[&rt]).await;
+}
+
+/// One poison event among healthy ones, failing the way `poison` says. The batches holding it
+/// fail whole; the runtime replays them one event per call, so only the poison event's
+/// attempts are counted and it alone is dead-lettered, while every healthy event commits its
+/// effect once, on its first counted attempt.
+async fn poison_in_a_batch(poison: Poison, timeout: Duration, error: &str) {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&mut conn, &order_event("healthy-first"))
+        .await
+        .unwrap();
+    actix_outbox::enqueue(&mut conn, &order_event("poison"))
+        .await
+        .unwrap();
+    drop(conn);
+    db.produce_batched(300, 100, "healthy").await;
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison,
+        ..Default::default()
+    };
+    let cfg = consumer("bulk", 2).batch_size(20).handler_timeout(timeout);
+    let rt = start_batch(&db, vec![(cfg, behaviour)]).await;
+
+    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+                   AND attempt_count = 1 AND aggregate_id <> 'poison'";
+    assert_eq!(db.wait_for(healthy, 301, WAIT).await, 301);
+    let dead = format!(
+        "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+         AND aggregate_id = 'poison' AND attempt_count = 2 \
+         AND error_code = 'INBOX_CONSUMER_FAILED' AND last_error LIKE '%{error}%'"
+    );
+    assert_eq!(db.wait_for(&dead, 1, WAIT).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        302
+    );
+    // The poison event's effects rolled back with each attempt; the others committed once.
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 301);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_batch_that_fails_is_narrowed_down_to_the_failing_event() {
+    poison_in_a_batch(Poison::Fail, Duration::from_secs(30), "injected failure").await;
+}
+
+#[actix_rt::test]
+async fn a_batch_that_kills_its_handler_is_narrowed_down_to_the_event_that_does() {
+    poison_in_a_batch(Poison::Kill, Duration::from_secs(30), "panicked or stopped").await;
+}
+
+#[actix_rt::test]
+async fn a_batch_that_hangs_is_narrowed_down_to_the_event_that_hangs() {
+    poison_in_a_batch(
+        Poison::Hang,
+        Duration::from_millis(300),
+        "did not finish within",
+    )
+    .await;
+}
