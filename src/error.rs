@@ -26,6 +26,10 @@ impl ErrorCode {
     pub const EVENT_STALE: ErrorCode = ErrorCode::from_static("EVENT_STALE");
     /// A consumer's handler failed (returned an error, panicked or timed out).
     pub const INBOX_CONSUMER_FAILED: ErrorCode = ErrorCode::from_static("INBOX_CONSUMER_FAILED");
+    /// An attempt ended without an outcome: the process handling the event died (an abort, an
+    /// OOM kill, a crash in native code) or its connection broke. Counts as a failed attempt.
+    pub const INBOX_ATTEMPT_INTERRUPTED: ErrorCode =
+        ErrorCode::from_static("INBOX_ATTEMPT_INTERRUPTED");
     /// The event had already been processed by this consumer; informational, not an error.
     pub const DUPLICATE_EVENT: ErrorCode = ErrorCode::from_static("DUPLICATE_EVENT");
     /// PostgreSQL returned an error or the connection failed.

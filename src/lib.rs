@@ -8,8 +8,9 @@
 //! A business change and the event it causes are written in **one** PostgreSQL transaction
 //! ([`enqueue`] takes the caller's connection). A `PublisherActor` claims committed events and,
 //! in the same statement, writes one inbox row per subscribed consumer. Each consumer is an
-//! actix actor handling [`Delivery`] messages; the delivery carries the open inbox transaction,
-//! so the consumer's effect and the inbox's PROCESSED mark commit together.
+//! actix actor handling [`Delivery`] messages (or [`DeliveryBatch`]es, several events per call,
+//! for effects written in one statement); the delivery carries the open inbox transaction, so
+//! the consumer's effect and the inbox's PROCESSED mark commit together.
 //!
 //! ## Guarantees
 //!
@@ -23,6 +24,9 @@
 //!   are *not* covered: write a job row instead and let a worker make the call.
 //! - **Isolation.** Consumers have their own inbox rows, retry policy and failures: one
 //!   failing consumer neither blocks nor repeats another.
+//! - **No poison loop.** An attempt that never finished because its handler killed the process
+//!   is still counted (`INBOX_ATTEMPT_INTERRUPTED`), so such an event is dead-lettered after
+//!   its attempts instead of killing every restart.
 //! - **No ordering guarantee** between events; consumers that need it compare aggregate versions.
 //!
 //! ## Quick start

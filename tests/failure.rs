@@ -181,14 +181,107 @@ async fn child_process_entry() {
     std::future::pending::<()>().await;
 }
 
+/// The process the abort test restarts: a consumer whose handler aborts the whole process on
+/// the poison event (`AO_CHILD_BATCH` set: a batch consumer). Not a test of its own.
+#[actix_rt::test]
+#[ignore = "entry point of the abort test's child process"]
+async fn aborting_child_entry() {
+    let url = std::env::var("AO_CHILD_DB").expect("started by the abort test with AO_CHILD_DB");
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison: Poison::Abort,
+        ..Default::default()
+    };
+    let cfg = consumer("c1", 2).batch_size(20);
+    let _rt = if std::env::var("AO_CHILD_BATCH").is_ok() {
+        start_batch_on(pool, vec![(cfg, behaviour)]).await
+    } else {
+        start_on(pool, vec![(cfg, behaviour)]).await
+    };
+    std::future::pending::<()>().await;
+}
+
 fn spawn_child(url: &str) -> Child {
+    spawn_entry(url, "child_process_entry", &[])
+}
+
+fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_process_entry", "--ignored", "--nocapture"])
+        .args(["--exact", entry, "--ignored", "--nocapture"])
+        .envs(env.iter().copied())
         .env("AO_CHILD_DB", url)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn child runtime")
+}
+
+/// An event whose handler kills the process (an abort; an OOM kill or a crash in native code
+/// alike) must not kill every restart for ever: the attempt it was handed over on its own is
+/// counted when its row is claimed again, and after its attempts it is dead-lettered while
+/// every other event is processed once. The runtime's processes are restarted as they die.
+async fn an_event_that_kills_its_process(batch: bool) {
+    let db = TestDb::new().await;
+    // Register the consumer before any event exists, as a deployed service would have.
+    let setup = start(&db, vec![(consumer("c1", 2), Behaviour::default())]).await;
+    setup.shutdown().await;
+    let mut conn = db.pool.get().await.unwrap();
+    for order in ["healthy-first", "poison"] {
+        actix_outbox::enqueue(&mut conn, &order_event(order))
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    db.produce_batched(200, 50, "healthy").await;
+
+    let env: &[(&str, &str)] = if batch {
+        &[("AO_CHILD_BATCH", "1")]
+    } else {
+        &[]
+    };
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+                AND status = 'DEAD_LETTER' AND attempt_count = 2 \
+                AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+                   AND status = 'PROCESSED' AND attempt_count = 1";
+    let mut child = spawn_entry(&db.url, "aborting_child_entry", env);
+    let mut deaths = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        if db.count(dead).await == 1 && db.count(healthy).await == 201 {
+            break;
+        }
+        if child.try_wait().unwrap().is_some() {
+            deaths += 1;
+            child = spawn_entry(&db.url, "aborting_child_entry", env);
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().ok();
+    child.wait().ok();
+
+    assert_eq!(db.count(dead).await, 1, "the poison event is dead-lettered");
+    assert_eq!(
+        db.count(healthy).await,
+        201,
+        "every other event processed, first time"
+    );
+    // One death per counted attempt at least; more when it died inside a batch first.
+    assert!(deaths >= 2, "the process died {deaths} times");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 201);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn an_event_that_kills_its_process_is_dead_lettered_after_its_attempts() {
+    an_event_that_kills_its_process(false).await;
+}
+
+#[actix_rt::test]
+async fn an_event_that_kills_a_batch_consumers_process_is_dead_lettered_after_its_attempts() {
+    an_event_that_kills_its_process(true).await;
 }
 
 #[actix_rt::test]

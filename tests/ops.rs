@@ -212,7 +212,9 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
                       ('PROCESSED', now() - interval '1 day'), ('DEAD_LETTER', NULL),
                       ('IGNORED', NULL), ('RETRY_PENDING', NULL)) v(s, p);
          INSERT INTO idempotency_keys (key, created_at)
-         SELECT 'k' || i, now() - (i || ' days')::interval FROM unnest(ARRAY[25, 26, 27, 31, 32, 33, 34]) i;",
+         SELECT 'k' || i, now() - (i || ' days')::interval FROM unnest(ARRAY[25, 26, 27, 31, 32, 33, 34]) i;
+         -- Entries in flight a dead process left: for every inbox row.
+         INSERT INTO inbox_in_flight (inbox_id) SELECT id FROM inbox_events;",
     )
     .await;
     // 5 expired outbox rows, 4 expired inbox rows, 4 expired keys (31..34 days).
@@ -263,6 +265,15 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
         "the recent PROCESSED row, the dead letter, the ignored and the retrying rows"
     );
     assert_eq!(left("SELECT count(*) AS n FROM idempotency_keys").await, 3);
+    assert_eq!(
+        left(
+            "SELECT count(*) AS n FROM inbox_in_flight f JOIN inbox_events i ON i.id = f.inbox_id"
+        )
+        .await,
+        4,
+        "entries in flight go with their deleted rows, and only with them"
+    );
+    assert_eq!(left("SELECT count(*) AS n FROM inbox_in_flight").await, 4);
     let again = Retention::new(db.pool.clone(), RetentionConfig::default())
         .unwrap()
         .run_once()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::worker::{self, BatchOutcome, Isolation, Suspects};
+use super::worker::{self, BatchOutcome, InFlight, Isolation};
 use super::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::PgPool;
@@ -44,8 +44,8 @@ pub(crate) struct ConsumerActor {
     factory: HandlerFactory,
     /// The live handler; replaced through `factory` once it is found disconnected.
     handler: HandlerRef,
-    /// Rows of batches that failed as a whole; shared with the loops.
-    suspects: Suspects,
+    /// The connection recording rows in flight; shared with the loops.
+    rows_in_flight: InFlight,
     /// Batch loops running now; at most `cfg.concurrency`.
     in_flight: u32,
     /// A wake-up arrived that no running loop has answered yet: there may be due rows.
@@ -67,7 +67,7 @@ impl ConsumerActor {
             pool,
             factory,
             handler,
-            suspects: Suspects::default(),
+            rows_in_flight: InFlight::default(),
             in_flight: 0,
             want: true,
             backlog: false,
@@ -100,8 +100,15 @@ impl ConsumerActor {
         let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
         let draining = self.draining.clone();
         let me = ctx.address().recipient();
-        let suspects = self.suspects.clone();
-        let run = async move { batch_loop(&pool, &cfg, &handler, &suspects, &draining, &me).await };
+        let rows = self.rows_in_flight.clone();
+        let run = async move {
+            let out = batch_loop(&pool, &cfg, &handler, &rows, &draining, &me).await;
+            // Idle or stopping: no next batch will delete the finished batches' entries.
+            if let Err(e) = rows.flush(&pool).await {
+                tracing::debug!(consumer = %cfg.name, error = %e, "could not delete entries of finished batches");
+            }
+            out
+        };
         ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
             act.in_flight -= 1;
             act.after_loop(outcome, ctx);
@@ -140,7 +147,7 @@ async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
-    suspects: &Suspects,
+    in_flight: &InFlight,
     draining: &AtomicBool,
     me: &Recipient<Backlog>,
 ) -> LoopOutcome {
@@ -148,7 +155,7 @@ async fn batch_loop(
     let mut isolation = Isolation::Fast;
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = worker::run_batch(pool, cfg, handler, suspects, isolation).await;
+        let batch = worker::run_batch(pool, cfg, handler, in_flight, isolation).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
@@ -168,8 +175,8 @@ async fn batch_loop(
                 ..
             }) => {
                 if replay_safe && !handler_lost {
-                    // A lost handler is replaced first; the replacement's batches find the
-                    // failed batch's rows among the suspects.
+                    // A lost handler is replaced first; the failed batch's rows are still
+                    // entered as in flight, so the replacement's batch holding them is safe.
                     isolation = Isolation::Safe;
                     continue;
                 }

@@ -1,22 +1,24 @@
-//! One batch of one consumer: claim due inbox rows, run the handler on each inside a
-//! savepoint of one transaction, mark the outcomes, commit.
+//! One batch of one consumer: claim due inbox rows, hand them to the handler (one per call,
+//! or all in one call to a batch handler) in one transaction, mark the outcomes, commit.
 //!
-//! Why one transaction per batch and a savepoint per row: the savepoint gives each handler
-//! all-or-nothing writes (an error undoes only its own effect), and one commit per batch
-//! instead of per row is what lets a consumer keep up with a producer that batches. A crash
+//! Why one transaction per batch: one commit per batch instead of per row is what lets a
+//! consumer keep up with a producer that batches. When a handler fails, the batch is replayed
+//! with a savepoint per row, which gives each call all-or-nothing writes (an error undoes only
+//! its own effect; see [`Isolation`]). A crash
 //! anywhere before the commit rolls back effects and marks together, so the rows are simply
 //! claimed again: at-least-once delivery, effectively-once effects.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
-use tokio::sync::Mutex;
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use tokio::sync::{Mutex, MutexGuard};
 
 use super::actor::HandlerRef;
 use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, RetryPolicy};
-use crate::error::{ErrorCode, Result};
+use crate::error::{Error, ErrorCode, Result};
 use crate::event::Upcast;
 use crate::maintenance::metrics;
 use crate::store::inbox::{self, Advance, Failure, InboxRow};
@@ -57,48 +59,115 @@ const DEFER_DELAY: Duration = Duration::from_millis(10);
 
 /// How a batch isolates its rows.
 ///
-/// `Fast` runs the handlers without savepoints: two round trips fewer per row. Any failure
-/// then rolls back the whole batch (nothing is marked, no attempt is counted) and the loop
-/// replays it `Safe`, with a savepoint per row, so that only the failing row's writes are
-/// undone and its attempt is recorded. A row's effect still commits at most once either way;
-/// a fast batch that fails only means the handlers before the failure run again.
+/// `Fast` runs the handlers without savepoints: two round trips fewer per row, and a batch
+/// handler gets every row in one call. Any failure then rolls back the whole batch (nothing is
+/// marked, no attempt is counted) and the loop replays it `Safe`, one row per call with a
+/// savepoint each, so that only the failing row's writes are undone and its attempt is
+/// recorded. A row's effect still commits at most once either way; a fast batch that fails
+/// only means the handlers before the failure run again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isolation {
     Fast,
     Safe,
 }
 
-/// Rows of batches that failed as a whole (inbox ids), shared by one consumer's loops. A batch
-/// that claims one of them runs [`Isolation::Safe`], so the row that fails is found whenever
-/// those rows come back: right away, or once a handler that hung lets go of their locks.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct Suspects(Arc<std::sync::Mutex<HashSet<i64>>>);
+/// The consumer's connection for `inbox_in_flight`, shared by its batch loops. Outside any
+/// transaction, because an entry must be committed before a handler runs; outside the pool,
+/// because every batch already holds a pool connection and a second checkout per batch could
+/// deadlock a small pool. Replaced after an error.
+#[derive(Default, Clone)]
+pub(crate) struct InFlight(Arc<Mutex<InFlightConn>>);
 
-impl Suspects {
-    /// More than this many are forgotten at once (rows another instance handled are never
-    /// seen here again); forgetting a suspect costs one more whole-batch failure.
-    const MAX: usize = 100_000;
+#[derive(Default)]
+pub(crate) struct InFlightConn {
+    conn: Option<AsyncPgConnection>,
+    /// Entries of committed fast batches, deleted with the next `enter` instead of with a
+    /// round trip of their own. A fast batch never marks a row `alone`, so an entry found
+    /// before it is deleted only makes a batch safe, never counts an attempt.
+    done: Vec<i64>,
+}
 
-    fn any(&self, rows: &[InboxRow]) -> bool {
-        let set = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        !set.is_empty() && rows.iter().any(|r| set.contains(&r.id))
-    }
-
-    fn add(&self, rows: &[InboxRow]) {
-        let mut set = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if set.len() > Self::MAX {
-            set.clear();
+impl InFlight {
+    async fn lock(&self, pool: &PgPool) -> Result<MutexGuard<'_, InFlightConn>> {
+        let mut slot = self.0.lock().await;
+        if slot.conn.is_none() {
+            let mut conn = pool
+                .dedicated_connection()
+                .await
+                .map_err(|e| Error::Pool(e.to_string()))?;
+            // Its statements are primary-key lookups on a small table full of dead rows; a
+            // plan made while it was empty must not scan it.
+            conn.batch_execute("SET enable_seqscan = off").await?;
+            slot.conn = Some(conn);
         }
-        set.extend(rows.iter().map(|r| r.id));
+        Ok(slot)
     }
 
-    fn remove(&self, ids: &[i64]) {
-        let mut set = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if !set.is_empty() {
-            for id in ids {
-                set.remove(id);
+    /// Enters `ids` and returns the entries an earlier attempt left behind, as `(id, alone)`.
+    async fn enter(&self, pool: &PgPool, ids: &[i64]) -> Result<Vec<(i64, bool)>> {
+        let mut slot = self.lock(pool).await?;
+        // A row claimed again after this consumer's own fast batch committed keeps that
+        // batch's entry, which is no attempt left unfinished.
+        let mut done: HashSet<i64> = std::mem::take(&mut slot.done).into_iter().collect();
+        let mine: HashSet<i64> = ids.iter().copied().filter(|id| done.remove(id)).collect();
+        let done: Vec<i64> = done.into_iter().collect();
+        let conn = slot.conn.as_ref().expect("connected");
+        match inbox::enter_in_flight(conn, ids, &done).await {
+            Ok(mut left) => {
+                left.retain(|(id, _)| !mine.contains(id));
+                Ok(left)
+            }
+            Err(e) => {
+                slot.conn = None;
+                Err(e)
             }
         }
+    }
+
+    /// Marks `id` as handed over on its own, `previous` no longer.
+    async fn alone(&self, pool: &PgPool, id: i64, previous: Option<i64>) -> Result<()> {
+        let mut slot = self.lock(pool).await?;
+        let r = inbox::handle_alone(slot.conn.as_ref().expect("connected"), id, previous).await;
+        if r.is_err() {
+            slot.conn = None;
+        }
+        r
+    }
+
+    /// Deletes the entries of `ids` now: before a safe batch commits (its last row is marked
+    /// `alone`), or for a row whose attempt was counted some other way.
+    async fn leave(&self, pool: &PgPool, ids: &[i64]) -> Result<()> {
+        let mut slot = self.lock(pool).await?;
+        let r = inbox::leave_in_flight(slot.conn.as_ref().expect("connected"), ids).await;
+        if r.is_err() {
+            slot.conn = None;
+        }
+        r
+    }
+
+    /// Deletes the entries of a committed fast batch with the next `enter`.
+    async fn leave_later(&self, ids: Vec<i64>) {
+        self.0.lock().await.done.extend(ids);
+    }
+
+    /// Deletes the entries of committed fast batches now, when the consumer goes idle or
+    /// stops, so that none outlives the process that knows them.
+    pub(crate) async fn flush(&self, pool: &PgPool) -> Result<()> {
+        let done = std::mem::take(&mut self.0.lock().await.done);
+        if done.is_empty() {
+            return Ok(());
+        }
+        self.leave(pool, &done).await
+    }
+}
+
+/// The failure recorded for a row whose last attempt was interrupted.
+fn interrupted_attempt() -> HandlerError {
+    HandlerError::Retry {
+        code: ErrorCode::INBOX_ATTEMPT_INTERRUPTED,
+        message: "the attempt ended without an outcome: the process handling the event died \
+                  or its connection broke"
+            .into(),
     }
 }
 
@@ -106,7 +175,7 @@ pub(crate) async fn run_batch(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
-    suspects: &Suspects,
+    in_flight: &InFlight,
     isolation: Isolation,
 ) -> Result<BatchOutcome> {
     let mut conn: OwnedConn = pool.get_owned().await?;
@@ -115,14 +184,21 @@ pub(crate) async fn run_batch(
     // is left idle in transaction.
     let rows =
         inbox::begin_and_claim(&mut conn, cfg.name.as_str(), i64::from(cfg.batch_size)).await?;
-    let safe = isolation == Isolation::Safe || suspects.any(&rows);
+    let claimed: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    // Committed before any handler sees a row; removed just before this batch commits. An
+    // entry found here is an earlier attempt that ended without an outcome.
+    let left_over: HashMap<i64, bool> = if claimed.is_empty() {
+        HashMap::new()
+    } else {
+        in_flight.enter(pool, &claimed).await?.into_iter().collect()
+    };
+    // A batch holding rows of one that ended without an outcome (a failure of the whole
+    // batch, a process that died) hands them over one per call, to find the row to blame.
+    let safe = isolation == Isolation::Safe || !left_over.is_empty();
     // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
     let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
-    let claimed_ids: Vec<i64> = if safe {
-        rows.iter().map(|r| r.id).collect()
-    } else {
-        Vec::new()
-    };
+    // In a safe batch, the row last handed over on its own.
+    let mut alone: Option<i64> = None;
     let mut out = BatchOutcome {
         claimed: rows.len(),
         ..Default::default()
@@ -130,6 +206,21 @@ pub(crate) async fn run_batch(
     let mut processed = Vec::with_capacity(rows.len());
     let mut failures = Vec::new();
     let mut stale = Vec::new();
+    // A row whose last attempt was handed over on its own and never finished: that attempt
+    // failed, and the row is not handed over again now. The failure commits with this batch's
+    // marks; should the batch roll back instead, the entry stays and the next claim counts it.
+    let rows: Vec<InboxRow> = rows
+        .into_iter()
+        .filter(|row| {
+            let interrupted = left_over.get(&row.id) == Some(&true);
+            if interrupted {
+                let err = interrupted_attempt();
+                log_failure(cfg, row, &err);
+                failures.push(decide(&cfg.retry, row, &err));
+            }
+            !interrupted
+        })
+        .collect();
     // Rows ready for the handler, with their payloads, not yet handed over.
     let mut group: Vec<InboxRow> = Vec::new();
     let mut rows = rows.into_iter();
@@ -199,6 +290,10 @@ pub(crate) async fn run_batch(
             continue;
         }
 
+        if safe {
+            in_flight.alone(pool, group[0].id, alone).await?;
+            alone = Some(group[0].id);
+        }
         let call = hand_over(cfg, handler, conn, &mut group, safe).await;
         let many = group.len() > 1;
         if call.lost {
@@ -209,15 +304,17 @@ pub(crate) async fn run_batch(
         let Some(mut back) = call.conn else {
             if many {
                 // Dropping the connection rolls the batch back (once the handler lets go of
-                // it). Which row hung is unknown, so no attempt is counted; the rows become
-                // suspects, handed over one per call when next claimed.
-                suspects.add(&group);
+                // it). Which row hung is unknown, so no attempt is counted; their entries in
+                // flight make the next batch holding them hand them over one per call.
                 out.replay_safe = true;
                 return Ok(out);
             }
             let err = call.result.err().unwrap_or_else(|| {
                 HandlerError::retry("the handler left the delivery's transaction in a bad state")
             });
+            // This attempt is counted here, so its entry must not count it again. The
+            // abandoned transaction still holds the row, so nobody else can find it first.
+            in_flight.leave(pool, &[group[0].id]).await?;
             abandon(pool, cfg, &group[0], &err).await;
             out.failed += 1;
             out.abandoned = true;
@@ -240,11 +337,9 @@ pub(crate) async fn run_batch(
                     abandon(pool, cfg, &group[0], &err).await;
                     out.failed += 1;
                 } else {
-                    // Replay the batch with savepoints, one row per call, which records the
-                    // failing row's attempt and keeps the other rows' effects.
-                    if many {
-                        suspects.add(&group);
-                    }
+                    // Replay the batch with savepoints, one row per call (its rows' entries in
+                    // flight stay, which makes the replay safe), which records the failing
+                    // row's attempt and keeps the other rows' effects.
                     out.replay_safe = true;
                 }
                 return Ok(out);
@@ -265,8 +360,15 @@ pub(crate) async fn run_batch(
     }
 
     let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
+    if safe {
+        // Before the commit releases the rows: the last row handed over is marked `alone`,
+        // and an entry another batch found would count an attempt.
+        in_flight.leave(pool, &claimed).await?;
+    }
     inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
-    suspects.remove(&claimed_ids);
+    if !safe && !claimed.is_empty() {
+        in_flight.leave_later(claimed).await;
+    }
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
     out.failed += failures.len();

@@ -238,7 +238,9 @@ impl OutboxRuntime {
     /// Starts building a runtime on `pool`. The pool should allow at least
     /// 4 + Σ consumer concurrency connections (the publisher, the reconciler, the stats
     /// sampler, one held in `LISTEN`, see [`RuntimeConfig::listen`], and one per consumer
-    /// batch). Give it a pool of its own rather than the application's.
+    /// batch). Give it a pool of its own rather than the application's. Each consumer also
+    /// opens one connection outside the pool, through the pool's manager, on which it records
+    /// the rows its batches have in flight.
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,

@@ -122,6 +122,69 @@ async fn claim_due(
     Ok(rows)
 }
 
+/// Enters a batch's rows in `inbox_in_flight` (autocommit, on the consumer's in-flight
+/// connection), deletes the entries `done` (of committed batches; none of `ids`), and returns
+/// the entries an earlier attempt left behind, as `(id, alone)`. The caller holds the rows'
+/// locks, so no live batch can own those entries.
+pub(crate) async fn enter_in_flight(
+    mut conn: &AsyncPgConnection,
+    ids: &[i64],
+    done: &[i64],
+) -> Result<Vec<(i64, bool)>> {
+    #[derive(QueryableByName)]
+    struct LeftOver {
+        #[diesel(sql_type = BigInt)]
+        inbox_id: i64,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        alone: bool,
+    }
+    let rows: Vec<LeftOver> = Prepared(
+        diesel::sql_query(
+            "WITH done AS (DELETE FROM inbox_in_flight WHERE inbox_id = ANY($2)), \
+                  left_over AS (SELECT inbox_id, alone FROM inbox_in_flight WHERE inbox_id = ANY($1)), \
+                  entered AS (INSERT INTO inbox_in_flight (inbox_id) SELECT unnest($1::int8[]) \
+                              ON CONFLICT (inbox_id) DO NOTHING) \
+             SELECT inbox_id, alone FROM left_over",
+        )
+        .bind::<Array<BigInt>, _>(ids)
+        .bind::<Array<BigInt>, _>(done),
+    )
+    .load(&mut conn)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.inbox_id, r.alone)).collect())
+}
+
+/// Marks `id` as the row being handled on its own (and `previous`, handled before it, no
+/// longer): should the process die now, `id` alone is to blame.
+pub(crate) async fn handle_alone(
+    mut conn: &AsyncPgConnection,
+    id: i64,
+    previous: Option<i64>,
+) -> Result<()> {
+    Prepared(
+        diesel::sql_query(
+            "UPDATE inbox_in_flight SET alone = (inbox_id = $1) WHERE inbox_id IN ($1, $2)",
+        )
+        .bind::<BigInt, _>(id)
+        .bind::<BigInt, _>(previous.unwrap_or(id)),
+    )
+    .execute(&mut conn)
+    .await?;
+    Ok(())
+}
+
+/// Removes a batch's entries from `inbox_in_flight`; called before the batch commits, while it
+/// still holds the rows, so no other batch can claim one of them and find the entry.
+pub(crate) async fn leave_in_flight(mut conn: &AsyncPgConnection, ids: &[i64]) -> Result<()> {
+    Prepared(
+        diesel::sql_query("DELETE FROM inbox_in_flight WHERE inbox_id = ANY($1)")
+            .bind::<Array<BigInt>, _>(ids),
+    )
+    .execute(&mut conn)
+    .await?;
+    Ok(())
+}
+
 /// Marks the batch's outcomes and commits it, in one round trip: the marks and `COMMIT` are
 /// pipelined, after the [`PLAN_GUARD`](store::PLAN_GUARD) (no handler code runs after it).
 /// The transaction is only counted as closed when every mark and the commit succeeded;

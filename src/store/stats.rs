@@ -288,11 +288,15 @@ pub(crate) async fn delete_expired(
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
                  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
         }
+        // With any entry in flight a batch left behind when its process died after its
+        // commit: a PROCESSED row is never claimed again, so nothing else deletes it.
         Expired::ProcessedInbox => {
-            "DELETE FROM inbox_events WHERE id IN ( \
+            "WITH gone AS ( \
                  SELECT id FROM inbox_events \
                  WHERE status = 'PROCESSED' AND processed_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+                 ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             entries AS (DELETE FROM inbox_in_flight WHERE inbox_id IN (SELECT id FROM gone)) \
+             DELETE FROM inbox_events WHERE id IN (SELECT id FROM gone)"
         }
         Expired::IdempotencyKeys => {
             "DELETE FROM idempotency_keys WHERE key IN ( \

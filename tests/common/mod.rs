@@ -223,6 +223,8 @@ pub enum Poison {
     /// The handler writes its effect and keeps the connection for two seconds, past any test's
     /// handler timeout.
     Hang,
+    /// The handler writes its effect and aborts the whole process.
+    Abort,
 }
 
 /// How long a [`Poison::Hang`] handler holds on.
@@ -285,6 +287,9 @@ impl Handler<Delivery> for Recorder {
             if poisoned && me.behaviour.poison == Poison::Hang {
                 actix_rt::time::sleep(HANG).await;
             }
+            if poisoned && me.behaviour.poison == Poison::Abort {
+                std::process::abort();
+            }
             if d.attempt() <= me.behaviour.fail_attempts || poisoned {
                 return Err(HandlerError::retry("injected failure"));
             }
@@ -339,6 +344,9 @@ impl Handler<DeliveryBatch> for BatchRecorder {
             if poisoned && me.behaviour.poison == Poison::Hang {
                 actix_rt::time::sleep(HANG).await;
             }
+            if poisoned && me.behaviour.poison == Poison::Abort {
+                std::process::abort();
+            }
             drop(conn);
             if poisoned {
                 return Err(HandlerError::retry("injected failure"));
@@ -374,7 +382,14 @@ pub async fn start_batch(
     db: &TestDb,
     consumers: Vec<(ConsumerConfig, Behaviour)>,
 ) -> OutboxRuntime {
-    let mut b = OutboxRuntime::builder(db.pool.clone()).config(fast_runtime());
+    start_batch_on(db.pool.clone(), consumers).await
+}
+
+pub async fn start_batch_on(
+    pool: PgPool,
+    consumers: Vec<(ConsumerConfig, Behaviour)>,
+) -> OutboxRuntime {
+    let mut b = OutboxRuntime::builder(pool).config(fast_runtime());
     for (cfg, behaviour) in consumers {
         let name = cfg.name().to_string();
         b = b.batch_consumer(cfg, move || BatchRecorder {
