@@ -206,6 +206,37 @@ async fn lend(slot: &Arc<Mutex<Option<OwnedConn>>>) -> Result<TxConn, HandlerErr
 /// that causes it and the other events still commit. A batch is never empty; each
 /// [`Delivery`] in it has the usual accessors, and [`Delivery::conn`] and
 /// [`Delivery::enqueue`] work on the batch's transaction too.
+///
+/// ```no_run
+/// use actix::prelude::*;
+/// use actix_outbox::{DeliveryBatch, HandlerError, Prepared};
+/// use diesel::sql_types::{Array, Text};
+/// use diesel_async::RunQueryDsl;
+///
+/// struct Ledger;
+/// impl Actor for Ledger {
+///     type Context = Context<Self>;
+/// }
+/// impl Handler<DeliveryBatch> for Ledger {
+///     type Result = ResponseFuture<Result<(), HandlerError>>;
+///     fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+///         let orders: Vec<String> =
+///             b.deliveries().iter().map(|d| d.aggregate_id().to_owned()).collect();
+///         Box::pin(async move {
+///             let mut conn = b.conn().await?; // the batch's inbox transaction
+///             Prepared(
+///                 diesel::sql_query("INSERT INTO ledger (order_id) SELECT unnest($1::text[])")
+///                     .bind::<Array<Text>, _>(&orders),
+///             )
+///             .execute(&mut *conn)
+///             .await?; // commits with every event's PROCESSED mark
+///             Ok(())
+///         })
+///     }
+/// }
+/// // OutboxRuntime::builder(pool).batch_consumer(ConsumerConfig::new("ledger")?
+/// //     .subscribe("ORDER_PLACED").batch_size(500), || Ledger)
+/// ```
 pub struct DeliveryBatch {
     pub(crate) deliveries: Vec<Delivery>,
     pub(crate) slot: Arc<Mutex<Option<OwnedConn>>>,

@@ -4,9 +4,10 @@
 //! Why one transaction per batch: one commit per batch instead of per row is what lets a
 //! consumer keep up with a producer that batches. When a handler fails, the batch is replayed
 //! with a savepoint per row, which gives each call all-or-nothing writes (an error undoes only
-//! its own effect; see [`Isolation`]). A crash
-//! anywhere before the commit rolls back effects and marks together, so the rows are simply
-//! claimed again: at-least-once delivery, effectively-once effects.
+//! its own effect; see [`Isolation`]). A crash anywhere before the commit rolls back effects
+//! and marks together, so the rows are simply claimed again: at-least-once delivery,
+//! effectively-once effects. So that a crash caused by a handler still counts as its attempt,
+//! the rows are recorded as in flight, committed, before a handler sees them ([`InFlight`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -441,26 +442,26 @@ async fn hand_over(
             tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
         }
     };
-    let mut call = Call {
-        result: Ok(()),
-        timed_out: sent.is_err(),
-        lost: false,
-        conn: None,
-    };
-    call.result = match sent {
+    let (timed_out, mut lost) = (sent.is_err(), false);
+    let result = match sent {
         Ok(Ok(result)) => result,
         Ok(Err(_)) => {
             // A panic in `handle` kills the actor; one inside a returned future only kills
             // that future's task. Either way this call failed; only a dead actor needs
             // replacing.
-            call.lost = !handler.connected();
+            lost = !handler.connected();
             Err(HandlerError::retry(HANDLER_LOST))
         }
         Err(_) => Err(handler_timed_out(cfg)),
     };
     let taken = slot.try_lock().ok().and_then(|mut g| g.take());
-    call.conn = taken.and_then(|mut c| (depth(&mut c) == Some(lent_depth)).then_some(c));
-    call
+    let conn = taken.and_then(|mut c| (depth(&mut c) == Some(lent_depth)).then_some(c));
+    Call {
+        result,
+        timed_out,
+        lost,
+        conn,
+    }
 }
 
 /// Lifts the row's payload to the current version of its registered type, if the runtime has
