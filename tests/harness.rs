@@ -15,8 +15,8 @@ use std::time::Duration;
 use actix::prelude::*;
 use actix_outbox::testing::{Harness, InboxStatus, OutboxStatus};
 use actix_outbox::{
-    pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Delivery, ErrorCode, Event,
-    EventId, EventRegistry, HandlerError, NewEvent, OutboxRuntime, RetryPolicy,
+    pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Delivery, DeliveryBatch,
+    ErrorCode, Event, EventId, EventRegistry, HandlerError, NewEvent, OutboxRuntime, RetryPolicy,
 };
 use common::{fast_runtime, inbox_states, InboxState, TestDb, WAIT};
 use diesel_async::AsyncConnection;
@@ -46,6 +46,8 @@ type Seen = Arc<Mutex<Vec<(String, u32)>>>;
 struct Scripted {
     script: Script,
     seen: Seen,
+    /// Calls as a batch consumer.
+    batches: Arc<AtomicU32>,
 }
 
 impl Actor for Scripted {
@@ -56,11 +58,17 @@ impl Handler<Delivery> for Scripted {
     type Result = Result<(), HandlerError>;
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        self.run(&d)
+    }
+}
+
+impl Scripted {
+    fn run(&self, d: &Delivery) -> Result<(), HandlerError> {
         self.seen
             .lock()
             .unwrap()
             .push((d.aggregate_id().to_owned(), d.attempt()));
-        match (self.script)(&d) {
+        match (self.script)(d) {
             Step::Ok => Ok(()),
             Step::Retry => Err(HandlerError::retry("scripted retry")),
             Step::RetryAfter(ms) => Err(HandlerError::retry_after(
@@ -80,6 +88,17 @@ impl Handler<Delivery> for Scripted {
     }
 }
 
+/// As a batch consumer: the script runs on each event of the batch, and the first step that
+/// is not `Ok` is the batch's outcome.
+impl Handler<DeliveryBatch> for Scripted {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        self.batches.fetch_add(1, Ordering::SeqCst);
+        b.deliveries().iter().try_for_each(|d| self.run(d))
+    }
+}
+
 /// A scripted consumer: the actor factory (counting its calls) and what the handlers saw.
 struct Probe {
     actor: Scripted,
@@ -92,6 +111,7 @@ impl Probe {
             actor: Scripted {
                 script: Arc::new(script),
                 seen: Seen::default(),
+                batches: Arc::default(),
             },
             built: Arc::default(),
         }
@@ -206,6 +226,42 @@ async fn exactly_max_attempts_then_dead_letter_with_its_code() {
     h.advance(Duration::from_secs(86_400));
     assert!(h.deliver().await.is_empty());
     assert_eq!(probe.seen().len(), 3);
+}
+
+/// The harness hands a batch consumer one event per batch, as the runtime does when it replays
+/// a failed batch, and applies the same retry rules per event.
+#[actix_rt::test]
+async fn a_batch_consumer_gets_one_event_per_call_under_the_same_rules() {
+    let probe = Probe::new(|d| match (d.aggregate_id(), d.attempt()) {
+        ("bad", _) => Step::Permanent,
+        (_, 1) => Step::Retry,
+        _ => Step::Ok,
+    });
+    let mut h = Harness::new();
+    h.batch_consumer(
+        config("c", RetryPolicy::fixed(3, Duration::from_secs(1))),
+        probe.factory(),
+    )
+    .unwrap();
+    let good = h.enqueue(&event("good")).unwrap();
+    let bad = h.enqueue(&event("bad")).unwrap();
+
+    h.run_until_idle().await;
+    let row = h.row("c", good).unwrap();
+    assert_eq!((row.status, row.attempts), (InboxStatus::Processed, 2));
+    let row = h.row("c", bad).unwrap();
+    assert_eq!((row.status, row.attempts), (InboxStatus::DeadLetter, 1));
+    assert_eq!(code(&row), Some("SCRIPTED_PERMANENT"));
+    let seen = probe.seen();
+    assert_eq!(
+        seen,
+        vec![("good".into(), 1), ("bad".into(), 1), ("good".into(), 2)]
+    );
+    assert_eq!(
+        probe.actor.batches.load(Ordering::SeqCst),
+        3,
+        "one call per event"
+    );
 }
 
 #[actix_rt::test]
