@@ -293,6 +293,54 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     db.finish(&[]).await;
 }
 
+/// Retention deletes a published event whose inbox rows it does not delete (a dead letter, a
+/// retry, a row not yet expired): the timeline of its correlation id still shows them.
+#[actix_rt::test]
+async fn the_timeline_keeps_inbox_rows_whose_outbox_row_retention_deleted() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+             correlation_id, status, published_at, created_at)
+         VALUES ('00000000-0000-0000-0000-00000000000a', 'T', 'order', 'o1', '{}', 'corr-kept',
+                 'PUBLISHED', now() - interval '8 days', now() - interval '8 days');
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
+         SELECT '00000000-0000-0000-0000-00000000000a', c, 'T', 1, 'order', 'o1', '{}', 'corr-kept',
+                now() - interval '8 days', s, p
+         FROM (VALUES ('mail', 'PROCESSED', now() - interval '8 days'),
+                      ('ledger', 'DEAD_LETTER', NULL),
+                      ('search', 'PROCESSED', now() - interval '1 day')) v(c, s, p);",
+    )
+    .await;
+    let report = Retention::new(db.pool.clone(), RetentionConfig::default())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!((report.outbox_deleted, report.inbox_deleted), (1, 1));
+
+    let mut conn = db.pool.get().await.unwrap();
+    let entries = actix_outbox::timeline(&mut conn, "corr-kept")
+        .await
+        .unwrap();
+    drop(conn);
+    let mut seen: Vec<(String, Option<String>, String)> = entries
+        .into_iter()
+        .map(|e| (e.kind, e.consumer, e.status))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            ("inbox".into(), Some("ledger".into()), "DEAD_LETTER".into()),
+            ("inbox".into(), Some("search".into()), "PROCESSED".into()),
+        ],
+        "the dead letter and the row not yet expired stay in the timeline"
+    );
+    db.finish(&[]).await;
+}
+
 /// A mail consumer whose first attempt is refused for good (a permanent error: dead letter at
 /// once) and whose next attempt — after an operator's retry — succeeds.
 struct RefusesOnce;

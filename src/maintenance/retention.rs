@@ -98,9 +98,10 @@ impl Retention {
     pub async fn run_once(&self) -> Result<RetentionReport> {
         let mut report = RetentionReport::default();
         let c = &self.config;
+        // Inbox rows first: the outbox rows' deletion then marks only the inbox rows that stay.
         let plan = [
-            (Expired::PublishedOutbox, c.published_outbox_after),
             (Expired::ProcessedInbox, c.processed_inbox_after),
+            (Expired::PublishedOutbox, c.published_outbox_after),
             (Expired::IdempotencyKeys, c.idempotency_keys_after),
         ];
         for (what, older_than) in plan {

@@ -282,11 +282,18 @@ pub(crate) async fn delete_expired(
     batch: i64,
 ) -> Result<usize> {
     let sql = match what {
+        // The event's inbox rows that stay (dead letters, retries, rows not yet expired) are
+        // found by correlation through their outbox row; with it gone, they are marked
+        // `external` (no outbox row here), which puts them in the inbox's own correlation index
+        // and keeps them in the timeline.
         Expired::PublishedOutbox => {
-            "DELETE FROM outbox_events WHERE id IN ( \
+            "WITH gone AS ( \
                  SELECT id FROM outbox_events \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+                 ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             kept AS (UPDATE inbox_events SET external = true \
+                 WHERE event_id IN (SELECT id FROM gone) AND NOT external) \
+             DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone)"
         }
         // With any entry in flight a batch left behind when its process died after its
         // commit: a PROCESSED row is never claimed again, so nothing else deletes it.

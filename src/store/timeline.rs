@@ -54,8 +54,9 @@ pub(crate) async fn timeline(
     correlation_id: &str,
 ) -> Result<Vec<TimelineEntry>> {
     // Inbox rows are found two ways, each through an index: those of events published from
-    // this database through their outbox rows, those received from another database's outbox
-    // (`external`) through the inbox's partial correlation index. Not a cached statement: an
+    // this database through their outbox rows, those whose event has no outbox row here
+    // (`external`: received from another database, or its outbox row deleted by retention)
+    // through the inbox's partial correlation index. Not a cached statement: an
     // operator's query, planned afresh for the tables as they are.
     let rows = diesel::sql_query(
         "WITH o AS MATERIALIZED ( \
