@@ -153,7 +153,9 @@ pub use event::{
     ConsumerName, Event, EventId, EventRegistry, NewEvent, DEFAULT_SENSITIVE_KEYS,
     MAX_PAYLOAD_BYTES,
 };
-pub use inbox::{claim_key, pause_consumer, receive, resume_consumer, KeyClaim, Received};
+pub use inbox::{
+    claim_key, pause_consumer, receive, resume_consumer, unsubscribe, KeyClaim, Received,
+};
 pub use maintenance::{
     ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Retention,
     RetentionConfig, RetentionReport, StatsConfig, StatsSampler, Trend,

@@ -602,3 +602,59 @@ async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll(
     assert_eq!(db.wait_for(done_b, 20, Duration::from_secs(10)).await, 20);
     db.finish(&[&rt_a, &rt_b]).await;
 }
+
+/// A consumer redeployed without one of its event types keeps that subscription (another
+/// instance may still run the old code) until an operator removes it; from then on events of
+/// that type get no inbox row for it, and the other types flow on.
+#[actix_rt::test]
+async fn an_unsubscribed_event_type_is_no_longer_fanned_out_to_that_consumer() {
+    let db = TestDb::new().await;
+    let old = start(
+        &db,
+        vec![(
+            consumer("c1", 3).subscribe("ORDER_CANCELLED"),
+            Behaviour::default(),
+        )],
+    )
+    .await;
+    old.shutdown().await;
+    let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
+    let subscribed = "SELECT count(*) AS n FROM consumer_subscriptions WHERE consumer = 'c1'";
+    assert_eq!(
+        db.count(subscribed).await,
+        2,
+        "the new config removes nothing"
+    );
+
+    let c1 = actix_outbox::ConsumerName::new("c1").unwrap();
+    let mut conn = db.pool.get().await.unwrap();
+    assert!(actix_outbox::unsubscribe(&mut conn, &c1, "ORDER_CANCELLED")
+        .await
+        .unwrap());
+    assert!(
+        !actix_outbox::unsubscribe(&mut conn, &c1, "ORDER_CANCELLED")
+            .await
+            .unwrap(),
+        "already removed"
+    );
+    let nobody = actix_outbox::ConsumerName::new("nobody").unwrap();
+    let unknown = actix_outbox::unsubscribe(&mut conn, &nobody, "ORDER_CANCELLED").await;
+    assert_eq!(unknown.unwrap_err().code().as_str(), "CONSUMER_UNKNOWN");
+    let cancelled = NewEvent::new("ORDER_CANCELLED", "order", "o2", serde_json::json!({}));
+    enqueue(&mut conn, &cancelled).await.unwrap();
+    enqueue(&mut conn, &order_event("o1")).await.unwrap();
+    drop(conn);
+    rt.handle().wake();
+
+    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    assert_eq!(db.wait_for(published, 2, WAIT).await, 2);
+    let processed = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(processed, 1, WAIT).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE event_type = 'ORDER_CANCELLED'")
+            .await,
+        0
+    );
+    assert_eq!(db.count(subscribed).await, 1);
+    db.finish(&[&rt]).await;
+}

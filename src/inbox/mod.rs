@@ -88,6 +88,30 @@ pub async fn resume_consumer(
     set(conn, consumer, false, by, None).await
 }
 
+/// Removes `consumer`'s subscription to `event_type` on every instance: events of that type
+/// published from now on get no inbox row for it. Its inbox rows already written stay and are
+/// delivered as usual. A runtime never removes a subscription by itself (one whose code no
+/// longer subscribes logs a warning naming it at start), because during a rolling deployment
+/// other instances may still run the code that handles it. Returns whether the subscription
+/// existed.
+///
+/// # Errors
+/// [`Error::UnknownConsumer`](crate::Error::UnknownConsumer) when no runtime ever registered
+/// `consumer`; [`Error::Database`](crate::Error::Database) when the delete fails.
+pub async fn unsubscribe(
+    conn: &mut AsyncPgConnection,
+    consumer: &ConsumerName,
+    event_type: &str,
+) -> Result<bool> {
+    match store::inbox::remove_subscription(conn, consumer.as_str(), event_type).await? {
+        Some(removed) => {
+            tracing::info!(consumer = %consumer, event_type, removed, "subscription removed");
+            Ok(removed)
+        }
+        None => Err(crate::Error::UnknownConsumer(consumer.to_string())),
+    }
+}
+
 async fn set(
     conn: &mut AsyncPgConnection,
     consumer: &ConsumerName,

@@ -205,8 +205,15 @@ impl OutboxBuilder {
         {
             let mut conn = self.pool.get().await?;
             for (cfg, _) in &self.consumers {
-                store::inbox::register_consumer(&mut conn, cfg.name.as_str(), &cfg.event_types)
-                    .await?;
+                let extra =
+                    store::inbox::register_consumer(&mut conn, cfg.name.as_str(), &cfg.event_types)
+                        .await?;
+                if !extra.is_empty() {
+                    // Still fanned out to this consumer, whose handler no longer expects them.
+                    tracing::warn!(consumer = %cfg.name, event_types = ?extra,
+                        "subscribed in the database but not in this consumer's config; \
+                         actix_outbox::unsubscribe removes a subscription once no instance needs it");
+                }
             }
         }
         let slots = self

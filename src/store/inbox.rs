@@ -58,22 +58,60 @@ impl InboxRow {
 }
 
 /// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
-/// Subscriptions are only ever added here: removing one is an operator's decision.
+/// Subscriptions are only ever added here: removing one is an operator's decision
+/// ([`unsubscribe`](crate::unsubscribe)), since another instance may still run the older code.
+/// Returns the subscriptions in the database that `event_types` no longer lists.
 pub(crate) async fn register_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     event_types: &[String],
-) -> Result<()> {
-    Prepared(diesel::sql_query(
-        "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING) \
-         INSERT INTO consumer_subscriptions (consumer, event_type) \
-         SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING",
+) -> Result<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct Subscription {
+        #[diesel(sql_type = Text)]
+        event_type: String,
+    }
+    let extra: Vec<Subscription> = Prepared(diesel::sql_query(
+        "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING), \
+              s AS (INSERT INTO consumer_subscriptions (consumer, event_type) \
+                    SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING) \
+         SELECT event_type FROM consumer_subscriptions \
+         WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
     )
     .bind::<Text, _>(consumer)
     .bind::<Array<Text>, _>(event_types))
-    .execute(conn)
+    .load(conn)
     .await?;
-    Ok(())
+    Ok(extra.into_iter().map(|s| s.event_type).collect())
+}
+
+/// Removes one subscription. `None` when the consumer was never registered, else whether the
+/// subscription existed.
+pub(crate) async fn remove_subscription(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    event_type: &str,
+) -> Result<Option<bool>> {
+    #[derive(QueryableByName)]
+    struct Removed {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        known: bool,
+        #[diesel(sql_type = BigInt)]
+        removed: i64,
+    }
+    let r: Removed = Prepared(
+        diesel::sql_query(
+            "WITH d AS (DELETE FROM consumer_subscriptions WHERE consumer = $1 AND event_type = $2 \
+                        RETURNING 1) \
+             SELECT EXISTS (SELECT 1 FROM consumer_states WHERE consumer = $1) AS known, \
+                    (SELECT count(*) FROM d) AS removed",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(event_type),
+    )
+    .get_result(conn)
+    .await?;
+    Ok(r.known.then_some(r.removed > 0))
 }
 
 /// Opens the batch's transaction and locks up to `limit` due rows of `consumer` in it, both in
