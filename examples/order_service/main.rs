@@ -3,7 +3,8 @@
 //! - `POST /orders`, `POST /orders/{id}/status`, `GET /orders/{id}`: each change writes the
 //!   order, an audit row and an `ORDER_STATUS_CHANGED` event in one transaction.
 //! - Consumers: `notification` turns each status change into a `notification_jobs` row, guarded
-//!   by the business key `notification:{order}:{status}`; `analytics` counts changes per status.
+//!   by the business key `notification:{order}:{status}`; `analytics`, a batch consumer,
+//!   counts changes per status with one upsert per batch.
 //! - A notification worker sends the jobs to a fake provider, outside any inbox transaction.
 //! - A reconcile rule gives COMPLETED orders that have no COMPLETED notification one, through
 //!   the same business key.
@@ -139,11 +140,12 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         })
         .batch_size(50)
         .concurrency(2);
-    // Analytics is one hot row per status: a single batch at a time, retried at a steady pace.
+    // Analytics is one hot row per status: a batch consumer (one upsert per status per batch),
+    // a single batch at a time, retried at a steady pace.
     let analytics = ConsumerConfig::new("analytics")?
         .subscribe(ORDER_STATUS_CHANGED)
         .retry(RetryPolicy::fixed(10, Duration::from_millis(250)))
-        .batch_size(100);
+        .batch_size(200);
 
     let runtime = OutboxRuntime::builder(outbox_pool.clone())
         .config(runtime_cfg)
@@ -151,7 +153,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             let metrics_pool = metrics_pool.clone();
             move || consumers::NotificationConsumer::new(metrics_pool.clone(), fail_rate)
         })
-        .consumer(analytics, move || {
+        .batch_consumer(analytics, move || {
             consumers::AnalyticsConsumer::new(metrics_pool.clone(), fail_rate)
         })
         .reconcile(reconcile::CompletedWithoutNotification::new(
