@@ -80,7 +80,7 @@ pub(crate) enum Isolation {
 pub(crate) struct InFlight(Arc<Mutex<InFlightConn>>);
 
 #[derive(Default)]
-pub(crate) struct InFlightConn {
+struct InFlightConn {
     conn: Option<AsyncPgConnection>,
     /// Entries of committed fast batches, deleted with the next `enter` instead of with a
     /// round trip of their own. A fast batch never marks a row `alone`, so an entry found

@@ -211,8 +211,9 @@ pub(crate) async fn handle_alone(
     Ok(())
 }
 
-/// Removes a batch's entries from `inbox_in_flight`; called before the batch commits, while it
-/// still holds the rows, so no other batch can claim one of them and find the entry.
+/// Removes entries from `inbox_in_flight`: a safe batch's before it commits (while it still
+/// holds the rows, so no other batch can claim one of them and find the entry), finished fast
+/// batches' when the consumer goes idle.
 pub(crate) async fn leave_in_flight(mut conn: &AsyncPgConnection, ids: &[i64]) -> Result<()> {
     Prepared(
         diesel::sql_query("DELETE FROM inbox_in_flight WHERE inbox_id = ANY($1)")
