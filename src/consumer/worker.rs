@@ -361,14 +361,28 @@ pub(crate) async fn run_batch(
     }
 
     let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
-    if safe {
-        // Before the commit releases the rows: the last row handed over is marked `alone`,
-        // and an entry another batch found would count an attempt.
-        in_flight.leave(pool, &claimed).await?;
+    // Entries go before the commit releases their rows where another batch could claim a row
+    // at once and find its entry: all of a safe batch (its last row handed over is marked
+    // `alone`, which would count an attempt), and a fast batch's rows left unmarked (deferred,
+    // or never offered to a lost handler), which would only make that batch safe for nothing.
+    // A fast batch's marked rows are not due again at once; their entries go later.
+    let (now, later): (Vec<i64>, Vec<i64>) = if safe {
+        (claimed, Vec::new())
+    } else {
+        let marked: HashSet<i64> = ids
+            .iter()
+            .copied()
+            .chain(stale.iter().map(|s| s.0))
+            .chain(failures.iter().map(|f| f.id))
+            .collect();
+        claimed.into_iter().partition(|id| !marked.contains(id))
+    };
+    if !now.is_empty() {
+        in_flight.leave(pool, &now).await?;
     }
     inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
-    if !safe && !claimed.is_empty() {
-        in_flight.leave_later(claimed).await;
+    if !later.is_empty() {
+        in_flight.leave_later(later).await;
     }
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
