@@ -9,12 +9,12 @@
 //! effectively-once effects. So that a crash caused by a handler still counts as its attempt,
 //! the rows are recorded as in flight, committed, before a handler sees them ([`InFlight`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use diesel_async::AsyncPgConnection;
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use tokio::sync::{Mutex, MutexGuard};
 
 use super::actor::HandlerRef;
@@ -83,8 +83,9 @@ pub(crate) struct InFlight(Arc<Mutex<InFlightConn>>);
 struct InFlightConn {
     conn: Option<AsyncPgConnection>,
     /// Entries of committed fast batches, deleted with the next `enter` instead of with a
-    /// round trip of their own. A fast batch never marks a row `alone`, so an entry found
-    /// before it is deleted only makes a batch safe, never counts an attempt.
+    /// round trip of their own. Their rows are all marked, so none is due again at once; an
+    /// entry found before it is deleted only makes a batch safe, and a fast batch never sets
+    /// `alone`, so it never counts an attempt.
     done: Vec<i64>,
 }
 
@@ -92,63 +93,62 @@ impl InFlight {
     async fn lock(&self, pool: &PgPool) -> Result<MutexGuard<'_, InFlightConn>> {
         let mut slot = self.0.lock().await;
         if slot.conn.is_none() {
-            let mut conn = pool
+            let conn = pool
                 .dedicated_connection()
                 .await
                 .map_err(|e| Error::Pool(e.to_string()))?;
-            // Its statements are primary-key lookups on a small table full of dead rows; a
-            // plan made while it was empty must not scan it.
-            conn.batch_execute("SET enable_seqscan = off").await?;
             slot.conn = Some(conn);
         }
         Ok(slot)
     }
 
-    /// Enters `ids` and returns the entries an earlier attempt left behind, as `(id, alone)`.
-    async fn enter(&self, pool: &PgPool, ids: &[i64]) -> Result<Vec<(i64, bool)>> {
+    /// Enters a batch's rows (and deletes the finished batches' entries on the way), and
+    /// returns what the entries left behind say about them.
+    async fn enter(&self, pool: &PgPool, consumer: &str, ids: &[i64]) -> Result<Entered> {
         let mut slot = self.lock(pool).await?;
-        // A row claimed again after this consumer's own fast batch committed keeps that
-        // batch's entry, which is no attempt left unfinished.
-        let mut done: HashSet<i64> = std::mem::take(&mut slot.done).into_iter().collect();
-        let mine: HashSet<i64> = ids.iter().copied().filter(|id| done.remove(id)).collect();
-        let done: Vec<i64> = done.into_iter().collect();
+        let done = std::mem::take(&mut slot.done);
         let conn = slot.conn.as_ref().expect("connected");
-        match inbox::enter_in_flight(conn, ids, &done).await {
-            Ok(mut left) => {
-                left.retain(|(id, _)| !mine.contains(id));
-                Ok(left)
+        let r = async {
+            let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
+            let entered = Entered::new(entry, ids, others);
+            let counted: Vec<i64> = entered.counted.clone();
+            if !counted.is_empty() {
+                // Counted by this batch: should it not commit, that attempt goes uncounted,
+                // which only repeats it; counted twice it would not be.
+                inbox::clear_alone(conn, &counted).await?;
             }
-            Err(e) => {
-                slot.conn = None;
-                Err(e)
-            }
+            Ok(entered)
         }
-    }
-
-    /// Marks `id` as handed over on its own, `previous` no longer.
-    async fn alone(&self, pool: &PgPool, id: i64, previous: Option<i64>) -> Result<()> {
-        let mut slot = self.lock(pool).await?;
-        let r = inbox::handle_alone(slot.conn.as_ref().expect("connected"), id, previous).await;
+        .await;
         if r.is_err() {
             slot.conn = None;
         }
         r
     }
 
-    /// Deletes the entries of `ids` now: before a safe batch commits (its last row is marked
-    /// `alone`), or for a row whose attempt was counted some other way.
-    async fn leave(&self, pool: &PgPool, ids: &[i64]) -> Result<()> {
+    /// Records the row the batch `entry` hands over on its own now, or none.
+    async fn alone(&self, pool: &PgPool, entry: i64, row: Option<i64>) -> Result<()> {
         let mut slot = self.lock(pool).await?;
-        let r = inbox::leave_in_flight(slot.conn.as_ref().expect("connected"), ids).await;
+        let r = inbox::set_alone(slot.conn.as_ref().expect("connected"), entry, row).await;
         if r.is_err() {
             slot.conn = None;
         }
         r
     }
 
-    /// Deletes the entries of a committed fast batch with the next `enter`.
-    async fn leave_later(&self, ids: Vec<i64>) {
-        self.0.lock().await.done.extend(ids);
+    /// Deletes `entries` now.
+    async fn leave(&self, pool: &PgPool, entries: &[i64]) -> Result<()> {
+        let mut slot = self.lock(pool).await?;
+        let r = inbox::leave_in_flight(slot.conn.as_ref().expect("connected"), entries).await;
+        if r.is_err() {
+            slot.conn = None;
+        }
+        r
+    }
+
+    /// Deletes the entry of a committed fast batch with the next `enter`.
+    async fn leave_later(&self, entry: i64) {
+        self.0.lock().await.done.push(entry);
     }
 
     /// Deletes the entries of committed fast batches now, when the consumer goes idle or
@@ -159,6 +159,55 @@ impl InFlight {
             return Ok(());
         }
         self.leave(pool, &done).await
+    }
+}
+
+/// What the entries a batch found say about its rows.
+#[derive(Debug, Default)]
+struct Entered {
+    /// This batch's entry.
+    entry: i64,
+    /// Rows an entry left behind holds: hand them over one per call.
+    suspects: bool,
+    /// Rows an entry left behind was handing over on their own: their last attempt ended
+    /// without an outcome.
+    interrupted: HashSet<i64>,
+    /// The entries whose `alone` row is counted here.
+    counted: Vec<i64>,
+    /// The entries that hold only rows of this batch, to delete once it has decided them; the
+    /// others keep marking their remaining rows.
+    covered: Vec<i64>,
+}
+
+impl Entered {
+    fn new(entry: i64, ids: &[i64], others: Vec<inbox::InFlightEntry>) -> Entered {
+        let mut e = Entered {
+            entry,
+            ..Default::default()
+        };
+        if others.is_empty() {
+            return e;
+        }
+        let claimed: HashSet<i64> = ids.iter().copied().collect();
+        for other in others {
+            let held = other
+                .inbox_ids
+                .iter()
+                .filter(|id| claimed.contains(id))
+                .count();
+            if held == 0 {
+                continue;
+            }
+            e.suspects = true;
+            if let Some(row) = other.alone.filter(|row| claimed.contains(row)) {
+                e.interrupted.insert(row);
+                e.counted.push(other.id);
+            }
+            if held == other.inbox_ids.len() {
+                e.covered.push(other.id);
+            }
+        }
+        e
     }
 }
 
@@ -186,20 +235,24 @@ pub(crate) async fn run_batch(
     let rows =
         inbox::begin_and_claim(&mut conn, cfg.name.as_str(), i64::from(cfg.batch_size)).await?;
     let claimed: Vec<i64> = rows.iter().map(|r| r.id).collect();
-    // Committed before any handler sees a row; removed just before this batch commits. An
-    // entry found here is an earlier attempt that ended without an outcome.
-    let left_over: HashMap<i64, bool> = if claimed.is_empty() {
-        HashMap::new()
+    // Committed before any handler sees a row; deleted once this batch has committed. An
+    // earlier entry holding a claimed row was left by a batch that ended without an outcome.
+    let entered = if claimed.is_empty() {
+        None
     } else {
-        in_flight.enter(pool, &claimed).await?.into_iter().collect()
+        Some(in_flight.enter(pool, cfg.name.as_str(), &claimed).await?)
     };
+    let entry = entered.as_ref().map(|e| e.entry);
+    let suspect = entered.as_ref().is_some_and(|e| e.suspects);
+    let interrupted = entered
+        .as_ref()
+        .map(|e| e.interrupted.clone())
+        .unwrap_or_default();
     // A batch holding rows of one that ended without an outcome (a failure of the whole
     // batch, a process that died) hands them over one per call, to find the row to blame.
-    let safe = isolation == Isolation::Safe || !left_over.is_empty();
+    let safe = isolation == Isolation::Safe || suspect;
     // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
     let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
-    // In a safe batch, the row last handed over on its own.
-    let mut alone: Option<i64> = None;
     let mut out = BatchOutcome {
         claimed: rows.len(),
         ..Default::default()
@@ -213,13 +266,13 @@ pub(crate) async fn run_batch(
     let rows: Vec<InboxRow> = rows
         .into_iter()
         .filter(|row| {
-            let interrupted = left_over.get(&row.id) == Some(&true);
-            if interrupted {
+            let ended = interrupted.contains(&row.id);
+            if ended {
                 let err = interrupted_attempt();
                 log_failure(cfg, row, &err);
                 failures.push(decide(&cfg.retry, row, &err));
             }
-            !interrupted
+            !ended
         })
         .collect();
     // Rows ready for the handler, with their payloads, not yet handed over.
@@ -291,9 +344,8 @@ pub(crate) async fn run_batch(
             continue;
         }
 
-        if safe {
-            in_flight.alone(pool, group[0].id, alone).await?;
-            alone = Some(group[0].id);
+        if let (true, Some(entry)) = (safe, entry) {
+            in_flight.alone(pool, entry, Some(group[0].id)).await?;
         }
         let call = hand_over(cfg, handler, conn, &mut group, safe).await;
         let many = group.len() > 1;
@@ -313,9 +365,11 @@ pub(crate) async fn run_batch(
             let err = call.result.err().unwrap_or_else(|| {
                 HandlerError::retry("the handler left the delivery's transaction in a bad state")
             });
-            // This attempt is counted here, so its entry must not count it again. The
+            // This attempt is counted here, so the entry must not count it again. The
             // abandoned transaction still holds the row, so nobody else can find it first.
-            in_flight.leave(pool, &[group[0].id]).await?;
+            if let (true, Some(entry)) = (safe, entry) {
+                in_flight.alone(pool, entry, None).await?;
+            }
             abandon(pool, cfg, &group[0], &err).await;
             out.failed += 1;
             out.abandoned = true;
@@ -361,28 +415,32 @@ pub(crate) async fn run_batch(
     }
 
     let ids: Vec<i64> = processed.iter().map(|r| r.id).collect();
-    // Entries go before the commit releases their rows where another batch could claim a row
-    // at once and find its entry: all of a safe batch (its last row handed over is marked
-    // `alone`, which would count an attempt), and a fast batch's rows left unmarked (deferred,
-    // or never offered to a lost handler), which would only make that batch safe for nothing.
-    // A fast batch's marked rows are not due again at once; their entries go later.
-    let (now, later): (Vec<i64>, Vec<i64>) = if safe {
-        (claimed, Vec::new())
+    // The entries go before the commit releases their rows where another batch could claim a
+    // row at once and find one: a safe batch's (its last row handed over is `alone`, which
+    // would count an attempt) with the entries left over that hold only its rows (decided
+    // now), and a fast batch's with rows left unmarked (deferred, or never offered to a lost
+    // handler), which would only make that batch safe for nothing. A fast batch whose rows are
+    // all marked leaves its entry for later: none of them is due again at once.
+    if let Some(e) = entered {
+        let unmarked = || {
+            let marked: HashSet<i64> = ids
+                .iter()
+                .copied()
+                .chain(stale.iter().map(|s| s.0))
+                .chain(failures.iter().map(|f| f.id))
+                .collect();
+            claimed.iter().any(|id| !marked.contains(id))
+        };
+        if safe || unmarked() {
+            let entries: Vec<i64> = std::iter::once(e.entry).chain(e.covered).collect();
+            in_flight.leave(pool, &entries).await?;
+            inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
+        } else {
+            inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
+            in_flight.leave_later(e.entry).await;
+        }
     } else {
-        let marked: HashSet<i64> = ids
-            .iter()
-            .copied()
-            .chain(stale.iter().map(|s| s.0))
-            .chain(failures.iter().map(|f| f.id))
-            .collect();
-        claimed.into_iter().partition(|id| !marked.contains(id))
-    };
-    if !now.is_empty() {
-        in_flight.leave(pool, &now).await?;
-    }
-    inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
-    if !later.is_empty() {
-        in_flight.leave_later(later).await;
+        inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
     }
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();

@@ -160,64 +160,105 @@ async fn claim_due(
     Ok(rows)
 }
 
-/// Enters a batch's rows in `inbox_in_flight` (autocommit, on the consumer's in-flight
-/// connection), deletes the entries `done` (of committed batches; none of `ids`), and returns
-/// the entries an earlier attempt left behind, as `(id, alone)`. The caller holds the rows'
-/// locks, so no live batch can own those entries.
+/// An entry of `inbox_in_flight` that may hold some of a batch's rows.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct InFlightEntry {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = Array<BigInt>)]
+    pub inbox_ids: Vec<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub alone: Option<i64>,
+}
+
+/// Enters a batch's rows `ids` in `inbox_in_flight` (autocommit, on the consumer's in-flight
+/// connection), deletes the entries `done` (of this consumer's committed batches), and returns
+/// the new entry's id with the other entries whose id range meets the batch's. The caller
+/// holds the rows' locks, so no live batch can own an entry holding one of them.
 pub(crate) async fn enter_in_flight(
     mut conn: &AsyncPgConnection,
+    consumer: &str,
     ids: &[i64],
     done: &[i64],
-) -> Result<Vec<(i64, bool)>> {
+) -> Result<(i64, Vec<InFlightEntry>)> {
     #[derive(QueryableByName)]
-    struct LeftOver {
+    struct Row {
         #[diesel(sql_type = BigInt)]
-        inbox_id: i64,
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        alone: bool,
+        entry: i64,
+        #[diesel(sql_type = Nullable<BigInt>)]
+        id: Option<i64>,
+        #[diesel(sql_type = Nullable<Array<BigInt>>)]
+        inbox_ids: Option<Vec<i64>>,
+        #[diesel(sql_type = Nullable<BigInt>)]
+        alone: Option<i64>,
     }
-    let rows: Vec<LeftOver> = Prepared(
+    let lo = ids.iter().copied().min().unwrap_or_default();
+    let hi = ids.iter().copied().max().unwrap_or_default();
+    let rows: Vec<Row> = Prepared(
         diesel::sql_query(
-            "WITH done AS (DELETE FROM inbox_in_flight WHERE inbox_id = ANY($2)), \
-                  left_over AS (SELECT inbox_id, alone FROM inbox_in_flight WHERE inbox_id = ANY($1)), \
-                  entered AS (INSERT INTO inbox_in_flight (inbox_id) SELECT unnest($1::int8[]) \
-                              ON CONFLICT (inbox_id) DO NOTHING) \
-             SELECT inbox_id, alone FROM left_over",
+            "WITH gone AS (DELETE FROM inbox_in_flight WHERE id = ANY($3)), \
+                  entered AS (INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids) \
+                              VALUES ($1, $4, $5, $2) RETURNING id) \
+             SELECT e.id AS entry, f.id, f.inbox_ids, f.alone FROM entered e \
+             LEFT JOIN inbox_in_flight f ON f.consumer = $1 AND f.lo <= $5 AND f.hi >= $4 \
+                 AND f.id <> ALL ($3)",
         )
+        .bind::<Text, _>(consumer)
         .bind::<Array<BigInt>, _>(ids)
-        .bind::<Array<BigInt>, _>(done),
+        .bind::<Array<BigInt>, _>(done)
+        .bind::<BigInt, _>(lo)
+        .bind::<BigInt, _>(hi),
     )
     .load(&mut conn)
     .await?;
-    Ok(rows.into_iter().map(|r| (r.inbox_id, r.alone)).collect())
+    let entry = rows.as_slice().first().map(|r| r.entry).unwrap_or_default();
+    let others = rows
+        .into_iter()
+        .filter_map(|r| {
+            Some(InFlightEntry {
+                id: r.id?,
+                inbox_ids: r.inbox_ids?,
+                alone: r.alone,
+            })
+        })
+        .collect();
+    Ok((entry, others))
 }
 
-/// Marks `id` as the row being handled on its own (and `previous`, handled before it, no
-/// longer): should the process die now, `id` alone is to blame.
-pub(crate) async fn handle_alone(
+/// Records which row the batch `entry` is handing over on its own now (`None`: none), so that
+/// should the process die, that row alone is to blame.
+pub(crate) async fn set_alone(
     mut conn: &AsyncPgConnection,
-    id: i64,
-    previous: Option<i64>,
+    entry: i64,
+    row: Option<i64>,
 ) -> Result<()> {
     Prepared(
-        diesel::sql_query(
-            "UPDATE inbox_in_flight SET alone = (inbox_id = $1) WHERE inbox_id IN ($1, $2)",
-        )
-        .bind::<BigInt, _>(id)
-        .bind::<BigInt, _>(previous.unwrap_or(id)),
+        diesel::sql_query("UPDATE inbox_in_flight SET alone = $2 WHERE id = $1")
+            .bind::<BigInt, _>(entry)
+            .bind::<Nullable<BigInt>, _>(row),
     )
     .execute(&mut conn)
     .await?;
     Ok(())
 }
 
-/// Removes entries from `inbox_in_flight`: a safe batch's before it commits (while it still
-/// holds the rows, so no other batch can claim one of them and find the entry), finished fast
-/// batches' when the consumer goes idle.
-pub(crate) async fn leave_in_flight(mut conn: &AsyncPgConnection, ids: &[i64]) -> Result<()> {
+/// Forgets the rows the entries `entries` were handing over on their own, once a batch has
+/// counted their attempts, so that none is counted twice.
+pub(crate) async fn clear_alone(mut conn: &AsyncPgConnection, entries: &[i64]) -> Result<()> {
     Prepared(
-        diesel::sql_query("DELETE FROM inbox_in_flight WHERE inbox_id = ANY($1)")
-            .bind::<Array<BigInt>, _>(ids),
+        diesel::sql_query("UPDATE inbox_in_flight SET alone = NULL WHERE id = ANY($1)")
+            .bind::<Array<BigInt>, _>(entries),
+    )
+    .execute(&mut conn)
+    .await?;
+    Ok(())
+}
+
+/// Deletes entries from `inbox_in_flight`.
+pub(crate) async fn leave_in_flight(mut conn: &AsyncPgConnection, entries: &[i64]) -> Result<()> {
+    Prepared(
+        diesel::sql_query("DELETE FROM inbox_in_flight WHERE id = ANY($1)")
+            .bind::<Array<BigInt>, _>(entries),
     )
     .execute(&mut conn)
     .await?;
