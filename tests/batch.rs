@@ -92,3 +92,31 @@ async fn a_batch_that_hangs_is_narrowed_down_to_the_event_that_hangs() {
     )
     .await;
 }
+
+/// Entries in flight that a dead process left behind are forgotten after a day (no batch lives
+/// that long), by the next batch of any consumer; younger ones stay.
+#[actix_rt::test]
+async fn entries_in_flight_older_than_a_day_are_forgotten() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut *conn,
+        "INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids, entered_at)
+         VALUES ('gone', 900001, 900002, '{900001,900002}', now() - interval '25 hours'),
+                ('gone', 900003, 900003, '{900003}', now() - interval '1 hour');",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    db.produce_batched(10, 10, "o").await;
+    let rt = start_batch(&db, vec![(consumer("bulk", 3), Behaviour::default())]).await;
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
+    let left = "SELECT count(*) AS n FROM inbox_in_flight WHERE consumer = 'gone'";
+    assert_eq!(
+        db.count(left).await,
+        1,
+        "the day-old entry is gone, the hour-old one stays"
+    );
+    db.finish(&[&rt]).await;
+}

@@ -295,12 +295,8 @@ pub(crate) async fn delete_expired(
                  WHERE event_id IN (SELECT id FROM gone) AND NOT external) \
              DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone)"
         }
-        // With the batches in flight that old: entries left by a process that died, whose
-        // rows other batches have long since decided (a live batch is minutes old at most).
         Expired::ProcessedInbox => {
-            "WITH entries AS (DELETE FROM inbox_in_flight \
-                 WHERE entered_at < now() - $1 * interval '1 millisecond') \
-             DELETE FROM inbox_events WHERE id IN ( \
+            "DELETE FROM inbox_events WHERE id IN ( \
                  SELECT id FROM inbox_events \
                  WHERE status = 'PROCESSED' AND processed_at < now() - $1 * interval '1 millisecond' \
                  ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
