@@ -167,7 +167,7 @@ impl InFlight {
 struct Entered {
     /// This batch's entry.
     entry: i64,
-    /// Rows an entry left behind holds: hand them over one per call.
+    /// An entry left behind holds some of the rows: hand them over one per call.
     suspects: bool,
     /// Rows an entry left behind was handing over on their own: their last attempt ended
     /// without an outcome.
@@ -262,7 +262,7 @@ pub(crate) async fn run_batch(
     let mut stale = Vec::new();
     // A row whose last attempt was handed over on its own and never finished: that attempt
     // failed, and the row is not handed over again now. The failure commits with this batch's
-    // marks; should the batch roll back instead, the entry stays and the next claim counts it.
+    // marks (its entry has already forgotten the row, so that it is counted once).
     let rows: Vec<InboxRow> = rows
         .into_iter()
         .filter(|row| {
@@ -421,6 +421,7 @@ pub(crate) async fn run_batch(
     // now), and a fast batch's with rows left unmarked (deferred, or never offered to a lost
     // handler), which would only make that batch safe for nothing. A fast batch whose rows are
     // all marked leaves its entry for later: none of them is due again at once.
+    let mut later = None;
     if let Some(e) = entered {
         let unmarked = || {
             let marked: HashSet<i64> = ids
@@ -434,13 +435,13 @@ pub(crate) async fn run_batch(
         if safe || unmarked() {
             let entries: Vec<i64> = std::iter::once(e.entry).chain(e.covered).collect();
             in_flight.leave(pool, &entries).await?;
-            inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
         } else {
-            inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
-            in_flight.leave_later(e.entry).await;
+            later = Some(e.entry);
         }
-    } else {
-        inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
+    }
+    inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
+    if let Some(entry) = later {
+        in_flight.leave_later(entry).await;
     }
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
