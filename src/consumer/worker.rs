@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::Mutex;
 
 use super::actor::HandlerRef;
 use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, RetryPolicy};
@@ -90,60 +90,60 @@ struct InFlightConn {
 }
 
 impl InFlight {
-    async fn lock(&self, pool: &PgPool) -> Result<MutexGuard<'_, InFlightConn>> {
+    /// Runs `f` on the connection (opened if need be); an error drops the connection, which is
+    /// opened afresh next time.
+    async fn with<T>(
+        &self,
+        pool: &PgPool,
+        f: impl AsyncFnOnce(&AsyncPgConnection, &mut Vec<i64>) -> Result<T>,
+    ) -> Result<T> {
         let mut slot = self.0.lock().await;
-        if slot.conn.is_none() {
-            let conn = pool
+        let InFlightConn { conn, done } = &mut *slot;
+        if conn.is_none() {
+            let opened = pool
                 .dedicated_connection()
                 .await
                 .map_err(|e| Error::Pool(e.to_string()))?;
-            slot.conn = Some(conn);
+            *conn = Some(opened);
         }
-        Ok(slot)
+        let r = f(conn.as_ref().expect("connected"), done).await;
+        if r.is_err() {
+            *conn = None;
+        }
+        r
     }
 
     /// Enters a batch's rows (and deletes the finished batches' entries on the way), and
     /// returns what the entries left behind say about them.
     async fn enter(&self, pool: &PgPool, consumer: &str, ids: &[i64]) -> Result<Entered> {
-        let mut slot = self.lock(pool).await?;
-        let done = std::mem::take(&mut slot.done);
-        let conn = slot.conn.as_ref().expect("connected");
-        let r = async {
+        self.with(pool, async |conn, done| {
+            let done = std::mem::take(done);
             let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
             let entered = Entered::new(entry, ids, others);
-            let counted: Vec<i64> = entered.counted.clone();
-            if !counted.is_empty() {
+            if !entered.counted.is_empty() {
                 // Counted by this batch: should it not commit, that attempt goes uncounted,
                 // which only repeats it; counted twice it would not be.
-                inbox::clear_alone(conn, &counted).await?;
+                inbox::clear_alone(conn, &entered.counted).await?;
             }
             Ok(entered)
-        }
-        .await;
-        if r.is_err() {
-            slot.conn = None;
-        }
-        r
+        })
+        .await
     }
 
     /// Records the row the batch `entry` hands over on its own now, or none.
     async fn alone(&self, pool: &PgPool, entry: i64, row: Option<i64>) -> Result<()> {
-        let mut slot = self.lock(pool).await?;
-        let r = inbox::set_alone(slot.conn.as_ref().expect("connected"), entry, row).await;
-        if r.is_err() {
-            slot.conn = None;
-        }
-        r
+        self.with(pool, async |conn, _| {
+            inbox::set_alone(conn, entry, row).await
+        })
+        .await
     }
 
     /// Deletes `entries` now.
     async fn leave(&self, pool: &PgPool, entries: &[i64]) -> Result<()> {
-        let mut slot = self.lock(pool).await?;
-        let r = inbox::leave_in_flight(slot.conn.as_ref().expect("connected"), entries).await;
-        if r.is_err() {
-            slot.conn = None;
-        }
-        r
+        self.with(pool, async |conn, _| {
+            inbox::leave_in_flight(conn, entries).await
+        })
+        .await
     }
 
     /// Deletes the entry of a committed fast batch with the next `enter`.
@@ -154,11 +154,14 @@ impl InFlight {
     /// Deletes the entries of committed fast batches now, when the consumer goes idle or
     /// stops, so that none outlives the process that knows them.
     pub(crate) async fn flush(&self, pool: &PgPool) -> Result<()> {
-        let done = std::mem::take(&mut self.0.lock().await.done);
-        if done.is_empty() {
+        if self.0.lock().await.done.is_empty() {
             return Ok(());
         }
-        self.leave(pool, &done).await
+        self.with(pool, async |conn, done| {
+            let entries = std::mem::take(done);
+            inbox::leave_in_flight(conn, &entries).await
+        })
+        .await
     }
 }
 
