@@ -88,6 +88,8 @@ async fn fingerprint(db: &TestDb) -> String {
                  next_attempt_at, updated_at), ',' ORDER BY id) FROM inbox_events), '') \
              || '#' || coalesce((SELECT string_agg(concat_ws('|', consumer, paused, paused_by, reason, \
                  updated_at), ',' ORDER BY consumer) FROM consumer_states), '') \
+             || '#' || coalesce((SELECT string_agg(consumer || '|' || event_type, ',' \
+                 ORDER BY consumer, event_type) FROM consumer_subscriptions), '') \
              || '#' || (SELECT count(*) FROM admin_audit) AS s",
     )
     .await
@@ -220,6 +222,10 @@ async fn requests_without_valid_credentials_get_401_and_touch_nothing() {
         ),
         ("/ops/consumers/mail/pause".into(), json!({"reason": "x"})),
         ("/ops/consumers/mail/resume".into(), json!({})),
+        (
+            "/ops/consumers/mail/subscriptions/ORDER_STATUS_CHANGED/remove".into(),
+            json!({"reason": "x"}),
+        ),
     ];
     let credentials: [Option<String>; 5] = [
         None,
@@ -677,6 +683,83 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
         listed["items"][0]["subscriptions"][0],
         "ORDER_STATUS_CHANGED"
     );
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn removing_a_subscription_needs_a_reason_is_audited_and_touches_only_that_one() {
+    let db = TestDb::new().await;
+    seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let before = fingerprint(&db).await;
+    let remove = |path: &str, body: serde_json::Value| post(path, body);
+    assert_error(
+        &call!(
+            app,
+            remove(
+                "/ops/consumers/nobody/subscriptions/ORDER_STATUS_CHANGED/remove",
+                json!({"reason": "x"})
+            )
+        ),
+        404,
+        "CONSUMER_UNKNOWN",
+    );
+    assert_error(
+        &call!(
+            app,
+            remove(
+                "/ops/consumers/mail/subscriptions/ORDER_CANCELLED/remove",
+                json!({"reason": "x"})
+            )
+        ),
+        404,
+        "SUBSCRIPTION_NOT_FOUND",
+    );
+    assert_error(
+        &call!(
+            app,
+            remove(
+                "/ops/consumers/mail/subscriptions/ORDER_STATUS_CHANGED/remove",
+                json!({})
+            )
+        ),
+        400,
+        "REASON_REQUIRED",
+    );
+    assert_eq!(
+        fingerprint(&db).await,
+        before,
+        "refused actions change nothing"
+    );
+
+    let got = call!(
+        app,
+        remove(
+            "/ops/consumers/mail/subscriptions/ORDER_STATUS_CHANGED/remove",
+            json!({"reason": "mail no longer handles status changes"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(
+        text(
+            &db,
+            "SELECT string_agg(consumer || '|' || event_type, ',') AS s FROM consumer_subscriptions"
+        )
+        .await,
+        "stats|ORDER_STATUS_CHANGED",
+        "only mail's subscription is gone"
+    );
+    assert_eq!(
+        text(
+            &db,
+            "SELECT concat_ws('|', who, action, target, reason, details->>'event_type') AS s FROM admin_audit"
+        )
+        .await,
+        "alice|consumer.unsubscribe|consumer:mail|mail no longer handles status changes|ORDER_STATUS_CHANGED"
+    );
+    let listed = json_of(&call!(app, get("/ops/consumers")).1);
+    assert_eq!(listed["items"][0]["consumer"], "mail");
+    assert_eq!(listed["items"][0]["subscriptions"], json!([]));
     db.finish(&[]).await;
 }
 

@@ -40,6 +40,9 @@ pub(crate) const CONFIRMATION_MISMATCH: ErrorCode = ErrorCode::from_static("CONF
 pub(crate) const ROW_NOT_FOUND: ErrorCode = ErrorCode::from_static("ROW_NOT_FOUND");
 /// No outbox or inbox row carries that correlation id (404).
 pub(crate) const CORRELATION_NOT_FOUND: ErrorCode = ErrorCode::from_static("CORRELATION_NOT_FOUND");
+/// The consumer is not subscribed to that event type (404).
+pub(crate) const SUBSCRIPTION_NOT_FOUND: ErrorCode =
+    ErrorCode::from_static("SUBSCRIPTION_NOT_FOUND");
 /// Retry of a row that is not a dead letter (409).
 pub(crate) const NOT_A_DEAD_LETTER: ErrorCode = ErrorCode::from_static("NOT_A_DEAD_LETTER");
 /// Ignore of a row that is neither a dead letter nor waiting for a retry (409).

@@ -16,7 +16,7 @@ use super::auth::Operator;
 use super::error::*;
 use super::{State, DASHBOARD};
 use crate::event::ConsumerName;
-use crate::inbox::{pause_consumer, resume_consumer};
+use crate::inbox::{pause_consumer, resume_consumer, unsubscribe};
 use crate::maintenance::health::{self, human, HealthConfig, HealthReport, HealthState};
 use crate::store::{self, admin as stmt};
 
@@ -81,6 +81,10 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .service(post("/outbox/{id}/ignore", ignore_outbox_one))
         .service(post("/consumers/{name}/pause", pause))
         .service(post("/consumers/{name}/resume", resume))
+        .service(post(
+            "/consumers/{name}/subscriptions/{event_type}/remove",
+            remove_subscription,
+        ))
         .default_service(web::to(not_found))
 }
 
@@ -843,6 +847,58 @@ async fn set_pause(
                 resume_consumer(conn, &name, who).await?;
             }
             let before = json!({ "paused": was });
+            let audit_id =
+                stmt::insert_audit(conn, who, action, &target, reason.as_deref(), &before).await?;
+            Ok(Outcome {
+                action: action.to_owned(),
+                target: target.clone(),
+                changed: 1,
+                audit_id,
+                before,
+            })
+        })
+        .await?;
+    log_action(who, &outcome, reason.as_deref());
+    Ok(ok_json(outcome))
+}
+
+/// Removes a consumer's subscription through the library's own [`unsubscribe`], in one
+/// transaction with the audit row. Needs a reason: events of that type stop reaching the
+/// consumer, which is only right once no instance runs code that handles them.
+async fn remove_subscription(
+    op: Operator,
+    st: web::Data<State>,
+    path: web::Path<(String, String)>,
+    body: web::Bytes,
+) -> Reply {
+    let (name, event_type) = path.into_inner();
+    let name = ConsumerName::new(name)
+        .map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))?;
+    let body: ReasonBody = parse_body(&body)?;
+    let reason = reason(body.reason, true)?;
+    let who = op.0.as_str();
+    let action = "consumer.unsubscribe";
+    let target = format!("consumer:{name}");
+    let mut conn = st.pool.get().await?;
+    let outcome = conn
+        .transaction::<_, AdminError, _>(async |conn| {
+            stmt::lock_consumer(conn, name.as_str())
+                .await?
+                .ok_or_else(|| {
+                    AdminError::new(
+                        StatusCode::NOT_FOUND,
+                        crate::ErrorCode::CONSUMER_UNKNOWN,
+                        format!("no consumer {name} was ever registered"),
+                    )
+                })?;
+            if !unsubscribe(conn, &name, &event_type).await? {
+                return Err(AdminError::new(
+                    StatusCode::NOT_FOUND,
+                    SUBSCRIPTION_NOT_FOUND,
+                    format!("consumer {name} is not subscribed to {event_type}"),
+                ));
+            }
+            let before = json!({ "event_type": event_type, "subscribed": true });
             let audit_id =
                 stmt::insert_audit(conn, who, action, &target, reason.as_deref(), &before).await?;
             Ok(Outcome {

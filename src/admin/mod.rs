@@ -183,6 +183,7 @@ impl AdminConfig {
 /// | `POST /inbox/retry`, `POST /outbox/retry` | ≤ 100 dead letters: `{"ids":[…],"confirm":"RETRY 3"}` |
 /// | `POST /inbox/{id}/ignore`, `POST /outbox/{event_id}/ignore` | mark IGNORED: `{"reason":"…"}` |
 /// | `POST /consumers/{name}/pause`, `…/resume` | the pause switch (pause needs a reason) |
+/// | `POST /consumers/{name}/subscriptions/{event_type}/remove` | stop fanning that type out to it: `{"reason":"…"}` |
 ///
 /// There is deliberately no "retry everything": a bulk retry names its rows and repeats their
 /// count, so a mistake is bounded. Every action writes one `admin_audit` row in the same
