@@ -9,7 +9,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::worker::{self, BatchOutcome, InFlight, Isolation};
+use super::worker::{self, BatchOutcome, InFlight};
 use super::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::PgPool;
@@ -152,10 +152,9 @@ async fn batch_loop(
     me: &Recipient<Backlog>,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
-    let mut isolation = Isolation::Fast;
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = worker::run_batch(pool, cfg, handler, in_flight, isolation).await;
+        let batch = worker::run_batch(pool, cfg, handler, in_flight).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
@@ -171,16 +170,14 @@ async fn batch_loop(
                 next_retry,
                 handler_lost,
                 abandoned,
-                replay_safe,
+                rolled_back,
                 ..
             }) => {
-                if replay_safe && !handler_lost {
-                    // A lost handler is replaced first; the failed batch's rows are still
-                    // entered as in flight, so the replacement's batch holding them is safe.
-                    isolation = Isolation::Safe;
+                if rolled_back && !handler_lost {
+                    // Claim again at once: the rows' entry in flight makes the batch that gets
+                    // them safe. A lost handler is replaced first.
                     continue;
                 }
-                isolation = Isolation::Fast;
                 out.next_retry = match (out.next_retry, next_retry) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),

@@ -4,10 +4,10 @@
 //! Why one transaction per batch: one commit per batch instead of per row is what lets a
 //! consumer keep up with a producer that batches. When a handler fails, the batch is replayed
 //! with a savepoint per row, which gives each call all-or-nothing writes (an error undoes only
-//! its own effect; see [`Isolation`]). A crash anywhere before the commit rolls back effects
-//! and marks together, so the rows are simply claimed again: at-least-once delivery,
-//! effectively-once effects. So that a crash caused by a handler still counts as its attempt,
-//! the rows are recorded as in flight, committed, before a handler sees them ([`InFlight`]).
+//! its own effect). A crash anywhere before the commit rolls back effects and marks together,
+//! so the rows are simply claimed again: at-least-once delivery, effectively-once effects. So
+//! that a crash caused by a handler still counts as its attempt, the rows are recorded as in
+//! flight, committed, before a handler sees them ([`InFlight`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -37,8 +37,9 @@ pub(crate) struct BatchOutcome {
     pub next_retry: Option<Duration>,
     /// The handler actor stopped (panicked) during the batch and must be replaced.
     pub handler_lost: bool,
-    /// A fast batch hit a failure and was rolled back whole; replay it with savepoints.
-    pub replay_safe: bool,
+    /// A fast batch hit a failure and was rolled back whole, counting no attempt; its rows
+    /// are due again at once, and their entry in flight makes the batch that gets them safe.
+    pub rolled_back: bool,
     /// The transaction was abandoned (handler kept the connection, left a nested transaction
     /// open, or timed out mid-query); the unmarked rows will be claimed again.
     pub abandoned: bool,
@@ -57,20 +58,6 @@ pub(crate) fn handler_timed_out(cfg: &ConsumerConfig) -> HandlerError {
 
 /// When to look again at rows deferred because another batch held their aggregate.
 const DEFER_DELAY: Duration = Duration::from_millis(10);
-
-/// How a batch isolates its rows.
-///
-/// `Fast` runs the handlers without savepoints: two round trips fewer per row, and a batch
-/// handler gets every row in one call. Any failure then rolls back the whole batch (nothing is
-/// marked, no attempt is counted) and the loop replays it `Safe`, one row per call with a
-/// savepoint each, so that only the failing row's writes are undone and its attempt is
-/// recorded. A row's effect still commits at most once either way; a fast batch that fails
-/// only means the handlers before the failure run again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Isolation {
-    Fast,
-    Safe,
-}
 
 /// The consumer's connection for `inbox_in_flight`, shared by its batch loops. Outside any
 /// transaction, because an entry must be committed before a handler runs; outside the pool,
@@ -123,7 +110,7 @@ impl InFlight {
             if !entered.counted.is_empty() {
                 // Counted by this batch: should it not commit, that attempt goes uncounted,
                 // which only repeats it; counted twice it would not be.
-                inbox::clear_alone(conn, &entered.counted).await?;
+                inbox::set_alone(conn, &entered.counted, None).await?;
             }
             Ok(entered)
         })
@@ -133,7 +120,7 @@ impl InFlight {
     /// Records the row the batch `entry` hands over on its own now, or none.
     async fn alone(&self, pool: &PgPool, entry: i64, row: Option<i64>) -> Result<()> {
         self.with(pool, async |conn, _| {
-            inbox::set_alone(conn, entry, row).await
+            inbox::set_alone(conn, &[entry], row).await
         })
         .await
     }
@@ -168,8 +155,8 @@ impl InFlight {
 /// What the entries a batch found say about its rows.
 #[derive(Debug, Default)]
 struct Entered {
-    /// This batch's entry.
-    entry: i64,
+    /// This batch's entry; `None` for a batch that claimed nothing.
+    entry: Option<i64>,
     /// An entry left behind holds some of the rows: hand them over one per call.
     suspects: bool,
     /// Rows an entry left behind was handing over on their own: their last attempt ended
@@ -185,7 +172,7 @@ struct Entered {
 impl Entered {
     fn new(entry: i64, ids: &[i64], others: Vec<inbox::InFlightEntry>) -> Entered {
         let mut e = Entered {
-            entry,
+            entry: Some(entry),
             ..Default::default()
         };
         if others.is_empty() {
@@ -229,7 +216,6 @@ pub(crate) async fn run_batch(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
     in_flight: &InFlight,
-    isolation: Isolation,
 ) -> Result<BatchOutcome> {
     let mut conn: OwnedConn = pool.get_owned().await?;
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
@@ -241,19 +227,18 @@ pub(crate) async fn run_batch(
     // Committed before any handler sees a row; deleted once this batch has committed. An
     // earlier entry holding a claimed row was left by a batch that ended without an outcome.
     let entered = if claimed.is_empty() {
-        None
+        Entered::default()
     } else {
-        Some(in_flight.enter(pool, cfg.name.as_str(), &claimed).await?)
+        in_flight.enter(pool, cfg.name.as_str(), &claimed).await?
     };
-    let entry = entered.as_ref().map(|e| e.entry);
-    let suspect = entered.as_ref().is_some_and(|e| e.suspects);
-    let interrupted = entered
-        .as_ref()
-        .map(|e| e.interrupted.clone())
-        .unwrap_or_default();
-    // A batch holding rows of one that ended without an outcome (a failure of the whole
-    // batch, a process that died) hands them over one per call, to find the row to blame.
-    let safe = isolation == Isolation::Safe || suspect;
+    // How the batch isolates its rows. A fast batch runs the handlers without savepoints (two
+    // round trips fewer per row), and a batch handler gets every row in one call; any failure
+    // rolls the whole batch back, marking nothing and counting no attempt. Its entry in flight
+    // stays, so the batch that claims those rows again finds it and is safe: one row per call
+    // with a savepoint each, so that only the failing row's writes are undone and its attempt
+    // is recorded. A process that died holding rows leaves them the same way. A row's effect
+    // commits at most once either way; a failed fast batch only means some handlers run again.
+    let safe = entered.suspects;
     // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
     let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
     let mut out = BatchOutcome {
@@ -269,7 +254,7 @@ pub(crate) async fn run_batch(
     let rows: Vec<InboxRow> = rows
         .into_iter()
         .filter(|row| {
-            let ended = interrupted.contains(&row.id);
+            let ended = entered.interrupted.contains(&row.id);
             if ended {
                 let err = interrupted_attempt();
                 log_failure(cfg, row, &err);
@@ -347,7 +332,7 @@ pub(crate) async fn run_batch(
             continue;
         }
 
-        if let (true, Some(entry)) = (safe, entry) {
+        if let (true, Some(entry)) = (safe, entered.entry) {
             in_flight.alone(pool, entry, Some(group[0].id)).await?;
         }
         let call = hand_over(cfg, handler, conn, &mut group, safe).await;
@@ -362,7 +347,7 @@ pub(crate) async fn run_batch(
                 // Dropping the connection rolls the batch back (once the handler lets go of
                 // it). Which row hung is unknown, so no attempt is counted; their entries in
                 // flight make the next batch holding them hand them over one per call.
-                out.replay_safe = true;
+                out.rolled_back = true;
                 return Ok(out);
             }
             let err = call.result.err().unwrap_or_else(|| {
@@ -370,7 +355,7 @@ pub(crate) async fn run_batch(
             });
             // This attempt is counted here, so the entry must not count it again. The
             // abandoned transaction still holds the row, so nobody else can find it first.
-            if let (true, Some(entry)) = (safe, entry) {
+            if let (true, Some(entry)) = (safe, entered.entry) {
                 in_flight.alone(pool, entry, None).await?;
             }
             abandon(pool, cfg, &group[0], &err).await;
@@ -398,7 +383,7 @@ pub(crate) async fn run_batch(
                     // Replay the batch with savepoints, one row per call (its rows' entries in
                     // flight stay, which makes the replay safe), which records the failing
                     // row's attempt and keeps the other rows' effects.
-                    out.replay_safe = true;
+                    out.rolled_back = true;
                 }
                 return Ok(out);
             }
@@ -424,22 +409,15 @@ pub(crate) async fn run_batch(
     // now), and a fast batch's with rows left unmarked (deferred, or never offered to a lost
     // handler), which would only make that batch safe for nothing. A fast batch whose rows are
     // all marked leaves its entry for later: none of them is due again at once.
+    // Every marked row is one of the claimed ones, in exactly one of the three lists.
+    let unmarked = ids.len() + stale.len() + failures.len() < claimed.len();
     let mut later = None;
-    if let Some(e) = entered {
-        let unmarked = || {
-            let marked: HashSet<i64> = ids
-                .iter()
-                .copied()
-                .chain(stale.iter().map(|s| s.0))
-                .chain(failures.iter().map(|f| f.id))
-                .collect();
-            claimed.iter().any(|id| !marked.contains(id))
-        };
-        if safe || unmarked() {
-            let entries: Vec<i64> = std::iter::once(e.entry).chain(e.covered).collect();
+    if let Some(entry) = entered.entry {
+        if safe || unmarked {
+            let entries: Vec<i64> = std::iter::once(entry).chain(entered.covered).collect();
             in_flight.leave(pool, &entries).await?;
         } else {
-            later = Some(e.entry);
+            later = Some(entry);
         }
     }
     inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;

@@ -228,29 +228,18 @@ pub(crate) async fn enter_in_flight(
     Ok((entry, others))
 }
 
-/// Records which row the batch `entry` is handing over on its own now (`None`: none), so that
-/// should the process die, that row alone is to blame.
+/// Records the row the batches `entries` are handing over on their own now: `Some(row)` for
+/// the one entry of a safe batch (should the process die, that row alone is to blame), `None`
+/// once that attempt is counted elsewhere, so that it is counted once.
 pub(crate) async fn set_alone(
     mut conn: &AsyncPgConnection,
-    entry: i64,
+    entries: &[i64],
     row: Option<i64>,
 ) -> Result<()> {
     Prepared(
-        diesel::sql_query("UPDATE inbox_in_flight SET alone = $2 WHERE id = $1")
-            .bind::<BigInt, _>(entry)
+        diesel::sql_query("UPDATE inbox_in_flight SET alone = $2 WHERE id = ANY($1)")
+            .bind::<Array<BigInt>, _>(entries)
             .bind::<Nullable<BigInt>, _>(row),
-    )
-    .execute(&mut conn)
-    .await?;
-    Ok(())
-}
-
-/// Forgets the rows the entries `entries` were handing over on their own, once a batch has
-/// counted their attempts, so that none is counted twice.
-pub(crate) async fn clear_alone(mut conn: &AsyncPgConnection, entries: &[i64]) -> Result<()> {
-    Prepared(
-        diesel::sql_query("UPDATE inbox_in_flight SET alone = NULL WHERE id = ANY($1)")
-            .bind::<Array<BigInt>, _>(entries),
     )
     .execute(&mut conn)
     .await?;
