@@ -809,8 +809,7 @@ async fn resume(
     set_pause(op, st, path, body, false).await
 }
 
-/// The pause switch through the library's own [`pause_consumer`] / [`resume_consumer`], in
-/// one transaction with the audit row.
+/// The pause switch through the library's own [`pause_consumer`] / [`resume_consumer`].
 async fn set_pause(
     op: Operator,
     st: web::Data<State>,
@@ -818,53 +817,20 @@ async fn set_pause(
     body: web::Bytes,
     paused: bool,
 ) -> Reply {
-    let name = ConsumerName::new(path.into_inner())
-        .map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))?;
+    let name = consumer_name(path.into_inner())?;
     let body: ReasonBody = parse_body(&body)?;
     let reason = reason(body.reason, paused)?;
-    let who = op.0.as_str();
-    let action = if paused {
-        "consumer.pause"
+    let change = if paused {
+        ConsumerChange::Pause
     } else {
-        "consumer.resume"
+        ConsumerChange::Resume
     };
-    let target = format!("consumer:{name}");
-    let mut conn = st.pool.get().await?;
-    let outcome = conn
-        .transaction::<_, AdminError, _>(async |conn| {
-            let was = stmt::lock_consumer(conn, name.as_str())
-                .await?
-                .ok_or_else(|| {
-                    AdminError::new(
-                        StatusCode::NOT_FOUND,
-                        crate::ErrorCode::CONSUMER_UNKNOWN,
-                        format!("no consumer {name} was ever registered"),
-                    )
-                })?;
-            if paused {
-                pause_consumer(conn, &name, who, reason.as_deref().unwrap_or_default()).await?;
-            } else {
-                resume_consumer(conn, &name, who).await?;
-            }
-            let before = json!({ "paused": was });
-            let audit_id =
-                stmt::insert_audit(conn, who, action, &target, reason.as_deref(), &before).await?;
-            Ok(Outcome {
-                action: action.to_owned(),
-                target: target.clone(),
-                changed: 1,
-                audit_id,
-                before,
-            })
-        })
-        .await?;
-    log_action(who, &outcome, reason.as_deref());
-    Ok(ok_json(outcome))
+    consumer_action(&op, &st, &name, change, reason).await
 }
 
-/// Removes a consumer's subscription through the library's own [`unsubscribe`], in one
-/// transaction with the audit row. Needs a reason: events of that type stop reaching the
-/// consumer, which is only right once no instance runs code that handles them.
+/// Removes a consumer's subscription through the library's own [`unsubscribe`]. Needs a
+/// reason: events of that type stop reaching the consumer, which is only right once no
+/// instance runs code that handles them.
 async fn remove_subscription(
     op: Operator,
     st: web::Data<State>,
@@ -872,17 +838,50 @@ async fn remove_subscription(
     body: web::Bytes,
 ) -> Reply {
     let (name, event_type) = path.into_inner();
-    let name = ConsumerName::new(name)
-        .map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))?;
+    let name = consumer_name(name)?;
     let body: ReasonBody = parse_body(&body)?;
     let reason = reason(body.reason, true)?;
+    consumer_action(
+        &op,
+        &st,
+        &name,
+        ConsumerChange::Unsubscribe(event_type),
+        reason,
+    )
+    .await
+}
+
+fn consumer_name(name: String) -> Result<ConsumerName, AdminError> {
+    ConsumerName::new(name).map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))
+}
+
+/// What an action does to a consumer.
+enum ConsumerChange {
+    Pause,
+    Resume,
+    Unsubscribe(String),
+}
+
+/// An action on a consumer, in one transaction with its audit row: lock the consumer's state
+/// row (404 for a consumer never registered), make the change, write the audit row.
+async fn consumer_action(
+    op: &Operator,
+    st: &State,
+    name: &ConsumerName,
+    change: ConsumerChange,
+    reason: Option<String>,
+) -> Reply {
     let who = op.0.as_str();
-    let action = "consumer.unsubscribe";
+    let action = match change {
+        ConsumerChange::Pause => "consumer.pause",
+        ConsumerChange::Resume => "consumer.resume",
+        ConsumerChange::Unsubscribe(_) => "consumer.unsubscribe",
+    };
     let target = format!("consumer:{name}");
     let mut conn = st.pool.get().await?;
     let outcome = conn
         .transaction::<_, AdminError, _>(async |conn| {
-            stmt::lock_consumer(conn, name.as_str())
+            let was_paused = stmt::lock_consumer(conn, name.as_str())
                 .await?
                 .ok_or_else(|| {
                     AdminError::new(
@@ -891,14 +890,27 @@ async fn remove_subscription(
                         format!("no consumer {name} was ever registered"),
                     )
                 })?;
-            if !unsubscribe(conn, &name, &event_type).await? {
-                return Err(AdminError::new(
-                    StatusCode::NOT_FOUND,
-                    SUBSCRIPTION_NOT_FOUND,
-                    format!("consumer {name} is not subscribed to {event_type}"),
-                ));
-            }
-            let before = json!({ "event_type": event_type, "subscribed": true });
+            let before = match &change {
+                ConsumerChange::Pause => {
+                    let why = reason.as_deref().unwrap_or_default();
+                    pause_consumer(conn, name, who, why).await?;
+                    json!({ "paused": was_paused })
+                }
+                ConsumerChange::Resume => {
+                    resume_consumer(conn, name, who).await?;
+                    json!({ "paused": was_paused })
+                }
+                ConsumerChange::Unsubscribe(event_type) => {
+                    if !unsubscribe(conn, name, event_type).await? {
+                        return Err(AdminError::new(
+                            StatusCode::NOT_FOUND,
+                            SUBSCRIPTION_NOT_FOUND,
+                            format!("consumer {name} is not subscribed to {event_type}"),
+                        ));
+                    }
+                    json!({ "event_type": event_type, "subscribed": true })
+                }
+            };
             let audit_id =
                 stmt::insert_audit(conn, who, action, &target, reason.as_deref(), &before).await?;
             Ok(Outcome {
