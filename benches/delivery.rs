@@ -621,29 +621,33 @@ async fn produce(
                 )
             })
             .collect();
+        // The business row and its events are pipelined: one round trip between BEGIN and COMMIT.
         conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+            let conn: &AsyncPgConnection = conn;
             if events.len() == 1 {
-                Prepared(
+                let order = Prepared(
                     diesel::sql_query(
                         "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2)",
                     )
                     .bind::<Text, _>(&ids[0])
                     .bind::<BigInt, _>(first as i64 * 100),
-                )
-                .execute(conn)
-                .await?;
-                enqueue(conn, &events[0]).await?;
+                );
+                futures_util::try_join!(
+                    async { Ok(order.execute(&mut &*conn).await?) },
+                    enqueue(conn, &events[0])
+                )?;
             } else {
                 let amounts: Vec<i64> = (first..last).map(|n| n as i64 * 100).collect();
-                diesel::sql_query(
+                let orders = diesel::sql_query(
                     "INSERT INTO bench_orders (id, status, amount_cents) \
                      SELECT id, 'PLACED', amount FROM unnest($1::text[], $2::int8[]) AS t(id, amount)",
                 )
                 .bind::<Array<Text>, _>(&ids)
-                .bind::<Array<BigInt>, _>(&amounts)
-                .execute(conn)
-                .await?;
-                enqueue_many(conn, &events).await?;
+                .bind::<Array<BigInt>, _>(&amounts);
+                futures_util::try_join!(
+                    async { Ok(orders.execute(&mut &*conn).await?) },
+                    enqueue_many(conn, &events)
+                )?;
             }
             Ok(())
         })

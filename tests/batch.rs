@@ -37,11 +37,11 @@ async fn a_batch_consumer_gets_a_backlog_in_batches_and_writes_each_effect_once(
 /// effect once, on its first counted attempt.
 async fn poison_in_a_batch(poison: Poison, timeout: Duration, error: &str) {
     let db = TestDb::new().await;
-    let mut conn = db.pool.get().await.unwrap();
-    actix_outbox::enqueue(&mut conn, &order_event("healthy-first"))
+    let conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&conn, &order_event("healthy-first"))
         .await
         .unwrap();
-    actix_outbox::enqueue(&mut conn, &order_event("poison"))
+    actix_outbox::enqueue(&conn, &order_event("poison"))
         .await
         .unwrap();
     drop(conn);

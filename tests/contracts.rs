@@ -200,7 +200,7 @@ async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
 async fn an_unreadable_version_is_dead_lettered_after_one_attempt_and_v1_is_upcast() {
     let db = TestDb::new().await;
     setup(&db).await;
-    let mut conn = db.pool.get().await.unwrap();
+    let conn = db.pool.get().await.unwrap();
     // Rows already in the table: a v1 (readable through the upcaster) and a v9 (from a newer
     // build, unreadable here). The plain enqueue writes any version.
     let v1 = NewEvent::new(
@@ -217,8 +217,8 @@ async fn an_unreadable_version_is_dead_lettered_after_one_attempt_and_v1_is_upca
         json!({"whatever": true}),
     )
     .version(9);
-    enqueue(&mut conn, &v1).await.unwrap();
-    enqueue(&mut conn, &v9).await.unwrap();
+    enqueue(&conn, &v1).await.unwrap();
+    enqueue(&conn, &v9).await.unwrap();
     drop(conn);
     let rt = start_projector(&db, projector_config("projector"), Projector::default()).await;
 
@@ -252,16 +252,16 @@ async fn a_stale_event_is_recorded_and_state_never_moves_backwards() {
     )
     .await;
     let reg = registry();
-    let mut conn = db.pool.get().await.unwrap();
-    reg.enqueue(&mut conn, &changed("o1", "DELIVERED", 13))
+    let conn = db.pool.get().await.unwrap();
+    reg.enqueue(&conn, &changed("o1", "DELIVERED", 13))
         .await
         .unwrap();
     drop(conn);
     rt.handle().wake();
     let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
-    let mut conn = db.pool.get().await.unwrap();
-    reg.enqueue(&mut conn, &changed("o1", "SENT", 12))
+    let conn = db.pool.get().await.unwrap();
+    reg.enqueue(&conn, &changed("o1", "SENT", 12))
         .await
         .unwrap();
     drop(conn);
@@ -299,9 +299,9 @@ async fn shuffled_events_end_in_the_state_of_each_aggregates_latest_version() {
         events.swap(i, (seed % (i as u64 + 1)) as usize);
     }
     let reg = registry();
-    let mut conn = db.pool.get().await.unwrap();
+    let conn = db.pool.get().await.unwrap();
     for chunk in events.chunks(37) {
-        reg.enqueue_many(&mut conn, chunk).await.unwrap();
+        reg.enqueue_many(&conn, chunk).await.unwrap();
     }
     drop(conn);
     let cfg = projector_config("projector")
@@ -346,12 +346,12 @@ async fn two_different_events_with_one_business_key_cause_one_effect() {
     )
     .await;
     let reg = registry();
-    let mut conn = db.pool.get().await.unwrap();
+    let conn = db.pool.get().await.unwrap();
     // Two distinct events (different ids and versions) that both mean "o1 is COMPLETED".
-    reg.enqueue(&mut conn, &changed("o1", "COMPLETED", 3))
+    reg.enqueue(&conn, &changed("o1", "COMPLETED", 3))
         .await
         .unwrap();
-    reg.enqueue(&mut conn, &changed("o1", "COMPLETED", 4))
+    reg.enqueue(&conn, &changed("o1", "COMPLETED", 4))
         .await
         .unwrap();
     drop(conn);
@@ -392,8 +392,8 @@ async fn a_chain_keeps_one_correlation_id_and_links_causation() {
         .unwrap();
     // The request's id is the correlation id.
     let first = changed("o1", "COMPLETED", 2).correlation_id("req-123");
-    let mut conn = db.pool.get().await.unwrap();
-    registry().enqueue(&mut conn, &first).await.unwrap();
+    let conn = db.pool.get().await.unwrap();
+    registry().enqueue(&conn, &first).await.unwrap();
     drop(conn);
     rt.handle().wake();
 

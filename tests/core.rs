@@ -73,6 +73,63 @@ async fn business_change_and_event_commit_together_or_not_at_all() {
     db.finish(&[]).await;
 }
 
+/// The business insert and the enqueue sent together (pipelined) in one transaction.
+async fn pipelined(
+    conn: &mut diesel_async::AsyncPgConnection,
+    order: &str,
+    event: &NewEvent,
+) -> Result<(), Error> {
+    conn.transaction::<_, Error, _>(async |conn| {
+        let conn: &diesel_async::AsyncPgConnection = conn;
+        let insert = diesel::sql_query(
+            "INSERT INTO orders (id, status, version) VALUES ($1, 'COMPLETED', 2)",
+        )
+        .bind::<diesel::sql_types::Text, _>(order);
+        futures_util::try_join!(
+            async { Ok(insert.execute(&mut &*conn).await?) },
+            enqueue(conn, event)
+        )?;
+        Ok(())
+    })
+    .await
+}
+
+#[actix_rt::test]
+async fn an_enqueue_pipelined_with_the_business_write_commits_with_it_or_not_at_all() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    let first = order_event("p-ok");
+    pipelined(&mut conn, "p-ok", &first).await.unwrap();
+
+    // The business statement fails (the order exists): the event sent with it is not written.
+    let err = pipelined(&mut conn, "p-ok", &order_event("p-biz")).await;
+    assert_eq!(err.unwrap_err().code().as_str(), "DATABASE_ERROR");
+    // The enqueue fails (the same event id again): the order sent with it is not written.
+    let err = pipelined(&mut conn, "p-event", &first).await;
+    assert_eq!(err.unwrap_err().code().as_str(), "DATABASE_ERROR");
+    // The event is invalid, found before anything is written; the order may already be on
+    // its way to the server, and rolls back.
+    let invalid = NewEvent::new("", "order", "p-invalid", serde_json::json!({}));
+    let err = pipelined(&mut conn, "p-invalid", &invalid).await;
+    assert_eq!(err.unwrap_err().code().as_str(), "EVENT_SCHEMA_INVALID");
+    // The connection is usable afterwards, outside any transaction.
+    pipelined(&mut conn, "p-after", &order_event("p-after"))
+        .await
+        .unwrap();
+    drop(conn);
+
+    assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 2);
+    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 2);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM orders o JOIN outbox_events e ON e.aggregate_id = o.id"
+        )
+        .await,
+        2
+    );
+    db.finish(&[]).await;
+}
+
 #[actix_rt::test]
 async fn one_event_published_three_times_gives_one_inbox_row_and_one_effect() {
     let db = TestDb::new().await;
@@ -641,8 +698,8 @@ async fn an_unsubscribed_event_type_is_no_longer_fanned_out_to_that_consumer() {
     let unknown = actix_outbox::unsubscribe(&mut conn, &nobody, "ORDER_CANCELLED").await;
     assert_eq!(unknown.unwrap_err().code().as_str(), "CONSUMER_UNKNOWN");
     let cancelled = NewEvent::new("ORDER_CANCELLED", "order", "o2", serde_json::json!({}));
-    enqueue(&mut conn, &cancelled).await.unwrap();
-    enqueue(&mut conn, &order_event("o1")).await.unwrap();
+    enqueue(&conn, &cancelled).await.unwrap();
+    enqueue(&conn, &order_event("o1")).await.unwrap();
     drop(conn);
     rt.handle().wake();
 

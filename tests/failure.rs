@@ -79,8 +79,8 @@ async fn a_poison_event_is_dead_lettered_while_healthy_events_flow() {
     };
     let rt = start(&db, vec![(consumer("c1", 4).batch_size(8), behaviour)]).await;
     // The poison event is first in line, ahead of the healthy ones.
-    let mut conn = db.pool.get().await.unwrap();
-    actix_outbox::enqueue(&mut conn, &order_event("poison"))
+    let conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&conn, &order_event("poison"))
         .await
         .unwrap();
     drop(conn);
@@ -226,9 +226,9 @@ async fn an_event_that_kills_its_process(batch: bool) {
     // Register the consumer before any event exists, as a deployed service would have.
     let setup = start(&db, vec![(consumer("c1", 2), Behaviour::default())]).await;
     setup.shutdown().await;
-    let mut conn = db.pool.get().await.unwrap();
+    let conn = db.pool.get().await.unwrap();
     for order in ["healthy-first", "poison"] {
-        actix_outbox::enqueue(&mut conn, &order_event(order))
+        actix_outbox::enqueue(&conn, &order_event(order))
             .await
             .unwrap();
     }

@@ -250,7 +250,7 @@ async fn the_timeline_of_a_receiving_database_shows_what_it_received_and_what_fo
     )
     .correlation_id(correlation.as_str())
     .causation_id(correlation.as_str());
-    actix_outbox::enqueue(&mut conn, &follow_up).await.unwrap();
+    actix_outbox::enqueue(&conn, &follow_up).await.unwrap();
     let timeline = actix_outbox::timeline(&mut conn, &correlation)
         .await
         .unwrap();

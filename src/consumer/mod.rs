@@ -160,8 +160,8 @@ impl Delivery {
     /// As [`enqueue`](crate::enqueue), as a [`HandlerError`].
     pub async fn enqueue(&self, event: NewEvent) -> Result<EventId, HandlerError> {
         let event = self.follow_up(event);
-        let mut conn = self.conn().await?;
-        Ok(crate::enqueue(&mut conn, &event).await?)
+        let conn = self.conn().await?;
+        Ok(crate::enqueue(&conn, &event).await?)
     }
 
     /// An event caused by this one: same correlation id, this event's id as causation id.

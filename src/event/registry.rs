@@ -167,7 +167,7 @@ impl EventRegistry {
     ///
     /// # Errors
     /// As [`EventRegistry::validate`], and [`Error::Database`] when the insert fails.
-    pub async fn enqueue(&self, conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<EventId> {
+    pub async fn enqueue(&self, conn: &AsyncPgConnection, event: &NewEvent) -> Result<EventId> {
         self.validate(event)?;
         crate::outbox::insert_validated(conn, std::slice::from_ref(event)).await?;
         Ok(event.id)
@@ -179,7 +179,7 @@ impl EventRegistry {
     /// As [`EventRegistry::enqueue`]; nothing is written unless every event is valid.
     pub async fn enqueue_many(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &AsyncPgConnection,
         events: &[NewEvent],
     ) -> Result<Vec<EventId>> {
         for event in events {

@@ -21,11 +21,32 @@ use crate::store;
 /// version and payload-shape checks against registered types, enqueue through an
 /// [`EventRegistry`](crate::EventRegistry).
 ///
+/// It takes a shared reference so that it can be *pipelined* with the business statements of
+/// the same transaction: futures polled together on one connection are sent without waiting
+/// for each answer, so the business row and the event cost one round trip instead of two.
+///
+/// ```no_run
+/// # use actix_outbox::{enqueue, NewEvent};
+/// # use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+/// # async fn place(conn: &mut AsyncPgConnection, event: NewEvent) -> actix_outbox::Result<()> {
+/// conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+///     let conn: &AsyncPgConnection = conn;
+///     let order = diesel::sql_query("INSERT INTO orders (id) VALUES (1)");
+///     futures_util::try_join!(
+///         async { Ok(order.execute(&mut &*conn).await?) },
+///         enqueue(conn, &event),
+///     )?;
+///     Ok(())
+/// })
+/// .await
+/// # }
+/// ```
+///
 /// # Errors
 /// [`Error::InvalidEvent`](crate::Error::InvalidEvent) (`EVENT_SCHEMA_INVALID`) before any write
 /// when the event is malformed; [`Error::Database`](crate::Error::Database) when the insert
 /// fails (e.g. the same event id twice).
-pub async fn enqueue(conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<EventId> {
+pub async fn enqueue(conn: &AsyncPgConnection, event: &NewEvent) -> Result<EventId> {
     event.validate(&PayloadRules::default())?;
     insert_validated(conn, std::slice::from_ref(event)).await?;
     Ok(event.id)
@@ -36,10 +57,7 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<E
 ///
 /// # Errors
 /// As [`enqueue`].
-pub async fn enqueue_many(
-    conn: &mut AsyncPgConnection,
-    events: &[NewEvent],
-) -> Result<Vec<EventId>> {
+pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
     let rules = PayloadRules::default();
     for event in events {
         event.validate(&rules)?;
@@ -49,10 +67,7 @@ pub async fn enqueue_many(
 }
 
 /// The one insert path, shared with [`EventRegistry`](crate::EventRegistry).
-pub(crate) async fn insert_validated(
-    conn: &mut AsyncPgConnection,
-    events: &[NewEvent],
-) -> Result<()> {
+pub(crate) async fn insert_validated(conn: &AsyncPgConnection, events: &[NewEvent]) -> Result<()> {
     store::outbox::insert_events(conn, events).await?;
     for e in events {
         tracing::debug!(

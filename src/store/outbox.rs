@@ -10,7 +10,7 @@ use crate::store::{self, Prepared};
 
 /// Inserts all `events` with one statement (`unnest` of column arrays), so a producer that
 /// writes 500 events in one business transaction pays for one round trip, not 500.
-pub(crate) async fn insert_events(conn: &mut AsyncPgConnection, events: &[NewEvent]) -> Result<()> {
+pub(crate) async fn insert_events(mut conn: &AsyncPgConnection, events: &[NewEvent]) -> Result<()> {
     if events.is_empty() {
         return Ok(());
     }
@@ -56,7 +56,7 @@ pub(crate) async fn insert_events(conn: &mut AsyncPgConnection, events: &[NewEve
     .bind::<Array<Jsonb>, _>(metadata)
     .bind::<Array<Text>, _>(correlations)
     .bind::<Array<Nullable<Text>>, _>(causations))
-    .execute(conn)
+    .execute(&mut conn)
     .await?;
     Ok(())
 }
