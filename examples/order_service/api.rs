@@ -220,7 +220,7 @@ fn status_changed(
 }
 
 async fn audit(
-    conn: &mut AsyncPgConnection,
+    mut conn: &AsyncPgConnection,
     order_id: &str,
     action: &str,
     from: Option<OrderStatus>,
@@ -238,7 +238,7 @@ async fn audit(
     .bind::<Text, _>(to.as_str())
     .bind::<BigInt, _>(version)
     .bind::<Nullable<Text>, _>(correlation)
-    .execute(conn)
+    .execute(&mut conn)
     .await?;
     Ok(())
 }
@@ -319,8 +319,12 @@ async fn create_order(
                 return Ok(Created::Replayed(existing));
             };
             let waiting = OrderStatus::Waiting;
-            audit(conn, &id, "CREATED", None, waiting, 1, correlation.as_ref()).await?;
-            enqueue(conn, &status_changed(&id, waiting, 1, correlation.as_ref())).await?;
+            // The audit row and the event go to the server together: one round trip.
+            let conn: &AsyncPgConnection = conn;
+            futures_util::try_join!(
+                async { Ok::<_, ApiError>(audit(conn, &id, "CREATED", None, waiting, 1, correlation.as_ref()).await?) },
+                async { Ok(enqueue(conn, &status_changed(&id, waiting, 1, correlation.as_ref())).await?) },
+            )?;
             Ok(Created::New(order))
         })
         .await?;
@@ -422,29 +426,33 @@ async fn change_status(
                 ));
             }
             let version = current.version + 1;
-            diesel::sql_query(
+            // The change, its audit row and its event are sent together (pipelined): one
+            // round trip, still one transaction.
+            let conn: &AsyncPgConnection = conn;
+            let update = diesel::sql_query(
                 "UPDATE orders SET status = $2, version = $3, updated_at = now() WHERE id = $1",
             )
             .bind::<Text, _>(&order_id)
             .bind::<Text, _>(to.as_str())
-            .bind::<BigInt, _>(version)
-            .execute(conn)
-            .await?;
-            audit(
-                conn,
-                &order_id,
-                "STATUS_CHANGED",
-                Some(from),
-                to,
-                version,
-                correlation.as_ref(),
-            )
-            .await?;
-            enqueue(
-                conn,
-                &status_changed(&order_id, to, version, correlation.as_ref()),
-            )
-            .await?;
+            .bind::<BigInt, _>(version);
+            let event = status_changed(&order_id, to, version, correlation.as_ref());
+            futures_util::try_join!(
+                async { Ok::<_, ApiError>(update.execute(&mut &*conn).await?) },
+                async {
+                    let (from, correlation) = (Some(from), correlation.as_ref());
+                    Ok(audit(
+                        conn,
+                        &order_id,
+                        "STATUS_CHANGED",
+                        from,
+                        to,
+                        version,
+                        correlation,
+                    )
+                    .await?)
+                },
+                async { Ok(enqueue(conn, &event).await?) },
+            )?;
             Ok(version)
         })
         .await?;
