@@ -89,7 +89,8 @@
 //! - **Inbox row** (`inbox_events`), one per (event, consumer): `RECEIVED → PROCESSED`, or
 //!   `RETRY_PENDING` after a failure (backoff from the consumer's [`RetryPolicy`]) and
 //!   `DEAD_LETTER` once attempts run out or on a [`HandlerError::Permanent`].
-//! - **Mailboxes are a fast path.** Every actor also polls; a lost message costs latency only.
+//! - **Mailboxes are a fast path.** The publisher and the consumers also poll; a lost message
+//!   costs latency only.
 //! - **Supervision.** The supervisor rebuilds any actor that stopped or panicked. A panic in a
 //!   consumer's handler fails that delivery (retried like an error); if it killed the handler
 //!   actor (a panic in `handle` itself, not in the future it returns), the actor is rebuilt
@@ -104,7 +105,7 @@
 //!
 //! - `event/` — ids, the envelope, typed [`Event`]s and the [`EventRegistry`]; `error` — the
 //!   error enum and stable codes.
-//! - `store/` — every SQL statement (internal) and the migrations.
+//! - `store/` — the SQL of the delivery state machines (internal) and the migration runner.
 //! - `outbox/` — enqueue in the caller's transaction; `inbox/` — idempotency keys, pause,
 //!   the receiving side of external transports.
 //! - `consumer/` — the delivery message, handler errors, retry policy, consumer actors.

@@ -1,6 +1,7 @@
-//! The publisher's claim keeps its plan whatever the table's statistics say: an ordered
-//! `Index Scan` of the partial index `outbox_events_due` under the `LockRows`, and the claimed
-//! rows found again by primary key, never by scanning the table.
+//! The claims keep their plans whatever the tables' statistics say. The publisher's claim: an
+//! ordered `Index Scan` of the partial index `outbox_events_due` under the `LockRows`, and the
+//! claimed rows found again by primary key, never by scanning the table. The consumer's claim
+//! (the last test): an ordered `Index Scan` of `inbox_events_due`.
 //!
 //! The trap this guards: on a fresh table nobody has analyzed yet, PostgreSQL underestimates
 //! the due rows, and with a plain `LIMIT $1` it picks a bitmap scan of the partial index that
@@ -23,6 +24,8 @@ use serde_json::Value;
 const CLAIM_SQL: &str = include_str!("../src/store/claim.sql");
 /// What the library runs before it in the same transaction.
 const PLAN_GUARD: &str = include_str!("../src/store/plan_guard.sql");
+/// The consumer's claim on the inbox, exactly as the library runs it (without a guard).
+const INBOX_CLAIM_SQL: &str = include_str!("../src/store/inbox_claim.sql");
 
 #[derive(QueryableByName)]
 struct ExplainRow {
@@ -301,5 +304,96 @@ async fn claim_planned_on_an_empty_table_still_uses_the_indexes() {
     let nodes = explain_claim(&mut conn).await;
     drop(conn);
     assert_claim_plan(&nodes, "empty table, never analyzed");
+    db.finish(&[]).await;
+}
+
+/// The consumer's claim has no plan guard: its `ORDER BY` is the partial index
+/// `inbox_events_due` column for column, so an ordered scan of that index that stops at the
+/// limit wins in every state the outbox claim can be trapped in: a generic plan made while the
+/// table was empty and kept as it grew, a fresh table nobody analyzed, a large analyzed one.
+#[actix_rt::test]
+async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistics() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(&format!(
+        "ALTER TABLE inbox_events SET (autovacuum_enabled = off);
+         INSERT INTO consumer_states (consumer) VALUES ('c1');
+         PREPARE inbox_claim_test (text, int8) AS {INBOX_CLAIM_SQL};"
+    ))
+    .await
+    .unwrap();
+    // Six runs on the empty table make PostgreSQL settle on a generic plan and keep it.
+    for _ in 0..6 {
+        conn.batch_execute("EXECUTE inbox_claim_test ('c1', 500)")
+            .await
+            .unwrap();
+    }
+    let explain =
+        async |conn: &mut AsyncPgConnection, case: &str| {
+            let row: ExplainRow =
+                diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE inbox_claim_test ('c1', 500)")
+                    .get_result(conn)
+                    .await
+                    .expect("EXPLAIN the consumer's claim");
+            let mut nodes = Vec::new();
+            flatten(&row.plan[0]["Plan"], None, 0, &mut nodes);
+            let plan = render(&nodes);
+            assert!(
+                nodes.iter().any(|n| n.node_type == "Index Scan"
+                    && n.index.as_deref() == Some("inbox_events_due")),
+                "{case}: the due rows are not read by an ordered scan of inbox_events_due:\n{plan}"
+            );
+            let unwanted: Vec<&Node> = nodes
+                .iter()
+                .filter(|n| {
+                    matches!(
+                        n.node_type.as_str(),
+                        "Sort" | "Bitmap Heap Scan" | "Seq Scan"
+                    )
+                })
+                .collect();
+            assert!(
+                unwanted.is_empty(),
+                "{case}: the claim reads or sorts every row ({unwanted:?}):\n{plan}"
+            );
+        };
+    explain(&mut conn, "empty table").await;
+
+    // 60,000 rows for three consumers, one in ten due, written after the plan was made.
+    conn.batch_execute(
+        "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, \
+             aggregate_type, aggregate_id, payload, correlation_id, event_created_at, status) \
+         SELECT gen_random_uuid(), 'c' || (g % 3), 'ORDER_STATUS_CHANGED', 1, 'order', \
+             'o-' || g, '{}', 'c-' || g, now(), \
+             CASE WHEN g % 10 = 0 THEN 'RECEIVED' ELSE 'PROCESSED' END \
+         FROM generate_series(1, 60000) AS g",
+    )
+    .await
+    .unwrap();
+    explain(&mut conn, "planned empty, now 60,000 rows, never analyzed").await;
+    conn.batch_execute("SET plan_cache_mode = force_custom_plan")
+        .await
+        .unwrap();
+    explain(&mut conn, "custom plan, never analyzed").await;
+    conn.batch_execute("ANALYZE inbox_events; SET plan_cache_mode = force_generic_plan")
+        .await
+        .unwrap();
+    explain(&mut conn, "generic plan, analyzed").await;
+    conn.batch_execute("RESET plan_cache_mode; DEALLOCATE inbox_claim_test")
+        .await
+        .unwrap();
+
+    // And it claims what it should: c1's 500 oldest due rows.
+    let claimed = db
+        .count(&format!(
+            "SELECT count(*) AS n FROM ({}) x",
+            INBOX_CLAIM_SQL
+                .replace("$1", "'c1'")
+                .replace("$2", "500")
+                .replace("FOR UPDATE OF i SKIP LOCKED", "")
+        ))
+        .await;
+    assert_eq!(claimed, 500);
+    drop(conn);
     db.finish(&[]).await;
 }

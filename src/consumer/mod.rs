@@ -201,9 +201,10 @@ async fn lend(slot: &Arc<Mutex<Option<OwnedConn>>>) -> Result<TxConn, HandlerErr
 ///
 /// `Ok(())` marks every event of the batch PROCESSED in the batch's transaction. An error
 /// (or a panic, or a timeout: [`ConsumerConfig::handler_timeout`] applies to the whole call)
-/// rolls back the batch's writes and counts no attempt; the runtime then hands those rows over
-/// again one per call, each in a savepoint, so that the failure is recorded against the event
-/// that causes it and the other events still commit. A batch is never empty; each
+/// rolls back the batch's writes and, for a batch of several events, counts no attempt; the
+/// runtime then hands those rows over again one per call, each in a savepoint, so that the
+/// failure is recorded against the event that causes it and the other events still commit. A
+/// one-event batch that fails is counted at once, like any delivery. A batch is never empty; each
 /// [`Delivery`] in it has the usual accessors, and [`Delivery::conn`] and
 /// [`Delivery::enqueue`] work on the batch's transaction too.
 ///

@@ -340,7 +340,8 @@ pub enum Fault {
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct RuntimeStatus {
-    /// Restarts per child (`publisher`, `registry`, `reconciler`, `consumer:NAME`).
+    /// Restarts per child (`publisher`, `registry`, `reconciler`, `stats`, `listener`,
+    /// `consumer:NAME`).
     pub restarts: BTreeMap<String, u32>,
     /// The reconciler's last built-in check, once one has run.
     pub drift: Option<DriftReport>,

@@ -140,20 +140,9 @@ async fn claim_due(
     limit: i64,
 ) -> Result<Vec<InboxRow>> {
     let rows = Prepared(
-        diesel::sql_query(
-            "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
-             i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
-             i.causation_id, i.event_created_at, i.attempt_count \
-         FROM inbox_events i \
-         WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
-           AND i.next_attempt_at <= now() \
-           AND NOT EXISTS (SELECT 1 FROM consumer_states s WHERE s.consumer = $1 AND s.paused) \
-         ORDER BY i.next_attempt_at, i.id \
-         LIMIT $2 \
-         FOR UPDATE OF i SKIP LOCKED",
-        )
-        .bind::<Text, _>(consumer)
-        .bind::<BigInt, _>(limit),
+        diesel::sql_query(include_str!("inbox_claim.sql"))
+            .bind::<Text, _>(consumer)
+            .bind::<BigInt, _>(limit),
     )
     .load(&mut conn)
     .await?;

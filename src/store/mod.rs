@@ -1,5 +1,6 @@
-//! The database seam: every SQL statement the runtime runs lives in this folder, so the state
-//! machines of ARCHITECTURE §4 can be read in one place. Internal; users see only [`PgPool`].
+//! The database seam: the SQL of the delivery state machines (ARCHITECTURE §4) lives in this
+//! folder, so they can be read in one place. (The reconciler's advisory lock and drift query,
+//! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users see only [`PgPool`].
 
 pub(crate) mod admin;
 pub(crate) mod inbox;
