@@ -217,6 +217,88 @@ fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> Child {
         .expect("spawn child runtime")
 }
 
+/// The process the two-consumer abort test restarts: `c1` aborts the process on the poison
+/// event, `c2` handles every event without fault. Both take a while per event, so that their
+/// batches overlap. Not a test of its own.
+#[actix_rt::test]
+#[ignore = "entry point of the two-consumer abort test's child process"]
+async fn two_consumers_aborting_child_entry() {
+    let url = std::env::var("AO_CHILD_DB").expect("started by the abort test with AO_CHILD_DB");
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let work = Duration::from_millis(10);
+    let killer = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison: Poison::Abort,
+        work,
+        ..Default::default()
+    };
+    let healthy = Behaviour {
+        work,
+        ..Default::default()
+    };
+    let _rt = start_on(
+        pool,
+        vec![
+            (consumer("c1", 2).batch_size(20), killer),
+            (consumer("c2", 2).batch_size(20), healthy),
+        ],
+    )
+    .await;
+    std::future::pending::<()>().await;
+}
+
+/// Writes `poisons` events of the aggregate `poison` between healthy ones, all before any
+/// runtime runs, so that they share batches.
+async fn produce_with_poison(db: &TestDb, poisons: usize, healthy: usize) {
+    let conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&conn, &order_event("healthy-first"))
+        .await
+        .unwrap();
+    for _ in 0..poisons {
+        actix_outbox::enqueue(&conn, &order_event("poison"))
+            .await
+            .unwrap();
+    }
+    drop(conn);
+    db.produce_batched(healthy, 10.min(healthy), "healthy")
+        .await;
+}
+
+/// Runs `entry` as a child process, restarting it each time it dies, until every query of
+/// `until` counts its expected rows or two minutes pass. Returns the number of deaths.
+async fn restart_until(
+    db: &TestDb,
+    entry: &str,
+    env: &[(&str, &str)],
+    until: &[(&str, i64)],
+) -> usize {
+    let mut child = spawn_entry(&db.url, entry, env);
+    let mut deaths = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        let mut done = true;
+        for (query, n) in until {
+            done &= db.count(query).await == *n;
+        }
+        if done {
+            break;
+        }
+        if child.try_wait().unwrap().is_some() {
+            deaths += 1;
+            child = spawn_entry(&db.url, entry, env);
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().ok();
+    child.wait().ok();
+    deaths
+}
+
+const POISON_DEAD: &str = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+    AND status = 'DEAD_LETTER' AND attempt_count = 2 AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+const HEALTHY_ONCE: &str = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+    AND status = 'PROCESSED' AND attempt_count = 1";
+
 /// An event whose handler kills the process (an abort; an OOM kill or a crash in native code
 /// alike) must not kill every restart for ever: the attempt it was handed over on its own is
 /// counted when its row is claimed again, and after its attempts it is dead-lettered while
@@ -226,50 +308,106 @@ async fn an_event_that_kills_its_process(batch: bool) {
     // Register the consumer before any event exists, as a deployed service would have.
     let setup = start(&db, vec![(consumer("c1", 2), Behaviour::default())]).await;
     setup.shutdown().await;
-    let conn = db.pool.get().await.unwrap();
-    for order in ["healthy-first", "poison"] {
-        actix_outbox::enqueue(&conn, &order_event(order))
-            .await
-            .unwrap();
-    }
-    drop(conn);
-    db.produce_batched(200, 50, "healthy").await;
+    produce_with_poison(&db, 1, 200).await;
 
     let env: &[(&str, &str)] = if batch {
         &[("AO_CHILD_BATCH", "1")]
     } else {
         &[]
     };
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
-                AND status = 'DEAD_LETTER' AND attempt_count = 2 \
-                AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
-                   AND status = 'PROCESSED' AND attempt_count = 1";
-    let mut child = spawn_entry(&db.url, "aborting_child_entry", env);
-    let mut deaths = 0;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while Instant::now() < deadline {
-        if db.count(dead).await == 1 && db.count(healthy).await == 201 {
-            break;
-        }
-        if child.try_wait().unwrap().is_some() {
-            deaths += 1;
-            child = spawn_entry(&db.url, "aborting_child_entry", env);
-        }
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
-    child.kill().ok();
-    child.wait().ok();
+    let until = [(POISON_DEAD, 1), (HEALTHY_ONCE, 201)];
+    let deaths = restart_until(&db, "aborting_child_entry", env, &until).await;
 
-    assert_eq!(db.count(dead).await, 1, "the poison event is dead-lettered");
     assert_eq!(
-        db.count(healthy).await,
+        db.count(POISON_DEAD).await,
+        1,
+        "the poison event is dead-lettered"
+    );
+    assert_eq!(
+        db.count(HEALTHY_ONCE).await,
         201,
         "every other event processed, first time"
     );
     // One death per counted attempt at least; more when it died inside a batch first.
     assert!(deaths >= 2, "the process died {deaths} times");
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 201);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[]).await;
+}
+
+/// Two events that kill the process, claimed in one batch: each death must be counted against
+/// the event that caused it, and each count must survive the next death, or the process dies
+/// for ever with neither event ever dead-lettered.
+#[actix_rt::test]
+async fn two_events_that_kill_their_process_in_one_batch_are_both_dead_lettered() {
+    let db = TestDb::new().await;
+    let setup = start(&db, vec![(consumer("c1", 2), Behaviour::default())]).await;
+    setup.shutdown().await;
+    produce_with_poison(&db, 2, 100).await;
+
+    let until = [(POISON_DEAD, 2), (HEALTHY_ONCE, 101)];
+    let deaths = restart_until(&db, "aborting_child_entry", &[], &until).await;
+
+    assert_eq!(
+        db.count(POISON_DEAD).await,
+        2,
+        "both poison events dead-lettered"
+    );
+    assert_eq!(
+        db.count(HEALTHY_ONCE).await,
+        101,
+        "the others processed, first time"
+    );
+    assert!(deaths >= 4, "the process died {deaths} times");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 101);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[]).await;
+}
+
+/// A death is counted only against the event whose handler caused it: another consumer in the
+/// same process, handed the same event at the same time, is not charged for it, and a healthy
+/// consumer's rows are never dead-lettered for a process death they did not cause.
+#[actix_rt::test]
+async fn a_process_death_is_not_counted_against_another_consumers_events() {
+    let db = TestDb::new().await;
+    let setup = start(
+        &db,
+        vec![
+            (consumer("c1", 2), Behaviour::default()),
+            (consumer("c2", 2), Behaviour::default()),
+        ],
+    )
+    .await;
+    setup.shutdown().await;
+    produce_with_poison(&db, 1, 40).await;
+
+    let c1_dead = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c1' \
+        AND aggregate_id = 'poison' AND status = 'DEAD_LETTER' AND attempt_count = 2 \
+        AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+    let c1_healthy = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c1' \
+        AND aggregate_id <> 'poison' AND status = 'PROCESSED' AND attempt_count = 1";
+    let c2_once = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c2' \
+        AND status = 'PROCESSED' AND attempt_count = 1";
+    let until = [(c1_dead, 1), (c1_healthy, 41), (c2_once, 42)];
+    let deaths = restart_until(&db, "two_consumers_aborting_child_entry", &[], &until).await;
+
+    assert_eq!(
+        db.count(c1_dead).await,
+        1,
+        "c1's poison event is dead-lettered"
+    );
+    assert_eq!(
+        db.count(c1_healthy).await,
+        41,
+        "c1's other events processed, first time"
+    );
+    assert_eq!(
+        db.count(c2_once).await,
+        42,
+        "c2 processed every event on its first attempt, the poison one too"
+    );
+    assert!(deaths >= 2, "the process died {deaths} times");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 41 + 42);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     db.finish(&[]).await;
 }

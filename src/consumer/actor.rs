@@ -152,9 +152,13 @@ async fn batch_loop(
     me: &Recipient<Backlog>,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
+    // Whether the next batch runs alone in the process (it hands over rows that an entry in
+    // flight left behind).
+    let mut exclusive = false;
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = worker::run_batch(pool, cfg, handler, in_flight).await;
+        let batch = worker::run_batch(pool, cfg, handler, in_flight, exclusive).await;
+        exclusive = batch.as_ref().is_ok_and(|b| b.exclusive);
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.

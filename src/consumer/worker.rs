@@ -39,11 +39,26 @@ pub(crate) struct BatchOutcome {
     pub handler_lost: bool,
     /// A fast batch hit a failure and was rolled back whole, counting no attempt; its rows
     /// are due again at once, and their entry in flight makes the batch that gets them safe.
+    /// Also set when a batch gave its rows back to be claimed again at once (see `exclusive`).
     pub rolled_back: bool,
+    /// Rows were found that an entry in flight left behind: the next batch must run with no
+    /// other handler running in the process ([`HANDLERS`]).
+    pub exclusive: bool,
     /// The transaction was abandoned (handler kept the connection, left a nested transaction
     /// open, or timed out mid-query); the unmarked rows will be claimed again.
     pub abandoned: bool,
 }
+
+/// Every batch of every consumer in the process holds this while its handlers may run: a read
+/// guard for a batch whose rows no entry in flight holds, the write guard for a batch handing
+/// over suspects one per call. A process death then has one cause that can be known: while a
+/// row is handed over on its own, no other handler in the process runs, so if the process dies
+/// the row's entry marks the only handler that was running. Without this, a death caused by
+/// one consumer would be counted against whatever row another consumer (or another loop) was
+/// handing over on its own at that moment, and the same event handed to two consumers at once
+/// would dead-letter the healthy one. Taken before the batch's transaction begins and held
+/// until it ends, so nobody waits for it while holding row locks.
+static HANDLERS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 /// Stored as `last_error` when a handler panicked or stopped while handling.
 pub(crate) const HANDLER_LOST: &str = "the handler panicked or stopped while handling";
@@ -106,13 +121,7 @@ impl InFlight {
         self.with(pool, async |conn, done| {
             let done = std::mem::take(done);
             let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
-            let entered = Entered::new(entry, ids, others);
-            if !entered.counted.is_empty() {
-                // Counted by this batch: should it not commit, that attempt goes uncounted,
-                // which only repeats it; counted twice it would not be.
-                inbox::set_alone(conn, &entered.counted, None).await?;
-            }
-            Ok(entered)
+            Ok(Entered::new(entry, ids, others))
         })
         .await
     }
@@ -216,7 +225,13 @@ pub(crate) async fn run_batch(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
     in_flight: &InFlight,
+    exclusive: bool,
 ) -> Result<BatchOutcome> {
+    let (_shared, _exclusive) = if exclusive {
+        (None, Some(HANDLERS.write().await))
+    } else {
+        (Some(HANDLERS.read().await), None)
+    };
     let mut conn: OwnedConn = pool.get_owned().await?;
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
     // transaction manager and closes the connection, so PostgreSQL rolls back and no session
@@ -239,30 +254,38 @@ pub(crate) async fn run_batch(
     // is recorded. A process that died holding rows leaves them the same way. A row's effect
     // commits at most once either way; a failed fast batch only means some handlers run again.
     let safe = entered.suspects;
-    // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
-    let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
     let mut out = BatchOutcome {
         claimed: rows.len(),
         ..Default::default()
     };
+    if safe && (!exclusive || !entered.interrupted.is_empty()) {
+        // Give the rows back, to be claimed again at once by a batch that runs alone in the
+        // process. Interrupted attempts are first counted, and committed with their entries
+        // forgetting them before any handler runs: a count that waited for the batch's end
+        // would be lost with the next death, and two events that kill the process would then
+        // kill it for ever with neither ever counted.
+        let mut failures = Vec::new();
+        for row in rows.iter().filter(|r| entered.interrupted.contains(&r.id)) {
+            let err = interrupted_attempt();
+            log_failure(cfg, row, &err);
+            failures.push(decide(&cfg.retry, row, &err));
+        }
+        if let Some(entry) = entered.entry {
+            // The older entries still hold the rows given back; this one only adds noise.
+            leave_now(pool, cfg, in_flight, &[entry]).await;
+        }
+        inbox::mark_and_commit(&mut conn, &[], &[], &failures, &entered.counted).await?;
+        record_committed(cfg, &[], &failures);
+        out.failed = failures.len();
+        out.rolled_back = true;
+        out.exclusive = true;
+        return Ok(out);
+    }
+    // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
+    let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
     let mut processed = Vec::with_capacity(rows.len());
     let mut failures = Vec::new();
     let mut stale = Vec::new();
-    // A row whose last attempt was handed over on its own and never finished: that attempt
-    // failed, and the row is not handed over again now. The failure commits with this batch's
-    // marks (its entry has already forgotten the row, so that it is counted once).
-    let rows: Vec<InboxRow> = rows
-        .into_iter()
-        .filter(|row| {
-            let ended = entered.interrupted.contains(&row.id);
-            if ended {
-                let err = interrupted_attempt();
-                log_failure(cfg, row, &err);
-                failures.push(decide(&cfg.retry, row, &err));
-            }
-            !ended
-        })
-        .collect();
     // Rows ready for the handler, with their payloads, not yet handed over.
     let mut group: Vec<InboxRow> = Vec::new();
     let mut rows = rows.into_iter();
@@ -333,9 +356,24 @@ pub(crate) async fn run_batch(
         }
 
         if let (true, Some(entry)) = (safe, entered.entry) {
-            in_flight.alone(pool, entry, Some(group[0].id)).await?;
+            if let Err(e) = in_flight.alone(pool, entry, Some(group[0].id)).await {
+                // Not recorded, so not handed over: a death now could not be traced to it.
+                // The rows decided so far commit; the rest are claimed again.
+                tracing::warn!(consumer = %cfg.name, error = %e, "could not record the row handed over on its own");
+                Tm::rollback_transaction(&mut *conn).await?; // ROLLBACK TO SAVEPOINT
+                group.clear();
+                break;
+            }
         }
         let call = hand_over(cfg, handler, conn, &mut group, safe).await;
+        // The call is over, however it ended: from here no death can be this row's doing.
+        let mut untraced = false;
+        if let (true, Some(entry)) = (safe, entered.entry) {
+            if let Err(e) = in_flight.alone(pool, entry, None).await {
+                tracing::warn!(consumer = %cfg.name, error = %e, "could not clear the row handed over on its own");
+                untraced = true;
+            }
+        }
         let many = group.len() > 1;
         if call.lost {
             out.handler_lost = true;
@@ -348,16 +386,14 @@ pub(crate) async fn run_batch(
                 // it). Which row hung is unknown, so no attempt is counted; their entries in
                 // flight make the next batch holding them hand them over one per call.
                 out.rolled_back = true;
+                out.exclusive = true;
                 return Ok(out);
             }
             let err = call.result.err().unwrap_or_else(|| {
                 HandlerError::retry("the handler left the delivery's transaction in a bad state")
             });
-            // This attempt is counted here, so the entry must not count it again. The
-            // abandoned transaction still holds the row, so nobody else can find it first.
-            if let (true, Some(entry)) = (safe, entered.entry) {
-                in_flight.alone(pool, entry, None).await?;
-            }
+            // The entry forgot the row when the call ended, so this attempt is counted here
+            // only. The abandoned transaction still holds the row: nobody can claim it first.
             abandon(pool, cfg, &group[0], &err).await;
             out.failed += 1;
             out.abandoned = true;
@@ -384,6 +420,7 @@ pub(crate) async fn run_batch(
                     // flight stay, which makes the replay safe), which records the failing
                     // row's attempt and keeps the other rows' effects.
                     out.rolled_back = true;
+                    out.exclusive = true;
                 }
                 return Ok(out);
             }
@@ -395,7 +432,7 @@ pub(crate) async fn run_batch(
             }
         }
         conn = back;
-        if last || out.handler_lost {
+        if last || out.handler_lost || untraced {
             // Rows not yet handled stay locked by this transaction until the commit, then
             // are claimed again (once the handler is replaced).
             break;
@@ -415,12 +452,12 @@ pub(crate) async fn run_batch(
     if let Some(entry) = entered.entry {
         if safe || unmarked {
             let entries: Vec<i64> = std::iter::once(entry).chain(entered.covered).collect();
-            in_flight.leave(pool, &entries).await?;
+            leave_now(pool, cfg, in_flight, &entries).await;
         } else {
             later = Some(entry);
         }
     }
-    inbox::mark_and_commit(&mut conn, &ids, &stale, &failures).await?;
+    inbox::mark_and_commit(&mut conn, &ids, &stale, &failures, &[]).await?;
     if let Some(entry) = later {
         in_flight.leave_later(entry).await;
     }
@@ -436,6 +473,14 @@ pub(crate) async fn run_batch(
         .chain(deferred)
         .min();
     Ok(out)
+}
+
+/// Deletes entries now. A failure is logged, not returned: the batch's outcome is already
+/// decided, and an entry left behind only makes a later batch holding its rows safe.
+async fn leave_now(pool: &PgPool, cfg: &ConsumerConfig, in_flight: &InFlight, entries: &[i64]) {
+    if let Err(e) = in_flight.leave(pool, entries).await {
+        tracing::warn!(consumer = %cfg.name, error = %e, "could not delete entries in flight");
+    }
 }
 
 /// What handing rows to the handler came to.

@@ -217,9 +217,9 @@ pub(crate) async fn enter_in_flight(
     Ok((entry, others))
 }
 
-/// Records the row the batches `entries` are handing over on their own now: `Some(row)` for
-/// the one entry of a safe batch (should the process die, that row alone is to blame), `None`
-/// once that attempt is counted elsewhere, so that it is counted once.
+/// Records the row the batch `entries` is handing over on its own now: `Some(row)` just before
+/// its handler is called (should the process die then, that row alone is to blame: no other
+/// handler runs in the process meanwhile), `None` as soon as the call returns.
 pub(crate) async fn set_alone(
     mut conn: &AsyncPgConnection,
     entries: &[i64],
@@ -256,15 +256,21 @@ pub(crate) async fn mark_and_commit(
     processed: &[i64],
     stale: &[(i64, i64)],
     failures: &[Failure],
+    counted: &[i64],
 ) -> Result<()> {
-    let (g, p, s, f, committed) = {
+    let ((g, p, s), (f, a, committed)) = {
         let c: &AsyncPgConnection = conn;
-        futures_util::future::join5(
-            store::run(c, store::PLAN_GUARD),
-            mark_processed(c, processed),
-            mark_stale(c, stale),
-            mark_failed(c, failures),
-            store::run(c, "COMMIT"),
+        futures_util::future::join(
+            futures_util::future::join3(
+                store::run(c, store::PLAN_GUARD),
+                mark_processed(c, processed),
+                mark_stale(c, stale),
+            ),
+            futures_util::future::join3(
+                mark_failed(c, failures),
+                forget_alone(c, counted),
+                store::run(c, "COMMIT"),
+            ),
         )
         .await
     };
@@ -272,8 +278,25 @@ pub(crate) async fn mark_and_commit(
     p?;
     s?;
     f?;
+    a?;
     committed?;
     store::left_transaction(conn)
+}
+
+/// Clears the `alone` row of the entries in flight `counted`, in the transaction that records
+/// their interrupted attempts, so that each such attempt is counted exactly once: both commit,
+/// or neither does.
+async fn forget_alone(mut conn: &AsyncPgConnection, counted: &[i64]) -> Result<()> {
+    if counted.is_empty() {
+        return Ok(());
+    }
+    Prepared(
+        diesel::sql_query("UPDATE inbox_in_flight SET alone = NULL WHERE id = ANY($1)")
+            .bind::<Array<BigInt>, _>(counted),
+    )
+    .execute(&mut conn)
+    .await?;
+    Ok(())
 }
 
 /// Marks rows PROCESSED inside the transaction that holds the handlers' effects.
