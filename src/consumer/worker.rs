@@ -41,7 +41,7 @@ pub(crate) struct BatchOutcome {
     /// are due again at once, and their entry in flight makes the batch that gets them safe.
     /// Also set when a batch gave its rows back to be claimed again at once (see `exclusive`).
     pub rolled_back: bool,
-    /// Rows were found that an entry in flight left behind: the next batch must run with no
+    /// Rows were found that a process may have died holding: the next batch must run with no
     /// other handler running in the process ([`HANDLERS`]).
     pub exclusive: bool,
     /// The transaction was abandoned (handler kept the connection, left a nested transaction
@@ -50,14 +50,17 @@ pub(crate) struct BatchOutcome {
 }
 
 /// Every batch of every consumer in the process holds this while its handlers may run: a read
-/// guard for a batch whose rows no entry in flight holds, the write guard for a batch handing
-/// over suspects one per call. A process death then has one cause that can be known: while a
-/// row is handed over on its own, no other handler in the process runs, so if the process dies
-/// the row's entry marks the only handler that was running. Without this, a death caused by
-/// one consumer would be counted against whatever row another consumer (or another loop) was
-/// handing over on its own at that moment, and the same event handed to two consumers at once
-/// would dead-letter the healthy one. Taken before the batch's transaction begins and held
-/// until it ends, so nobody waits for it while holding row locks.
+/// guard as a rule, the write guard for a batch handing over, one per call, rows that a process
+/// may have died holding. A death then has one cause that can be known: while such a row is
+/// handed over, no other handler in the process runs, so if the process dies the row's entry
+/// marks the only handler that was running. Without this, a death caused by one consumer would
+/// be counted against whatever row another consumer (or loop) was handing over on its own at
+/// that moment, and fan-out hands the same event to every consumer at once: the healthy
+/// consumer's copy of an event that kills the process would be dead-lettered. Replays of a
+/// batch that failed in this living process take the read guard: no death is to be traced,
+/// and a consumer whose handlers keep failing must not stall the others. Taken before the
+/// batch's transaction begins and held until it ends, so nobody waits for it holding row
+/// locks.
 static HANDLERS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 /// Stored as `last_error` when a handler panicked or stopped while handling.
@@ -89,7 +92,15 @@ struct InFlightConn {
     /// entry found before it is deleted only makes a batch safe, and a fast batch never sets
     /// `alone`, so it never counts an attempt.
     done: Vec<i64>,
+    /// Entries of this process's own fast batches that rolled back while it lived (a handler
+    /// failed; nothing died). The batch that finds one replays its rows one per call, but need
+    /// not run alone in the process: no death is to be traced.
+    replays: HashSet<i64>,
 }
+
+/// More remembered replays than this are forgotten: a replay then runs alone, which is only
+/// slower.
+const REPLAYS_KEPT: usize = 10_000;
 
 impl InFlight {
     /// Runs `f` on the connection (opened if need be); an error drops the connection, which is
@@ -100,7 +111,7 @@ impl InFlight {
         f: impl AsyncFnOnce(&AsyncPgConnection, &mut Vec<i64>) -> Result<T>,
     ) -> Result<T> {
         let mut slot = self.0.lock().await;
-        let InFlightConn { conn, done } = &mut *slot;
+        let InFlightConn { conn, done, .. } = &mut *slot;
         if conn.is_none() {
             let opened = pool
                 .dedicated_connection()
@@ -118,12 +129,25 @@ impl InFlight {
     /// Enters a batch's rows (and deletes the finished batches' entries on the way), and
     /// returns what the entries left behind say about them.
     async fn enter(&self, pool: &PgPool, consumer: &str, ids: &[i64]) -> Result<Entered> {
-        self.with(pool, async |conn, done| {
-            let done = std::mem::take(done);
-            let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
-            Ok(Entered::new(entry, ids, others))
-        })
-        .await
+        let mut entered = self
+            .with(pool, async |conn, done| {
+                let done = std::mem::take(done);
+                let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
+                Ok(Entered::new(entry, ids, others))
+            })
+            .await?;
+        let replays = &self.0.lock().await.replays;
+        entered.after_death = entered.holders.iter().any(|e| !replays.contains(e));
+        Ok(entered)
+    }
+
+    /// Remembers that the fast batch `entry` rolled back in this living process.
+    async fn replay(&self, entry: i64) {
+        let replays = &mut self.0.lock().await.replays;
+        if replays.len() >= REPLAYS_KEPT {
+            replays.clear();
+        }
+        replays.insert(entry);
     }
 
     /// Records the row the batch `entry` hands over on its own now, or none.
@@ -139,7 +163,12 @@ impl InFlight {
         self.with(pool, async |conn, _| {
             inbox::leave_in_flight(conn, entries).await
         })
-        .await
+        .await?;
+        let replays = &mut self.0.lock().await.replays;
+        for entry in entries {
+            replays.remove(entry);
+        }
+        Ok(())
     }
 
     /// Deletes the entry of a committed fast batch with the next `enter`.
@@ -168,6 +197,11 @@ struct Entered {
     entry: Option<i64>,
     /// An entry left behind holds some of the rows: hand them over one per call.
     suspects: bool,
+    /// The entries left behind that hold some of the rows.
+    holders: Vec<i64>,
+    /// One of them was not left by a rollback in this living process: a process may have died
+    /// holding the rows, so they are handed over with no other handler running.
+    after_death: bool,
     /// Rows an entry left behind was handing over on their own: their last attempt ended
     /// without an outcome.
     interrupted: HashSet<i64>,
@@ -198,6 +232,7 @@ impl Entered {
                 continue;
             }
             e.suspects = true;
+            e.holders.push(other.id);
             if let Some(row) = other.alone.filter(|row| claimed.contains(row)) {
                 e.interrupted.insert(row);
                 e.counted.push(other.id);
@@ -258,7 +293,7 @@ pub(crate) async fn run_batch(
         claimed: rows.len(),
         ..Default::default()
     };
-    if safe && (!exclusive || !entered.interrupted.is_empty()) {
+    if safe && ((entered.after_death && !exclusive) || !entered.interrupted.is_empty()) {
         // Give the rows back, to be claimed again at once by a batch that runs alone in the
         // process. Interrupted attempts are first counted, and committed with their entries
         // forgetting them before any handler runs: a count that waited for the batch's end
@@ -386,7 +421,9 @@ pub(crate) async fn run_batch(
                 // it). Which row hung is unknown, so no attempt is counted; their entries in
                 // flight make the next batch holding them hand them over one per call.
                 out.rolled_back = true;
-                out.exclusive = true;
+                if let Some(entry) = entered.entry {
+                    in_flight.replay(entry).await;
+                }
                 return Ok(out);
             }
             let err = call.result.err().unwrap_or_else(|| {
@@ -420,7 +457,9 @@ pub(crate) async fn run_batch(
                     // flight stay, which makes the replay safe), which records the failing
                     // row's attempt and keeps the other rows' effects.
                     out.rolled_back = true;
-                    out.exclusive = true;
+                    if let Some(entry) = entered.entry {
+                        in_flight.replay(entry).await;
+                    }
                 }
                 return Ok(out);
             }
