@@ -247,6 +247,26 @@ async fn two_consumers_aborting_child_entry() {
     std::future::pending::<()>().await;
 }
 
+/// The process the late-abort test restarts: `c1`'s handler outlives its timeout on the
+/// poison event and then aborts the process. Not a test of its own.
+#[actix_rt::test]
+#[ignore = "entry point of the late-abort test's child process"]
+async fn late_aborting_child_entry() {
+    let url = std::env::var("AO_CHILD_DB").expect("started by the abort test with AO_CHILD_DB");
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison: Poison::LateAbort,
+        work: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let cfg = consumer("c1", 5)
+        .batch_size(20)
+        .handler_timeout(Duration::from_millis(200));
+    let _rt = start_on(pool, vec![(cfg, behaviour)]).await;
+    std::future::pending::<()>().await;
+}
+
 /// Writes `poisons` events of the aggregate `poison` between healthy ones, all before any
 /// runtime runs, so that they share batches.
 async fn produce_with_poison(db: &TestDb, poisons: usize, healthy: usize) {
@@ -360,6 +380,33 @@ async fn two_events_that_kill_their_process_in_one_batch_are_both_dead_lettered(
     );
     assert!(deaths >= 4, "the process died {deaths} times");
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 101);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[]).await;
+}
+
+/// A handler that overran its timeout still runs, and kills the process later. Its attempt was
+/// counted when it timed out; the death must not be counted against whichever row was handed
+/// over on its own meanwhile.
+#[actix_rt::test]
+async fn a_handler_that_kills_its_process_after_its_timeout_charges_no_other_event() {
+    let db = TestDb::new().await;
+    let setup = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
+    setup.shutdown().await;
+    produce_with_poison(&db, 1, 40).await;
+
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+        AND status = 'DEAD_LETTER' AND attempt_count = 5";
+    let until = [(dead, 1), (HEALTHY_ONCE, 41)];
+    let deaths = restart_until(&db, "late_aborting_child_entry", &[], &until).await;
+
+    assert_eq!(db.count(dead).await, 1, "the poison event is dead-lettered");
+    assert_eq!(
+        db.count(HEALTHY_ONCE).await,
+        41,
+        "every other event processed on its first attempt"
+    );
+    assert!(deaths >= 1, "the process died {deaths} times");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 41);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     db.finish(&[]).await;
 }

@@ -177,15 +177,15 @@ async fn batch_loop(
                 rolled_back,
                 ..
             }) => {
+                out.next_retry = match (out.next_retry, next_retry) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 if rolled_back && !handler_lost {
                     // Claim again at once: the rows' entry in flight makes the batch that gets
                     // them safe. A lost handler is replaced first.
                     continue;
                 }
-                out.next_retry = match (out.next_retry, next_retry) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
                 if handler_lost {
                     out.handler_lost = true;
                     return out;

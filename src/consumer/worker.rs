@@ -50,18 +50,77 @@ pub(crate) struct BatchOutcome {
 }
 
 /// Every batch of every consumer in the process holds this while its handlers may run: a read
-/// guard as a rule, the write guard for a batch handing over, one per call, rows that a process
-/// may have died holding. A death then has one cause that can be known: while such a row is
-/// handed over, no other handler in the process runs, so if the process dies the row's entry
-/// marks the only handler that was running. Without this, a death caused by one consumer would
-/// be counted against whatever row another consumer (or loop) was handing over on its own at
-/// that moment, and fan-out hands the same event to every consumer at once: the healthy
-/// consumer's copy of an event that kills the process would be dead-lettered. Replays of a
-/// batch that failed in this living process take the read guard: no death is to be traced,
-/// and a consumer whose handlers keep failing must not stall the others. Taken before the
-/// batch's transaction begins and held until it ends, so nobody waits for it holding row
-/// locks.
-static HANDLERS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+/// guard as a rule, the write guard for a batch that hands rows over one per call while a death
+/// could be blamed on them wrongly. A death then has one cause that can be known: while such a
+/// row is handed over, no other handler in the process runs, so if the process dies the row's
+/// entry marks the only handler that was running. Without this, a death caused by one consumer
+/// would be counted against whatever row another consumer (or loop) was handing over on its
+/// own at that moment, and fan-out hands the same event to every consumer at once: the healthy
+/// consumer's copy of an event that kills the process would be dead-lettered.
+///
+/// The write guard is needed for rows a process may have died holding, and while a handler
+/// that overran its timeout still runs ([`OVERRUN`]). A replay of a batch whose handler merely
+/// returned an error takes the read guard: no death is to be traced, and a consumer whose
+/// handlers keep failing must not stall the others.
+///
+/// The guard is held by the batch and by every [`Delivery`] it hands out, so a handler that
+/// still runs keeps it. The write guard is waited for at most one handler timeout; then the
+/// batch gives its rows back and tries again at the next poll, so a handler that never returns
+/// delays those rows (and, while the write guard is waited for, the process's other batches),
+/// but never gets a death counted against the wrong event. Taken before the batch's
+/// transaction begins, so nobody waits for it holding row locks.
+static HANDLERS: std::sync::LazyLock<Arc<tokio::sync::RwLock<()>>> =
+    std::sync::LazyLock::new(|| Arc::new(tokio::sync::RwLock::new(())));
+
+/// The batches whose handler overran its timeout. A handler's delivery keeps its batch's
+/// [`Hold`], so one still alive means a handler that may still run, and may yet kill the
+/// process.
+static OVERRUN: std::sync::Mutex<Vec<std::sync::Weak<Hold>>> = std::sync::Mutex::new(Vec::new());
+
+fn overran(hold: &Arc<Hold>) {
+    let mut o = OVERRUN.lock().unwrap_or_else(|e| e.into_inner());
+    o.retain(|w| w.strong_count() > 0);
+    o.push(Arc::downgrade(hold));
+}
+
+/// Whether a handler that overran its timeout may still run in this process.
+fn overrunning() -> bool {
+    let mut o = OVERRUN.lock().unwrap_or_else(|e| e.into_inner());
+    o.retain(|w| w.strong_count() > 0);
+    !o.is_empty()
+}
+
+/// A batch's share of [`HANDLERS`]; see there.
+pub(crate) struct Hold {
+    _shared: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
+    _alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>>,
+}
+
+/// The batch's share of [`HANDLERS`]; `None` if it was to run alone and could not within one
+/// handler timeout.
+async fn hold(cfg: &ConsumerConfig, exclusive: bool) -> Option<Arc<Hold>> {
+    let lock = HANDLERS.clone();
+    if !exclusive {
+        return Some(Arc::new(Hold {
+            _shared: Some(lock.read_owned().await),
+            _alone: None,
+        }));
+    }
+    match tokio::time::timeout(cfg.handler_timeout, lock.write_owned()).await {
+        Ok(alone) => Some(Arc::new(Hold {
+            _shared: None,
+            _alone: Some(alone),
+        })),
+        Err(_) => {
+            tracing::warn!(
+                consumer = %cfg.name,
+                "a handler still runs past its timeout: rows to be handed over one per call wait \
+                 until it ends"
+            );
+            None
+        }
+    }
+}
 
 /// Stored as `last_error` when a handler panicked or stopped while handling.
 pub(crate) const HANDLER_LOST: &str = "the handler panicked or stopped while handling";
@@ -262,10 +321,11 @@ pub(crate) async fn run_batch(
     in_flight: &InFlight,
     exclusive: bool,
 ) -> Result<BatchOutcome> {
-    let (_shared, _exclusive) = if exclusive {
-        (None, Some(HANDLERS.write().await))
-    } else {
-        (Some(HANDLERS.read().await), None)
+    let Some(hold) = hold(cfg, exclusive).await else {
+        return Ok(BatchOutcome {
+            exclusive: true,
+            ..Default::default()
+        });
     };
     let mut conn: OwnedConn = pool.get_owned().await?;
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
@@ -293,7 +353,8 @@ pub(crate) async fn run_batch(
         claimed: rows.len(),
         ..Default::default()
     };
-    if safe && ((entered.after_death && !exclusive) || !entered.interrupted.is_empty()) {
+    let alone = entered.after_death || overrunning();
+    if safe && ((alone && !exclusive) || !entered.interrupted.is_empty()) {
         // Give the rows back, to be claimed again at once by a batch that runs alone in the
         // process. Interrupted attempts are first counted, and committed with their entries
         // forgetting them before any handler runs: a count that waited for the batch's end
@@ -312,6 +373,7 @@ pub(crate) async fn run_batch(
         inbox::mark_and_commit(&mut conn, &[], &[], &failures, &entered.counted).await?;
         record_committed(cfg, &[], &failures);
         out.failed = failures.len();
+        out.next_retry = next_retry(&failures, 0);
         out.rolled_back = true;
         out.exclusive = true;
         return Ok(out);
@@ -321,6 +383,8 @@ pub(crate) async fn run_batch(
     let mut processed = Vec::with_capacity(rows.len());
     let mut failures = Vec::new();
     let mut stale = Vec::new();
+    // The mark of a row handed over alone could not be cleared after its call: stop there.
+    let mut untraced = false;
     // Rows ready for the handler, with their payloads, not yet handed over.
     let mut group: Vec<InboxRow> = Vec::new();
     let mut rows = rows.into_iter();
@@ -400,9 +464,16 @@ pub(crate) async fn run_batch(
                 break;
             }
         }
-        let call = hand_over(cfg, handler, conn, &mut group, safe).await;
-        // The call is over, however it ended: from here no death can be this row's doing.
-        let mut untraced = false;
+        let call = hand_over(cfg, handler, conn, &mut group, safe, &hold).await;
+        if call.timed_out {
+            // The handler may run on, and may yet kill the process. Its attempt is counted as
+            // timed out; until it ends, rows are handed over one per call only alone in the
+            // process, so that its death is never counted against one of them.
+            overran(&hold);
+            out.exclusive = true;
+        }
+        // The call is over: a death from now on is not this row's doing (or, for a handler that
+        // overran, no longer counted against it).
         if let (true, Some(entry)) = (safe, entered.entry) {
             if let Err(e) = in_flight.alone(pool, entry, None).await {
                 tracing::warn!(consumer = %cfg.name, error = %e, "could not clear the row handed over on its own");
@@ -421,6 +492,9 @@ pub(crate) async fn run_batch(
                 // it). Which row hung is unknown, so no attempt is counted; their entries in
                 // flight make the next batch holding them hand them over one per call.
                 out.rolled_back = true;
+                // The handler may still run, and may yet kill the process: the replay waits
+                // for it and runs alone.
+                out.exclusive = true;
                 if let Some(entry) = entered.entry {
                     in_flight.replay(entry).await;
                 }
@@ -471,7 +545,7 @@ pub(crate) async fn run_batch(
             }
         }
         conn = back;
-        if last || out.handler_lost || untraced {
+        if last || out.handler_lost || untraced || (safe && call.timed_out) {
             // Rows not yet handled stay locked by this transaction until the commit, then
             // are claimed again (once the handler is replaced).
             break;
@@ -490,8 +564,21 @@ pub(crate) async fn run_batch(
     let mut later = None;
     if let Some(entry) = entered.entry {
         if safe || unmarked {
-            let entries: Vec<i64> = std::iter::once(entry).chain(entered.covered).collect();
-            leave_now(pool, cfg, in_flight, &entries).await;
+            // The older entries go only once every row they hold is decided: a row left
+            // unmarked stays a suspect.
+            let covered = if unmarked {
+                Vec::new()
+            } else {
+                entered.covered
+            };
+            let entries: Vec<i64> = std::iter::once(entry).chain(covered).collect();
+            if untraced {
+                // The entry may still name a row as handed over alone, and the row may fail
+                // now: committed with that mark, its attempt would be counted twice.
+                in_flight.leave(pool, &entries).await?;
+            } else {
+                leave_now(pool, cfg, in_flight, &entries).await;
+            }
         } else {
             later = Some(entry);
         }
@@ -503,15 +590,20 @@ pub(crate) async fn run_batch(
     record_committed(cfg, &processed, &failures);
     out.processed = processed.len();
     out.failed += failures.len();
-    // Deferred rows are due again as soon as the batch holding their aggregate commits.
-    let deferred = (out.deferred > 0).then_some(DEFER_DELAY);
-    out.next_retry = failures
+    out.next_retry = next_retry(&failures, out.deferred);
+    Ok(out)
+}
+
+/// When the soonest of `failures` falls due again, or a deferred row (due as soon as the batch
+/// holding its aggregate commits).
+fn next_retry(failures: &[Failure], deferred: usize) -> Option<Duration> {
+    let deferred = (deferred > 0).then_some(DEFER_DELAY);
+    failures
         .iter()
         .filter(|f| !f.dead)
         .map(|f| Duration::from_millis(f.delay_ms.max(0) as u64))
         .chain(deferred)
-        .min();
-    Ok(out)
+        .min()
 }
 
 /// Deletes entries now. A failure is logged, not returned: the batch's outcome is already
@@ -541,6 +633,7 @@ async fn hand_over(
     conn: OwnedConn,
     group: &mut [InboxRow],
     safe: bool,
+    hold: &Arc<Hold>,
 ) -> Call {
     // Transaction depth while a handler runs: the batch transaction (plus the row's savepoint).
     let lent_depth = if safe { 2 } else { 1 };
@@ -564,6 +657,7 @@ async fn hand_over(
                 row: handed,
                 consumer: cfg.name.clone(),
                 slot: slot.clone(),
+                _hold: Some(hold.clone()),
             }
         })
         .collect();

@@ -225,10 +225,15 @@ pub enum Poison {
     Hang,
     /// The handler writes its effect and aborts the whole process.
     Abort,
+    /// The handler writes its effect, lets go of the connection, runs on for [`LATE`], past
+    /// its handler timeout in the test that uses it, and then aborts the whole process.
+    LateAbort,
 }
 
 /// How long a [`Poison::Hang`] handler holds on.
 pub const HANG: Duration = Duration::from_secs(2);
+/// How long a [`Poison::LateAbort`] handler runs on before it aborts.
+pub const LATE: Duration = Duration::from_millis(600);
 
 impl Behaviour {
     fn poisoned<'a>(&self, mut aggregates: impl Iterator<Item = &'a str>) -> bool {
@@ -288,6 +293,11 @@ impl Handler<Delivery> for Recorder {
                 actix_rt::time::sleep(HANG).await;
             }
             if poisoned && me.behaviour.poison == Poison::Abort {
+                std::process::abort();
+            }
+            if poisoned && me.behaviour.poison == Poison::LateAbort {
+                drop(conn);
+                actix_rt::time::sleep(LATE).await;
                 std::process::abort();
             }
             if d.attempt() <= me.behaviour.fail_attempts || poisoned {
