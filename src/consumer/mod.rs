@@ -40,9 +40,9 @@ pub struct Delivery {
     /// The connection is lent, not given: the runtime takes it back when the handler returns,
     /// so a handler that keeps a clone of the delivery cannot write outside the transaction.
     pub(crate) slot: Arc<Mutex<Option<OwnedConn>>>,
-    /// The batch's share of the process-wide handler lock, kept for as long as the handler
-    /// keeps the delivery (a handler that overran its timeout may still run).
-    pub(crate) _hold: Option<Arc<worker::Hold>>,
+    /// Alive while the handler keeps the delivery: how the runtime knows that a handler that
+    /// overran its timeout may still run.
+    pub(crate) _ticket: Option<Arc<worker::Ticket>>,
 }
 
 impl Message for Delivery {

@@ -50,37 +50,39 @@ pub(crate) struct BatchOutcome {
 }
 
 /// Every batch of every consumer in the process holds this while its handlers may run: a read
-/// guard as a rule, the write guard for a batch that hands rows over one per call while a death
-/// could be blamed on them wrongly. A death then has one cause that can be known: while such a
-/// row is handed over, no other handler in the process runs, so if the process dies the row's
-/// entry marks the only handler that was running. Without this, a death caused by one consumer
-/// would be counted against whatever row another consumer (or loop) was handing over on its
-/// own at that moment, and fan-out hands the same event to every consumer at once: the healthy
-/// consumer's copy of an event that kills the process would be dead-lettered.
+/// guard as a rule, the write guard for a batch that hands over, one per call, rows a process
+/// may have died holding. Only such a batch marks the row in hand as `alone`, and a death then
+/// has one cause that can be known: no other handler in the process runs meanwhile, so if the
+/// process dies the row's entry marks the only handler that was running. Without this, a death
+/// caused by one consumer would be counted against whatever row another consumer (or loop) was
+/// handing over at that moment, and fan-out hands the same event to every consumer at once:
+/// the healthy consumer's copy of an event that kills the process would be dead-lettered.
 ///
-/// The write guard is needed for rows a process may have died holding, and while a handler
-/// that overran its timeout still runs ([`OVERRUN`]). A replay of a batch whose handler merely
-/// returned an error takes the read guard: no death is to be traced, and a consumer whose
-/// handlers keep failing must not stall the others.
+/// A replay of a batch whose handler returned an error (in this living process) takes the read
+/// guard and marks nothing: should the process die during it, its rows are found after the
+/// death and handed over alone then. So a consumer whose handlers keep failing never stalls the
+/// others.
 ///
-/// The guard is held by the batch and by every [`Delivery`] it hands out, so a handler that
-/// still runs keeps it. The write guard is waited for at most one handler timeout; then the
-/// batch gives its rows back and tries again at the next poll, so a handler that never returns
-/// delays those rows (and, while the write guard is waited for, the process's other batches),
-/// but never gets a death counted against the wrong event. Taken before the batch's
-/// transaction begins, so nobody waits for it holding row locks.
+/// The write guard is waited for at most one handler timeout, and not taken at all while a
+/// handler that overran its timeout may still run ([`OVERRUN`]); the batch then gives its rows
+/// back and tries again at the next poll. Taken before the batch's transaction begins, so
+/// nobody waits for it holding row locks.
 static HANDLERS: std::sync::LazyLock<Arc<tokio::sync::RwLock<()>>> =
     std::sync::LazyLock::new(|| Arc::new(tokio::sync::RwLock::new(())));
 
-/// The batches whose handler overran its timeout. A handler's delivery keeps its batch's
-/// [`Hold`], so one still alive means a handler that may still run, and may yet kill the
-/// process.
-static OVERRUN: std::sync::Mutex<Vec<std::sync::Weak<Hold>>> = std::sync::Mutex::new(Vec::new());
+/// One per batch, carried by every [`Delivery`] it hands out: alive while a handler keeps its
+/// delivery.
+pub(crate) struct Ticket;
 
-fn overran(hold: &Arc<Hold>) {
+/// The tickets of batches whose handler overran its timeout. One still alive means a handler
+/// that may still run, and may yet kill the process. (A handler that drops its delivery and
+/// runs on is not seen.)
+static OVERRUN: std::sync::Mutex<Vec<std::sync::Weak<Ticket>>> = std::sync::Mutex::new(Vec::new());
+
+fn overran(ticket: &Arc<Ticket>) {
     let mut o = OVERRUN.lock().unwrap_or_else(|e| e.into_inner());
     o.retain(|w| w.strong_count() > 0);
-    o.push(Arc::downgrade(hold));
+    o.push(Arc::downgrade(ticket));
 }
 
 /// Whether a handler that overran its timeout may still run in this process.
@@ -91,35 +93,35 @@ fn overrunning() -> bool {
 }
 
 /// A batch's share of [`HANDLERS`]; see there.
-pub(crate) struct Hold {
+struct Hold {
     _shared: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
     _alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>>,
 }
 
-/// The batch's share of [`HANDLERS`]; `None` if it was to run alone and could not within one
-/// handler timeout.
-async fn hold(cfg: &ConsumerConfig, exclusive: bool) -> Option<Arc<Hold>> {
+/// The batch's share of [`HANDLERS`]; `None` if it was to run alone and cannot now.
+async fn hold(cfg: &ConsumerConfig, exclusive: bool) -> Option<Hold> {
     let lock = HANDLERS.clone();
     if !exclusive {
-        return Some(Arc::new(Hold {
+        return Some(Hold {
             _shared: Some(lock.read_owned().await),
             _alone: None,
-        }));
+        });
     }
-    match tokio::time::timeout(cfg.handler_timeout, lock.write_owned()).await {
-        Ok(alone) => Some(Arc::new(Hold {
-            _shared: None,
-            _alone: Some(alone),
-        })),
-        Err(_) => {
+    let alone = match tokio::time::timeout(cfg.handler_timeout, lock.write_owned()).await {
+        Ok(alone) if !overrunning() => alone,
+        _ => {
             tracing::warn!(
                 consumer = %cfg.name,
-                "a handler still runs past its timeout: rows to be handed over one per call wait \
-                 until it ends"
+                "rows a process may have died holding wait: a handler still runs past its \
+                 timeout, and a death now could be blamed on the wrong event"
             );
-            None
+            return None;
         }
-    }
+    };
+    Some(Hold {
+        _shared: None,
+        _alone: Some(alone),
+    })
 }
 
 /// Stored as `last_error` when a handler panicked or stopped while handling.
@@ -327,6 +329,7 @@ pub(crate) async fn run_batch(
             ..Default::default()
         });
     };
+    let ticket = Arc::new(Ticket);
     let mut conn: OwnedConn = pool.get_owned().await?;
     // Any early return below drops `conn` inside a transaction; the pool sees a broken
     // transaction manager and closes the connection, so PostgreSQL rolls back and no session
@@ -353,8 +356,7 @@ pub(crate) async fn run_batch(
         claimed: rows.len(),
         ..Default::default()
     };
-    let alone = entered.after_death || overrunning();
-    if safe && ((alone && !exclusive) || !entered.interrupted.is_empty()) {
+    if safe && ((entered.after_death && !exclusive) || !entered.interrupted.is_empty()) {
         // Give the rows back, to be claimed again at once by a batch that runs alone in the
         // process. Interrupted attempts are first counted, and committed with their entries
         // forgetting them before any handler runs: a count that waited for the batch's end
@@ -380,6 +382,8 @@ pub(crate) async fn run_batch(
     }
     // A batch handler gets the fast batch's rows in one call; a safe batch, one row per call.
     let together = matches!(handler, HandlerRef::Batch(_)) && !safe;
+    // Only a batch alone in the process marks the row in hand (see `HANDLERS`).
+    let marks = safe && exclusive;
     let mut processed = Vec::with_capacity(rows.len());
     let mut failures = Vec::new();
     let mut stale = Vec::new();
@@ -454,7 +458,7 @@ pub(crate) async fn run_batch(
             continue;
         }
 
-        if let (true, Some(entry)) = (safe, entered.entry) {
+        if let (true, Some(entry)) = (marks, entered.entry) {
             if let Err(e) = in_flight.alone(pool, entry, Some(group[0].id)).await {
                 // Not recorded, so not handed over: a death now could not be traced to it.
                 // The rows decided so far commit; the rest are claimed again.
@@ -464,17 +468,16 @@ pub(crate) async fn run_batch(
                 break;
             }
         }
-        let call = hand_over(cfg, handler, conn, &mut group, safe, &hold).await;
+        let call = hand_over(cfg, handler, conn, &mut group, safe, &ticket).await;
         if call.timed_out {
             // The handler may run on, and may yet kill the process. Its attempt is counted as
-            // timed out; until it ends, rows are handed over one per call only alone in the
-            // process, so that its death is never counted against one of them.
-            overran(&hold);
-            out.exclusive = true;
+            // timed out; until it ends, no row is handed over alone, so that its death is never
+            // counted against one.
+            overran(&ticket);
         }
         // The call is over: a death from now on is not this row's doing (or, for a handler that
         // overran, no longer counted against it).
-        if let (true, Some(entry)) = (safe, entered.entry) {
+        if let (true, Some(entry)) = (marks, entered.entry) {
             if let Err(e) = in_flight.alone(pool, entry, None).await {
                 tracing::warn!(consumer = %cfg.name, error = %e, "could not clear the row handed over on its own");
                 untraced = true;
@@ -492,9 +495,6 @@ pub(crate) async fn run_batch(
                 // it). Which row hung is unknown, so no attempt is counted; their entries in
                 // flight make the next batch holding them hand them over one per call.
                 out.rolled_back = true;
-                // The handler may still run, and may yet kill the process: the replay waits
-                // for it and runs alone.
-                out.exclusive = true;
                 if let Some(entry) = entered.entry {
                     in_flight.replay(entry).await;
                 }
@@ -505,6 +505,9 @@ pub(crate) async fn run_batch(
             });
             // The entry forgot the row when the call ended, so this attempt is counted here
             // only. The abandoned transaction still holds the row: nobody can claim it first.
+            // Recording it waits for that transaction, so the lock goes first: no other batch
+            // waits on a handler that keeps its connection.
+            drop(hold);
             abandon(pool, cfg, &group[0], &err).await;
             out.failed += 1;
             out.abandoned = true;
@@ -545,7 +548,7 @@ pub(crate) async fn run_batch(
             }
         }
         conn = back;
-        if last || out.handler_lost || untraced || (safe && call.timed_out) {
+        if last || out.handler_lost || untraced || (marks && call.timed_out) {
             // Rows not yet handled stay locked by this transaction until the commit, then
             // are claimed again (once the handler is replaced).
             break;
@@ -633,7 +636,7 @@ async fn hand_over(
     conn: OwnedConn,
     group: &mut [InboxRow],
     safe: bool,
-    hold: &Arc<Hold>,
+    ticket: &Arc<Ticket>,
 ) -> Call {
     // Transaction depth while a handler runs: the batch transaction (plus the row's savepoint).
     let lent_depth = if safe { 2 } else { 1 };
@@ -657,7 +660,7 @@ async fn hand_over(
                 row: handed,
                 consumer: cfg.name.clone(),
                 slot: slot.clone(),
-                _hold: Some(hold.clone()),
+                _ticket: Some(ticket.clone()),
             }
         })
         .collect();

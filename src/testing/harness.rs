@@ -810,7 +810,7 @@ impl Harness {
             row: row.clone(),
             consumer: cfg.name.clone(),
             slot: slot.clone(),
-            _hold: None,
+            _ticket: None,
         };
         let handler = self.consumers[c].handler.clone();
         let sent = match &handler {
