@@ -337,20 +337,32 @@ async fn an_event_that_kills_its_process(batch: bool) {
     };
     let until = [(POISON_DEAD, 1), (HEALTHY_ONCE, 201)];
     let deaths = restart_until(&db, "aborting_child_entry", env, &until).await;
+    // One death per counted attempt at least; more when it died inside a batch first.
+    assert_survived(db, deaths, 2, (POISON_DEAD, 1), 201).await;
+}
 
+/// What every abort test ends with: the poison events dead-lettered (`dead` counts them), the
+/// `healthy` others processed on their first attempt with one effect each, and at least
+/// `min_deaths` deaths.
+async fn assert_survived(
+    db: TestDb,
+    deaths: usize,
+    min_deaths: usize,
+    dead: (&str, i64),
+    healthy: i64,
+) {
     assert_eq!(
-        db.count(POISON_DEAD).await,
-        1,
-        "the poison event is dead-lettered"
+        db.count(dead.0).await,
+        dead.1,
+        "poison events dead-lettered"
     );
     assert_eq!(
         db.count(HEALTHY_ONCE).await,
-        201,
+        healthy,
         "every other event processed, first time"
     );
-    // One death per counted attempt at least; more when it died inside a batch first.
-    assert!(deaths >= 2, "the process died {deaths} times");
-    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 201);
+    assert!(deaths >= min_deaths, "the process died {deaths} times");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, healthy);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     db.finish(&[]).await;
 }
@@ -367,21 +379,7 @@ async fn two_events_that_kill_their_process_in_one_batch_are_both_dead_lettered(
 
     let until = [(POISON_DEAD, 2), (HEALTHY_ONCE, 101)];
     let deaths = restart_until(&db, "aborting_child_entry", &[], &until).await;
-
-    assert_eq!(
-        db.count(POISON_DEAD).await,
-        2,
-        "both poison events dead-lettered"
-    );
-    assert_eq!(
-        db.count(HEALTHY_ONCE).await,
-        101,
-        "the others processed, first time"
-    );
-    assert!(deaths >= 4, "the process died {deaths} times");
-    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 101);
-    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
-    db.finish(&[]).await;
+    assert_survived(db, deaths, 4, (POISON_DEAD, 2), 101).await;
 }
 
 /// A handler that overran its timeout still runs, and kills the process later. Its attempt was
@@ -398,17 +396,7 @@ async fn a_handler_that_kills_its_process_after_its_timeout_charges_no_other_eve
         AND status = 'DEAD_LETTER' AND attempt_count = 5";
     let until = [(dead, 1), (HEALTHY_ONCE, 41)];
     let deaths = restart_until(&db, "late_aborting_child_entry", &[], &until).await;
-
-    assert_eq!(db.count(dead).await, 1, "the poison event is dead-lettered");
-    assert_eq!(
-        db.count(HEALTHY_ONCE).await,
-        41,
-        "every other event processed on its first attempt"
-    );
-    assert!(deaths >= 1, "the process died {deaths} times");
-    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 41);
-    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
-    db.finish(&[]).await;
+    assert_survived(db, deaths, 1, (dead, 1), 41).await;
 }
 
 /// A death is counted only against the event whose handler caused it: another consumer in the
