@@ -503,6 +503,12 @@ pub(crate) async fn run_batch(
             let err = call.result.err().unwrap_or_else(|| {
                 HandlerError::retry("the handler left the delivery's transaction in a bad state")
             });
+            out.abandoned = true;
+            if untraced {
+                // The entry still names the row as handed over alone: it counts this attempt
+                // when the row is claimed again. Counting it here too would count it twice.
+                return Ok(out);
+            }
             // The entry forgot the row when the call ended, so this attempt is counted here
             // only. The abandoned transaction still holds the row: nobody can claim it first.
             // Recording it waits for that transaction, so the lock goes first: no other batch
@@ -510,7 +516,6 @@ pub(crate) async fn run_batch(
             drop(hold);
             abandon(pool, cfg, &group[0], &err).await;
             out.failed += 1;
-            out.abandoned = true;
             return Ok(out);
         };
         match call.result {
@@ -526,9 +531,12 @@ pub(crate) async fn run_batch(
                 if !many && (call.lost || call.timed_out) {
                     // The handler died or hung on this one row: calling it again at once would
                     // only repeat that, so this row's attempt is recorded now and the rest are
-                    // claimed again by the next batch.
+                    // claimed again by the next batch (a replay: nothing died).
                     abandon(pool, cfg, &group[0], &err).await;
                     out.failed += 1;
+                    if let Some(entry) = entered.entry {
+                        in_flight.replay(entry).await;
+                    }
                 } else {
                     // Replay the batch with savepoints, one row per call (its rows' entries in
                     // flight stay, which makes the replay safe), which records the failing
