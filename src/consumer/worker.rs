@@ -63,10 +63,11 @@ pub(crate) struct BatchOutcome {
 /// death and handed over alone then. So a consumer whose handlers keep failing never stalls the
 /// others.
 ///
-/// The write guard is waited for at most one handler timeout, and not taken at all while a
-/// handler that overran its timeout may still run ([`OVERRUN`]); the batch then gives its rows
-/// back and tries again at the next poll. Taken before the batch's transaction begins, so
-/// nobody waits for it holding row locks.
+/// The write guard is not taken while a handler that overran its timeout may still run
+/// ([`OVERRUN`]): the batch then claims nothing, and the rows wait for a later poll. Otherwise
+/// it is waited for until the batches running now end; each ends within its handlers'
+/// timeouts, because a handler that overran keeps only its ticket, not the guard. Taken before
+/// the batch's transaction begins, so nobody waits for it holding row locks.
 static HANDLERS: std::sync::LazyLock<Arc<tokio::sync::RwLock<()>>> =
     std::sync::LazyLock::new(|| Arc::new(tokio::sync::RwLock::new(())));
 
@@ -107,21 +108,22 @@ async fn hold(cfg: &ConsumerConfig, exclusive: bool) -> Option<Hold> {
             _alone: None,
         });
     }
-    let alone = match tokio::time::timeout(cfg.handler_timeout, lock.write_owned()).await {
-        Ok(alone) if !overrunning() => alone,
-        _ => {
-            tracing::warn!(
-                consumer = %cfg.name,
-                "rows a process may have died holding wait: a handler still runs past its \
-                 timeout, and a death now could be blamed on the wrong event"
-            );
-            return None;
+    if !overrunning() {
+        let alone = lock.write_owned().await;
+        // A handler of the last batches may have overrun meanwhile.
+        if !overrunning() {
+            return Some(Hold {
+                _shared: None,
+                _alone: Some(alone),
+            });
         }
-    };
-    Some(Hold {
-        _shared: None,
-        _alone: Some(alone),
-    })
+    }
+    tracing::warn!(
+        consumer = %cfg.name,
+        "rows a process may have died holding wait: a handler still runs past its timeout, and \
+         a death now could be blamed on the wrong event"
+    );
+    None
 }
 
 /// Stored as `last_error` when a handler panicked or stopped while handling.
@@ -526,25 +528,24 @@ pub(crate) async fn run_batch(
                 processed.append(&mut group);
             }
             Err(err) if !safe => {
+                // Known as a replay before the rollback frees the rows: nothing died, so the
+                // batch that claims them next needs not run alone.
+                if let Some(entry) = entered.entry {
+                    in_flight.replay(entry).await;
+                }
                 // Undo the whole batch (the handler's partial writes with it).
                 Tm::rollback_transaction(&mut *back).await?;
                 if !many && (call.lost || call.timed_out) {
                     // The handler died or hung on this one row: calling it again at once would
                     // only repeat that, so this row's attempt is recorded now and the rest are
-                    // claimed again by the next batch (a replay: nothing died).
+                    // claimed again by the next batch.
                     abandon(pool, cfg, &group[0], &err).await;
                     out.failed += 1;
-                    if let Some(entry) = entered.entry {
-                        in_flight.replay(entry).await;
-                    }
                 } else {
                     // Replay the batch with savepoints, one row per call (its rows' entries in
                     // flight stay, which makes the replay safe), which records the failing
                     // row's attempt and keeps the other rows' effects.
                     out.rolled_back = true;
-                    if let Some(entry) = entered.entry {
-                        in_flight.replay(entry).await;
-                    }
                 }
                 return Ok(out);
             }
