@@ -6,7 +6,7 @@ mod common;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use actix_outbox::{pause_consumer, resume_consumer, ConsumerName, Fault};
+use actix_outbox::{pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Fault};
 use common::*;
 
 const MAX_EFFECTS_PER_EVENT: &str =
@@ -171,13 +171,23 @@ async fn graceful_shutdown_with_deliveries_in_flight_loses_and_repeats_nothing()
 #[actix_rt::test]
 #[ignore = "entry point of the SIGKILL test's child process"]
 async fn child_process_entry() {
-    let url = std::env::var("AO_CHILD_DB").expect("started by the SIGKILL test with AO_CHILD_DB");
-    let pool = actix_outbox::connect(&url, 10).await.unwrap();
-    let _rt = start_on(
-        pool,
+    serve_as_child(
         vec![(consumer("c1", 10).batch_size(50), Behaviour::default())],
+        false,
     )
     .await;
+}
+
+/// The body of every child process: runs `consumers` (as batch consumers if `batch`) on
+/// `AO_CHILD_DB` until the process is killed or kills itself.
+async fn serve_as_child(consumers: Vec<(ConsumerConfig, Behaviour)>, batch: bool) {
+    let url = std::env::var("AO_CHILD_DB").expect("started by a child-process test");
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let _rt = if batch {
+        start_batch_on(pool, consumers).await
+    } else {
+        start_on(pool, consumers).await
+    };
     std::future::pending::<()>().await;
 }
 
@@ -186,20 +196,17 @@ async fn child_process_entry() {
 #[actix_rt::test]
 #[ignore = "entry point of the abort test's child process"]
 async fn aborting_child_entry() {
-    let url = std::env::var("AO_CHILD_DB").expect("started by the abort test with AO_CHILD_DB");
-    let pool = actix_outbox::connect(&url, 10).await.unwrap();
     let behaviour = Behaviour {
         poison_aggregate: Some("poison".into()),
         poison: Poison::Abort,
         ..Default::default()
     };
     let cfg = consumer("c1", 2).batch_size(20);
-    let _rt = if std::env::var("AO_CHILD_BATCH").is_ok() {
-        start_batch_on(pool, vec![(cfg, behaviour)]).await
-    } else {
-        start_on(pool, vec![(cfg, behaviour)]).await
-    };
-    std::future::pending::<()>().await;
+    serve_as_child(
+        vec![(cfg, behaviour)],
+        std::env::var("AO_CHILD_BATCH").is_ok(),
+    )
+    .await;
 }
 
 fn spawn_child(url: &str) -> Child {
@@ -223,8 +230,6 @@ fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> Child {
 #[actix_rt::test]
 #[ignore = "entry point of the two-consumer abort test's child process"]
 async fn two_consumers_aborting_child_entry() {
-    let url = std::env::var("AO_CHILD_DB").expect("started by the abort test with AO_CHILD_DB");
-    let pool = actix_outbox::connect(&url, 10).await.unwrap();
     let work = Duration::from_millis(10);
     let killer = Behaviour {
         poison_aggregate: Some("poison".into()),
@@ -236,15 +241,11 @@ async fn two_consumers_aborting_child_entry() {
         work,
         ..Default::default()
     };
-    let _rt = start_on(
-        pool,
-        vec![
-            (consumer("c1", 2).batch_size(20), killer),
-            (consumer("c2", 2).batch_size(20), healthy),
-        ],
-    )
-    .await;
-    std::future::pending::<()>().await;
+    let consumers = vec![
+        (consumer("c1", 2).batch_size(20), killer),
+        (consumer("c2", 2).batch_size(20), healthy),
+    ];
+    serve_as_child(consumers, false).await;
 }
 
 /// The process the late-abort test restarts: `c1`'s handler outlives its timeout on the
@@ -252,8 +253,6 @@ async fn two_consumers_aborting_child_entry() {
 #[actix_rt::test]
 #[ignore = "entry point of the late-abort test's child process"]
 async fn late_aborting_child_entry() {
-    let url = std::env::var("AO_CHILD_DB").expect("started by the abort test with AO_CHILD_DB");
-    let pool = actix_outbox::connect(&url, 10).await.unwrap();
     let behaviour = Behaviour {
         poison_aggregate: Some("poison".into()),
         poison: Poison::LateAbort,
@@ -263,8 +262,7 @@ async fn late_aborting_child_entry() {
     let cfg = consumer("c1", 5)
         .batch_size(20)
         .handler_timeout(Duration::from_millis(200));
-    let _rt = start_on(pool, vec![(cfg, behaviour)]).await;
-    std::future::pending::<()>().await;
+    serve_as_child(vec![(cfg, behaviour)], false).await;
 }
 
 /// Writes `poisons` events of the aggregate `poison` between healthy ones, all before any

@@ -150,6 +150,12 @@ pub(crate) struct InFlight(Arc<Mutex<InFlightConn>>);
 #[derive(Default)]
 struct InFlightConn {
     conn: Option<AsyncPgConnection>,
+    book: Book,
+}
+
+/// What the consumer knows of its own entries.
+#[derive(Default)]
+struct Book {
     /// Entries of committed fast batches, deleted with the next `enter` instead of with a
     /// round trip of their own. Their rows are all marked, so none is due again at once; an
     /// entry found before it is deleted only makes a batch safe, and a fast batch never sets
@@ -171,10 +177,10 @@ impl InFlight {
     async fn with<T>(
         &self,
         pool: &PgPool,
-        f: impl AsyncFnOnce(&AsyncPgConnection, &mut Vec<i64>) -> Result<T>,
+        f: impl AsyncFnOnce(&AsyncPgConnection, &mut Book) -> Result<T>,
     ) -> Result<T> {
         let mut slot = self.0.lock().await;
-        let InFlightConn { conn, done, .. } = &mut *slot;
+        let InFlightConn { conn, book } = &mut *slot;
         if conn.is_none() {
             let opened = pool
                 .dedicated_connection()
@@ -182,7 +188,7 @@ impl InFlight {
                 .map_err(|e| Error::Pool(e.to_string()))?;
             *conn = Some(opened);
         }
-        let r = f(conn.as_ref().expect("connected"), done).await;
+        let r = f(conn.as_ref().expect("connected"), book).await;
         if r.is_err() {
             *conn = None;
         }
@@ -192,21 +198,19 @@ impl InFlight {
     /// Enters a batch's rows (and deletes the finished batches' entries on the way), and
     /// returns what the entries left behind say about them.
     async fn enter(&self, pool: &PgPool, consumer: &str, ids: &[i64]) -> Result<Entered> {
-        let mut entered = self
-            .with(pool, async |conn, done| {
-                let done = std::mem::take(done);
-                let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
-                Ok(Entered::new(entry, ids, others))
-            })
-            .await?;
-        let replays = &self.0.lock().await.replays;
-        entered.after_death = entered.holders.iter().any(|e| !replays.contains(e));
-        Ok(entered)
+        self.with(pool, async |conn, book| {
+            let done = std::mem::take(&mut book.done);
+            let (entry, others) = inbox::enter_in_flight(conn, consumer, ids, &done).await?;
+            let mut entered = Entered::new(entry, ids, others);
+            entered.after_death = entered.holders.iter().any(|e| !book.replays.contains(e));
+            Ok(entered)
+        })
+        .await
     }
 
     /// Remembers that the fast batch `entry` rolled back in this living process.
     async fn replay(&self, entry: i64) {
-        let replays = &mut self.0.lock().await.replays;
+        let replays = &mut self.0.lock().await.book.replays;
         if replays.len() >= REPLAYS_KEPT {
             replays.clear();
         }
@@ -223,30 +227,29 @@ impl InFlight {
 
     /// Deletes `entries` now.
     async fn leave(&self, pool: &PgPool, entries: &[i64]) -> Result<()> {
-        self.with(pool, async |conn, _| {
-            inbox::leave_in_flight(conn, entries).await
+        self.with(pool, async |conn, book| {
+            inbox::leave_in_flight(conn, entries).await?;
+            for entry in entries {
+                book.replays.remove(entry);
+            }
+            Ok(())
         })
-        .await?;
-        let replays = &mut self.0.lock().await.replays;
-        for entry in entries {
-            replays.remove(entry);
-        }
-        Ok(())
+        .await
     }
 
     /// Deletes the entry of a committed fast batch with the next `enter`.
     async fn leave_later(&self, entry: i64) {
-        self.0.lock().await.done.push(entry);
+        self.0.lock().await.book.done.push(entry);
     }
 
     /// Deletes the entries of committed fast batches now, when the consumer goes idle or
     /// stops, so that none outlives the process that knows them.
     pub(crate) async fn flush(&self, pool: &PgPool) -> Result<()> {
-        if self.0.lock().await.done.is_empty() {
+        if self.0.lock().await.book.done.is_empty() {
             return Ok(());
         }
-        self.with(pool, async |conn, done| {
-            let entries = std::mem::take(done);
+        self.with(pool, async |conn, book| {
+            let entries = std::mem::take(&mut book.done);
             inbox::leave_in_flight(conn, &entries).await
         })
         .await
@@ -258,9 +261,8 @@ impl InFlight {
 struct Entered {
     /// This batch's entry; `None` for a batch that claimed nothing.
     entry: Option<i64>,
-    /// An entry left behind holds some of the rows: hand them over one per call.
-    suspects: bool,
-    /// The entries left behind that hold some of the rows.
+    /// The entries left behind that hold some of the rows: if any, the rows are suspects,
+    /// handed over one per call.
     holders: Vec<i64>,
     /// One of them was not left by a rollback in this living process: a process may have died
     /// holding the rows, so they are handed over with no other handler running.
@@ -294,7 +296,6 @@ impl Entered {
             if held == 0 {
                 continue;
             }
-            e.suspects = true;
             e.holders.push(other.id);
             if let Some(row) = other.alone.filter(|row| claimed.contains(row)) {
                 e.interrupted.insert(row);
@@ -353,7 +354,7 @@ pub(crate) async fn run_batch(
     // with a savepoint each, so that only the failing row's writes are undone and its attempt
     // is recorded. A process that died holding rows leaves them the same way. A row's effect
     // commits at most once either way; a failed fast batch only means some handlers run again.
-    let safe = entered.suspects;
+    let safe = !entered.holders.is_empty();
     let mut out = BatchOutcome {
         claimed: rows.len(),
         ..Default::default()
