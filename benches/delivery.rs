@@ -9,9 +9,12 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history` (all, in that order, by
 //! default). `--quick` puts 500,000 rows instead of 5,000,000 under `history`. Tuning flags for
 //! experiments: `--events N`, `--consumer-batch N`, `--concurrency N`, `--publish-batch N`,
-//! `--listen on|off`. `--handler batch` registers the consumers as batch consumers
-//! (`OutboxBuilder::batch_consumer`), which write a whole batch's effect rows in one statement;
-//! the default, `--handler each`, writes one effect row per handler call.
+//! `--listen on|off`, `--publish-gap-us N`. `--handler batch` registers the consumers as batch
+//! consumers (`OutboxBuilder::batch_consumer`), which write a whole batch's effect rows in one
+//! statement; the default, `--handler each`, writes one effect row per handler call.
+//! `--producer statement` (the default) writes each one-event business transaction as one
+//! `enqueue_with` statement; `--producer transaction` as `BEGIN`, the business insert
+//! pipelined with `enqueue`, and `COMMIT`.
 //!
 //! How it measures:
 //! - The benchmark creates its own database `ao_bench_<random>` on the server of
@@ -53,8 +56,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actix_outbox::{
-    enqueue, enqueue_many, ConsumerConfig, Delivery, DeliveryBatch, HandlerError, NewEvent,
-    OutboxHandle, OutboxRuntime, PgPool, Prepared, RuntimeConfig,
+    enqueue, enqueue_many, enqueue_with, ConsumerConfig, Delivery, DeliveryBatch, HandlerError,
+    NewEvent, OutboxHandle, OutboxRuntime, PgPool, Prepared, RuntimeConfig,
 };
 use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
@@ -85,8 +88,13 @@ struct Opts {
     consumer_batch: u32,
     concurrency: u32,
     listen: bool,
+    /// `RuntimeConfig::publish_gap` (`--publish-gap-us`), the default unless given.
+    publish_gap: Duration,
     /// Batch consumers (`--handler batch`) instead of one event per handler call.
     batch_handler: bool,
+    /// One-event business transactions as one `enqueue_with` statement (`--producer
+    /// statement`, the default) or as `BEGIN`, the pipelined insert and `enqueue`, `COMMIT`.
+    one_statement: bool,
 }
 
 impl Opts {
@@ -105,7 +113,9 @@ impl Opts {
             consumer_batch: 0,
             concurrency: 0,
             listen: RuntimeConfig::default().listen,
+            publish_gap: RuntimeConfig::default().publish_gap,
             batch_handler: false,
+            one_statement: true,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -135,11 +145,23 @@ impl Opts {
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
                 "--listen" => o.listen = value()? != "off",
+                "--publish-gap-us" => o.publish_gap = Duration::from_micros(value()?.parse()?),
                 "--handler" => {
                     o.batch_handler = match value()?.as_str() {
                         "each" => false,
                         "batch" => true,
                         other => return Err(format!("--handler each|batch, not {other}").into()),
+                    }
+                }
+                "--producer" => {
+                    o.one_statement = match value()?.as_str() {
+                        "statement" => true,
+                        "transaction" => false,
+                        other => {
+                            return Err(
+                                format!("--producer statement|transaction, not {other}").into()
+                            )
+                        }
                     }
                 }
                 other => return Err(format!("unknown argument {other}").into()),
@@ -171,6 +193,7 @@ impl Opts {
     fn runtime_config(&self) -> RuntimeConfig {
         let mut c = RuntimeConfig::default();
         c.publish_batch_size = self.publish_batch;
+        c.publish_gap = self.publish_gap;
         // Wake-ups carry the load; the poll is only the backstop.
         c.poll_interval = Duration::from_millis(100);
         // Nothing to reconcile here; keep its queries out of the figures.
@@ -204,13 +227,14 @@ impl Opts {
         format!(
             "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
              {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
-             batched), paced {} at {}/s | history {} rows",
+             batched; one-event tx as {}), paced {} at {}/s | history {} rows",
             self.pool_size(),
             self.consumer_batch,
             self.concurrency,
             if self.batch_handler { "batch" } else { "each" },
             self.events,
             self.batch_per_tx,
+            if self.one_statement { "one statement" } else { "BEGIN…COMMIT" },
             self.paced_events,
             self.paced_rate,
             self.history_rows
@@ -583,6 +607,49 @@ struct Produce {
     per_tx: usize,
     /// Events per second, one per transaction; `None` for as fast as possible.
     rate: Option<f64>,
+    /// One-event transactions as one statement (see `Opts::one_statement`).
+    one_statement: bool,
+}
+
+/// One business transaction: `BEGIN`, the business rows pipelined with their events, `COMMIT`.
+async fn transaction(
+    conn: &mut AsyncPgConnection,
+    ids: &[String],
+    events: &[NewEvent],
+    first: usize,
+    last: usize,
+) -> Result<(), String> {
+    conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
+        let conn: &AsyncPgConnection = conn;
+        if events.len() == 1 {
+            let order = Prepared(
+                diesel::sql_query(
+                    "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2)",
+                )
+                .bind::<Text, _>(&ids[0])
+                .bind::<BigInt, _>(first as i64 * 100),
+            );
+            futures_util::try_join!(
+                async { Ok(order.execute(&mut &*conn).await?) },
+                enqueue(conn, &events[0])
+            )?;
+        } else {
+            let amounts: Vec<i64> = (first..last).map(|n| n as i64 * 100).collect();
+            let orders = diesel::sql_query(
+                "INSERT INTO bench_orders (id, status, amount_cents) \
+                 SELECT id, 'PLACED', amount FROM unnest($1::text[], $2::int8[]) AS t(id, amount)",
+            )
+            .bind::<Array<Text>, _>(ids)
+            .bind::<Array<BigInt>, _>(&amounts);
+            futures_util::try_join!(
+                async { Ok(orders.execute(&mut &*conn).await?) },
+                enqueue_many(conn, events)
+            )?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| e.to_string())
 }
 
 /// Writes `p.events` business rows and their events, `p.per_tx` per transaction, recording
@@ -621,38 +688,28 @@ async fn produce(
                 )
             })
             .collect();
-        // The business row and its events are pipelined: one round trip between BEGIN and COMMIT.
-        conn.transaction::<_, actix_outbox::Error, _>(async |conn| {
-            let conn: &AsyncPgConnection = conn;
-            if events.len() == 1 {
-                let order = Prepared(
-                    diesel::sql_query(
-                        "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2)",
-                    )
-                    .bind::<Text, _>(&ids[0])
-                    .bind::<BigInt, _>(first as i64 * 100),
-                );
-                futures_util::try_join!(
-                    async { Ok(order.execute(&mut &*conn).await?) },
-                    enqueue(conn, &events[0])
-                )?;
-            } else {
-                let amounts: Vec<i64> = (first..last).map(|n| n as i64 * 100).collect();
-                let orders = diesel::sql_query(
-                    "INSERT INTO bench_orders (id, status, amount_cents) \
-                     SELECT id, 'PLACED', amount FROM unnest($1::text[], $2::int8[]) AS t(id, amount)",
+        if events.len() == 1 && p.one_statement {
+            // The business row and its event in one statement: the whole transaction in one
+            // round trip.
+            let order = Prepared(
+                diesel::sql_query(
+                    "INSERT INTO bench_orders (id, status, amount_cents) VALUES ($1, 'PLACED', $2) \
+                     RETURNING id",
                 )
-                .bind::<Array<Text>, _>(&ids)
-                .bind::<Array<BigInt>, _>(&amounts);
-                futures_util::try_join!(
-                    async { Ok(orders.execute(&mut &*conn).await?) },
-                    enqueue_many(conn, &events)
-                )?;
+                .bind::<Text, _>(&ids[0])
+                .bind::<BigInt, _>(first as i64 * 100),
+            );
+            let written = enqueue_with(&conn, order, &events)
+                .await
+                .map_err(|e| e.to_string())?;
+            if !written {
+                return Err(format!("order {} was not written", ids[0]));
             }
-            Ok(())
-        })
-        .await
-        .map_err(|e| e.to_string())?;
+        } else {
+            // The business rows and their events are pipelined: one round trip between BEGIN
+            // and COMMIT.
+            transaction(&mut conn, &ids, &events, first, last).await?;
+        }
         let at = track.now();
         for n in first..last {
             track.committed(n, at);
@@ -754,6 +811,7 @@ async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
         events,
         per_tx,
         rate,
+        one_statement: ctx.opts.one_statement,
     };
 
     let mut runtime = None;

@@ -161,7 +161,7 @@ pub use maintenance::{
     ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Retention,
     RetentionConfig, RetentionReport, StatsConfig, StatsSampler, Trend,
 };
-pub use outbox::{enqueue, enqueue_many, notify_publishers, timeline};
+pub use outbox::{enqueue, enqueue_many, enqueue_with, notify_publishers, timeline};
 pub use publisher::{ExternalConfig, OutboxEvent, Transport, TransportError};
 pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
 #[cfg(feature = "testing")]

@@ -49,6 +49,12 @@ fn registry() -> EventRegistry {
         })
 }
 
+/// Inserts order `id`, returning it: a business statement for `enqueue_with`.
+fn placed(id: &str) -> impl diesel::query_builder::QueryFragment<diesel::pg::Pg> + Send {
+    diesel::sql_query("INSERT INTO orders (id, status) VALUES ($1, 'PLACED') RETURNING id")
+        .bind::<diesel::sql_types::Text, _>(id.to_owned())
+}
+
 fn changed(order: &str, status: &str, version: i64) -> NewEvent {
     NewEvent::typed(&StatusChanged {
         order_id: order.into(),
@@ -169,6 +175,15 @@ async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
             "EVENT_SCHEMA_INVALID",
             "{order}"
         );
+        // The same check guards the one-statement form, before the statement is sent.
+        let one = reg
+            .enqueue_with(&conn, placed(&format!("{order}-one")), &[event])
+            .await;
+        assert_eq!(
+            one.unwrap_err().code().as_str(),
+            "EVENT_SCHEMA_INVALID",
+            "{order}"
+        );
     }
     // The plain enqueue rejects secrets too, without a registry.
     let res = conn
@@ -189,10 +204,13 @@ async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
     })
     .await
     .unwrap();
+    let event = changed("good-one", "PAID", 2);
+    let one = reg.enqueue_with(&conn, placed("good-one"), std::slice::from_ref(&event));
+    assert!(one.await.unwrap());
     drop(conn);
-    assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 2);
     assert_eq!(db.count("SELECT count(*) AS n FROM audit_logs").await, 1);
-    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 2);
     db.finish(&[]).await;
 }
 

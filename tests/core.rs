@@ -5,8 +5,10 @@ mod common;
 
 use std::time::Duration;
 
-use actix_outbox::{enqueue, enqueue_many, Error, Fault, NewEvent};
+use actix_outbox::{enqueue, enqueue_many, enqueue_with, Error, Fault, NewEvent, Prepared};
 use common::*;
+use diesel::sql_types::{BigInt, Text};
+use diesel::ExpressionMethods;
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 
 const EFFECTS_PER_EVENT_MAX: &str =
@@ -128,6 +130,107 @@ async fn an_enqueue_pipelined_with_the_business_write_commits_with_it_or_not_at_
         2
     );
     db.finish(&[]).await;
+}
+
+diesel::table! {
+    orders (id) {
+        id -> Text,
+        status -> Text,
+        version -> BigInt,
+    }
+}
+
+/// Places `order` with `ON CONFLICT DO NOTHING … RETURNING`: no row when it exists.
+fn place(order: &str) -> impl diesel::query_builder::QueryFragment<diesel::pg::Pg> + Send {
+    Prepared(
+        diesel::sql_query(
+            "INSERT INTO orders (id, status, version) VALUES ($1, 'PLACED', $2) \
+             ON CONFLICT DO NOTHING RETURNING id",
+        )
+        .bind::<Text, _>(order.to_owned())
+        .bind::<BigInt, _>(1_i64),
+    )
+}
+
+#[actix_rt::test]
+async fn a_business_statement_and_its_events_written_as_one_statement_commit_together_or_not_at_all(
+) {
+    let db = TestDb::new().await;
+    let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
+    let mut conn = db.pool.get().await.unwrap();
+    let code = |r: Result<bool, Error>| r.unwrap_err().code().as_str().to_owned();
+
+    // Written in autocommit: the order and both its events, which are then delivered.
+    let written = [order_event("w-1"), order_event("w-1")];
+    assert!(enqueue_with(&conn, place("w-1"), &written).await.unwrap());
+
+    // The business statement returns no row, so no event: an insert that skipped, and an
+    // update (uncached raw SQL, binds numbered before the events') that found nothing.
+    assert!(!enqueue_with(&conn, place("w-1"), &[order_event("w-1")])
+        .await
+        .unwrap());
+    let ship = diesel::sql_query(
+        "UPDATE orders SET status = 'SHIPPED' WHERE id = $1 AND status = $2 RETURNING id",
+    )
+    .bind::<Text, _>("w-1")
+    .bind::<Text, _>("PAID");
+    assert!(!enqueue_with(&conn, ship, &[order_event("w-1")])
+        .await
+        .unwrap());
+
+    // The event fails (its id exists): the order sent with it is not written.
+    let again = enqueue_with(&conn, place("w-2"), &written[..1]).await;
+    assert_eq!(code(again), "DATABASE_ERROR");
+    // The business statement fails (NOT NULL): the event sent with it is not written.
+    let broken =
+        diesel::sql_query("INSERT INTO orders (id, status) VALUES ('w-3', NULL) RETURNING id");
+    assert_eq!(
+        code(enqueue_with(&conn, broken, &[order_event("w-3")]).await),
+        "DATABASE_ERROR"
+    );
+    // No RETURNING: PostgreSQL rejects the statement before anything is written.
+    let blind = diesel::sql_query("INSERT INTO orders (id, status) VALUES ('w-4', 'PLACED')");
+    assert_eq!(
+        code(enqueue_with(&conn, blind, &[order_event("w-4")]).await),
+        "DATABASE_ERROR"
+    );
+    // An invalid event is refused before the statement is sent.
+    let invalid = NewEvent::new("", "order", "w-5", serde_json::json!({}));
+    assert_eq!(
+        code(enqueue_with(&conn, place("w-5"), &[invalid]).await),
+        "EVENT_SCHEMA_INVALID"
+    );
+    // Diesel's query builder composes the same way.
+    let dsl = diesel::insert_into(orders::table)
+        .values((orders::id.eq("w-7"), orders::status.eq("PLACED")))
+        .returning(orders::id);
+    assert!(enqueue_with(&conn, dsl, &[order_event("w-7")])
+        .await
+        .unwrap());
+    // Inside a transaction it is one statement of it, and rolls back with it.
+    let rolled_back = conn
+        .transaction::<(), Error, _>(async |conn| {
+            assert!(enqueue_with(conn, place("w-6"), &[order_event("w-6")]).await?);
+            Err(Error::Config("a later step failed".into()))
+        })
+        .await;
+    assert!(rolled_back.is_err());
+    drop(conn);
+
+    assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 2);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'w-1'")
+            .await,
+        2
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 3);
+    rt.handle().wake();
+    assert_eq!(
+        db.wait_for("SELECT count(*) AS n FROM effects", 3, WAIT)
+            .await,
+        3
+    );
+    db.finish(&[&rt]).await;
 }
 
 #[actix_rt::test]
@@ -625,6 +728,40 @@ async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_t
         ]
     );
     db.finish(&[]).await;
+}
+
+/// A wake-up within `publish_gap` of the last claim is deferred to the end of the gap, never
+/// dropped. Everything else polls every 30 s, so only the deferred claims can deliver within
+/// the deadline: the wake-ups right after the start's claim, and then one right after a claim.
+#[actix_rt::test]
+async fn a_wake_up_within_the_publish_gap_is_deferred_not_lost() {
+    let db = TestDb::new().await;
+    let mut cfg = fast_runtime();
+    cfg.poll_interval = Duration::from_secs(30);
+    cfg.publish_gap = Duration::from_secs(2);
+    cfg.listen = false;
+    let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .config(cfg)
+        .consumer(
+            consumer("c1", 3).poll_interval(Duration::from_secs(30)),
+            || Recorder {
+                name: "c1".into(),
+                behaviour: Behaviour::default(),
+            },
+        )
+        .start()
+        .await
+        .unwrap();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    for round in 1..=3 {
+        db.produce(1, &format!("first-{round}")).await;
+        rt.handle().wake();
+    }
+    assert_eq!(db.wait_for(done, 3, Duration::from_secs(10)).await, 3);
+    db.produce(1, "second").await;
+    rt.handle().wake();
+    assert_eq!(db.wait_for(done, 4, Duration::from_secs(10)).await, 4);
+    db.finish(&[&rt]).await;
 }
 
 #[actix_rt::test]

@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use diesel::pg::Pg;
+use diesel::query_builder::QueryFragment;
 use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -187,6 +189,26 @@ impl EventRegistry {
         }
         crate::outbox::insert_validated(conn, events).await?;
         Ok(events.iter().map(|e| e.id).collect())
+    }
+
+    /// Validates every event, then runs `business` and writes them in one statement, as
+    /// [`enqueue_with`](crate::enqueue_with) does (and with the same `RETURNING` rule).
+    ///
+    /// # Errors
+    /// As [`EventRegistry::enqueue_many`].
+    pub async fn enqueue_with<B>(
+        &self,
+        conn: &AsyncPgConnection,
+        business: B,
+        events: &[NewEvent],
+    ) -> Result<bool>
+    where
+        B: QueryFragment<Pg> + Send,
+    {
+        for event in events {
+            self.validate(event)?;
+        }
+        crate::outbox::insert_validated_with(conn, business, events).await
     }
 
     /// Lifts a stored payload to the current version of its type.

@@ -143,6 +143,7 @@ impl SupervisorActor {
                 self.route.clone(),
                 self.config.publish_batch_size,
                 self.config.poll_interval,
+                self.config.publish_gap,
                 self.config.listen.then(|| self.instance.clone()),
             );
             self.publisher = Some(publisher.start());

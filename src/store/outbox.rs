@@ -1,7 +1,9 @@
 //! Outbox statements: the insert made in the caller's transaction, and the in-process claim.
 
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Integer, Jsonb, Nullable, Text, Uuid as SqlUuid};
-use diesel::QueryableByName;
+use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
@@ -14,51 +16,120 @@ pub(crate) async fn insert_events(mut conn: &AsyncPgConnection, events: &[NewEve
     if events.is_empty() {
         return Ok(());
     }
-    let n = events.len();
-    let (mut ids, mut types, mut versions) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    let (mut agg_types, mut agg_ids, mut agg_versions) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    let (mut payloads, mut metadata) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut correlations, mut causations) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for e in events {
-        ids.push(e.id.as_uuid());
-        types.push(e.event_type.as_str());
-        versions.push(e.event_version);
-        agg_types.push(e.aggregate_type.as_str());
-        agg_ids.push(e.aggregate_id.as_str());
-        agg_versions.push(e.aggregate_version);
-        payloads.push(&e.payload);
-        metadata.push(&e.metadata);
-        // An event that starts a chain is its own correlation root.
-        correlations.push(e.correlation_id.clone().unwrap_or_else(|| e.id.to_string()));
-        causations.push(e.causation_id.as_deref());
-    }
-    Prepared(diesel::sql_query(
-        "INSERT INTO outbox_events (id, event_type, event_version, aggregate_type, aggregate_id, \
-             aggregate_version, payload, metadata, correlation_id, causation_id) \
-         SELECT * FROM unnest($1::uuid[], $2::text[], $3::int4[], $4::text[], $5::text[], \
-             $6::int8[], $7::jsonb[], $8::jsonb[], $9::text[], $10::text[])",
-    )
-    .bind::<Array<SqlUuid>, _>(ids)
-    .bind::<Array<Text>, _>(types)
-    .bind::<Array<Integer>, _>(versions)
-    .bind::<Array<Text>, _>(agg_types)
-    .bind::<Array<Text>, _>(agg_ids)
-    .bind::<Array<Nullable<BigInt>>, _>(agg_versions)
-    .bind::<Array<Jsonb>, _>(payloads)
-    .bind::<Array<Jsonb>, _>(metadata)
-    .bind::<Array<Text>, _>(correlations)
-    .bind::<Array<Nullable<Text>>, _>(causations))
-    .execute(&mut conn)
-    .await?;
+    InsertEvents::<()>::new(None, events)
+        .execute(&mut conn)
+        .await?;
     Ok(())
+}
+
+/// Runs `business` and inserts `events` in one statement, `WITH business AS (…) INSERT …`,
+/// writing the events only when `business` returned a row. Returns whether it did.
+///
+/// One statement is atomic on its own, so outside a transaction this is a whole business
+/// transaction in one round trip: no `BEGIN`, no `COMMIT`, and no moment at which the one is
+/// committed without the other.
+pub(crate) async fn insert_events_with<B>(
+    mut conn: &AsyncPgConnection,
+    business: B,
+    events: &[NewEvent],
+) -> Result<bool>
+where
+    B: QueryFragment<Pg> + Send,
+{
+    let written = InsertEvents::new(Some(business), events)
+        .execute(&mut conn)
+        .await?;
+    Ok(written > 0 || events.is_empty())
+}
+
+/// The outbox insert as a query fragment, so that a business statement can precede it in the
+/// same statement. Its text depends only on the business statement, never on the number of
+/// events, so it is prepared once per connection.
+struct InsertEvents<'a, B> {
+    business: Option<B>,
+    ids: Vec<uuid::Uuid>,
+    types: Vec<&'a str>,
+    versions: Vec<i32>,
+    agg_types: Vec<&'a str>,
+    agg_ids: Vec<&'a str>,
+    agg_versions: Vec<Option<i64>>,
+    payloads: Vec<&'a serde_json::Value>,
+    metadata: Vec<&'a serde_json::Value>,
+    correlations: Vec<String>,
+    causations: Vec<Option<&'a str>>,
+}
+
+impl<'a, B> InsertEvents<'a, B> {
+    fn new(business: Option<B>, events: &'a [NewEvent]) -> Self {
+        Self {
+            business,
+            ids: events.iter().map(|e| e.id.as_uuid()).collect(),
+            types: events.iter().map(|e| e.event_type.as_str()).collect(),
+            versions: events.iter().map(|e| e.event_version).collect(),
+            agg_types: events.iter().map(|e| e.aggregate_type.as_str()).collect(),
+            agg_ids: events.iter().map(|e| e.aggregate_id.as_str()).collect(),
+            agg_versions: events.iter().map(|e| e.aggregate_version).collect(),
+            payloads: events.iter().map(|e| &e.payload).collect(),
+            metadata: events.iter().map(|e| &e.metadata).collect(),
+            // An event that starts a chain is its own correlation root.
+            correlations: events
+                .iter()
+                .map(|e| e.correlation_id.clone().unwrap_or_else(|| e.id.to_string()))
+                .collect(),
+            causations: events.iter().map(|e| e.causation_id.as_deref()).collect(),
+        }
+    }
+}
+
+impl<B: QueryFragment<Pg>> QueryFragment<Pg> for InsertEvents<'_, B> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        if let Some(business) = &self.business {
+            out.push_sql("WITH business AS (");
+            business.walk_ast(out.reborrow())?;
+            out.push_sql(") ");
+        }
+        out.push_sql(
+            "INSERT INTO outbox_events (id, event_type, event_version, aggregate_type, \
+             aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id) \
+             SELECT * FROM unnest(",
+        );
+        out.push_bind_param::<Array<SqlUuid>, _>(&self.ids)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.types)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Integer>, _>(&self.versions)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.agg_types)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.agg_ids)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Nullable<BigInt>>, _>(&self.agg_versions)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Jsonb>, _>(&self.payloads)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Jsonb>, _>(&self.metadata)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Text>, _>(&self.correlations)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Array<Nullable<Text>>, _>(&self.causations)?;
+        out.push_sql(")");
+        if self.business.is_some() {
+            out.push_sql(" WHERE EXISTS (SELECT FROM business)");
+        }
+        Ok(())
+    }
+
+    fn is_safe_to_cache_prepared(&self, backend: &Pg) -> QueryResult<bool> {
+        self.business
+            .as_ref()
+            .map_or(Ok(true), |b| b.is_safe_to_cache_prepared(backend))
+    }
+}
+
+impl<B> QueryId for InsertEvents<'_, B> {
+    type QueryId = ();
+    // Cached by SQL text, which the business statement decides.
+    const HAS_STATIC_QUERY_ID: bool = false;
 }
 
 #[derive(QueryableByName)]
