@@ -194,6 +194,11 @@ async fn a_business_statement_and_its_events_written_as_one_statement_commit_tog
         code(enqueue_with(&conn, blind, &[order_event("w-4")]).await),
         "DATABASE_ERROR"
     );
+    // No events: refused, since nothing would tell whether the statement returned a row.
+    assert_eq!(
+        code(enqueue_with(&conn, place("w-8"), &[]).await),
+        "EVENT_SCHEMA_INVALID"
+    );
     // An invalid event is refused before the statement is sent.
     let invalid = NewEvent::new("", "order", "w-5", serde_json::json!({}));
     assert_eq!(

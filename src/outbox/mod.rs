@@ -83,7 +83,7 @@ pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Resu
 /// written). That makes a conditional write safe: an `UPDATE … WHERE status = 'PLACED'` that
 /// found nothing, or an `INSERT … ON CONFLICT DO NOTHING` that skipped, writes no event.
 /// Returns whether the events were written. `business` may not itself contain a `WITH` that
-/// writes (PostgreSQL allows those only at the top level).
+/// writes (PostgreSQL allows those only at the top level). At least one event is required.
 ///
 /// Wrap raw SQL in [`Prepared`](crate::Prepared): a plain `sql_query` is never cached, and
 /// its prepare would cost the round trip this saves.
@@ -101,7 +101,8 @@ pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Resu
 /// ```
 ///
 /// # Errors
-/// As [`enqueue_many`]: nothing of either part is written when it fails.
+/// As [`enqueue_many`], and [`Error::InvalidEvent`](crate::Error::InvalidEvent) for an empty
+/// `events`; nothing of either part is written when it fails.
 pub async fn enqueue_with<B>(
     conn: &AsyncPgConnection,
     business: B,
@@ -133,6 +134,13 @@ pub(crate) async fn insert_validated_with<B>(
 where
     B: QueryFragment<Pg> + Send,
 {
+    if events.is_empty() {
+        // Nothing would tell whether the statement returned a row.
+        return Err(crate::Error::InvalidEvent(
+            "enqueue_with needs at least one event; run a statement without events on its own"
+                .into(),
+        ));
+    }
     let written = store::outbox::insert_events_with(conn, business, events).await?;
     if written {
         created(events);

@@ -22,8 +22,9 @@ pub(crate) async fn insert_events(mut conn: &AsyncPgConnection, events: &[NewEve
     Ok(())
 }
 
-/// Runs `business` and inserts `events` in one statement, `WITH business AS (…) INSERT …`,
-/// writing the events only when `business` returned a row. Returns whether it did.
+/// Runs `business` and inserts `events` (at least one) in one statement, `WITH business AS
+/// (…) INSERT …`, writing the events only when `business` returned a row. Returns whether it
+/// did.
 ///
 /// One statement is atomic on its own, so outside a transaction this is a whole business
 /// transaction in one round trip: no `BEGIN`, no `COMMIT`, and no moment at which the one is
@@ -39,7 +40,7 @@ where
     let written = InsertEvents::new(Some(business), events)
         .execute(&mut conn)
         .await?;
-    Ok(written > 0 || events.is_empty())
+    Ok(written > 0)
 }
 
 /// The outbox insert as a query fragment, so that a business statement can precede it in the
