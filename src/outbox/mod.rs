@@ -85,8 +85,17 @@ pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Resu
 /// Returns whether the events were written. `business` may not itself contain a `WITH` that
 /// writes (PostgreSQL allows those only at the top level). At least one event is required.
 ///
-/// Wrap raw SQL in [`Prepared`](crate::Prepared): a plain `sql_query` is never cached, and
-/// its prepare would cost the round trip this saves.
+/// The rows `business` returns are not handed back, so an event cannot carry a value the
+/// database generates (a serial id); use ids made by the application, or a transaction. As
+/// with [`enqueue`], call [`OutboxHandle::wake`](crate::OutboxHandle::wake) after it returns
+/// (outside a transaction, that is when it committed) for immediate delivery.
+///
+/// Wrap a business statement whose SQL text never changes in [`Prepared`](crate::Prepared):
+/// a plain `sql_query`, and diesel's `update(…)`, upserts and inserts with optional fields,
+/// are otherwise prepared again on every call, which costs the round trip this saves. Never
+/// wrap text that varies (built with `format!`, or a multi-row insert of varying length):
+/// each distinct text stays prepared for the life of the connection. A raw statement must
+/// bind every `$n` it uses; numbers beyond its own binds would refer to the events' arrays.
 ///
 /// ```no_run
 /// # use actix_outbox::{enqueue_with, NewEvent, Prepared};

@@ -51,12 +51,12 @@ pub struct RuntimeConfig {
     /// How often the publisher claims without a wake-up: the delay for events committed by
     /// other processes. Default 250 ms.
     pub poll_interval: Duration,
-    /// The shortest time between the starts of two claims made on wake-ups: a wake-up sooner
-    /// than that after the last claim waits for the rest of it, so that a steady stream of
-    /// commits is claimed several events at a time. A wake-up after a quiet spell claims at
-    /// once, and a claim that comes back full is followed at once. It adds at most this much
-    /// to the delivery latency of an event that commits right after a claim. Default 2 ms;
-    /// zero claims on every wake-up. Must be shorter than `poll_interval`.
+    /// The shortest time between the starts of two claim loops: a wake-up (or poll tick)
+    /// sooner than that after the last one waits for the rest of it, so that a steady stream
+    /// of commits is claimed several events at a time. A wake-up after a quiet spell claims at
+    /// once, and a claim that comes back full is followed at once. An event that commits right
+    /// after a claim waits up to this long more (plus the timer's millisecond rounding).
+    /// Default 2 ms; zero claims on every wake-up. Must be shorter than `poll_interval`.
     pub publish_gap: Duration,
     /// How often the supervisor looks for dead children. Default 100 ms.
     pub supervise_interval: Duration,
