@@ -201,6 +201,21 @@ impl Driver {
         }
     }
 
+    /// Polls the element matching `css` until its text contains `want`, and returns the text.
+    pub async fn wait_for_text(&self, css: &str, want: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = self.text(&self.wait_for(css, timeout).await).await;
+            if text.contains(want) {
+                return text;
+            }
+            if Instant::now() > deadline {
+                panic!("{css} does not show {want:?} within {timeout:?}; it shows {text:?}");
+            }
+            actix_rt::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn click(&self, element: &str) {
         self.cmd(
             "POST",
