@@ -6,7 +6,8 @@
 //! ## Overview
 //!
 //! A business change and the event it causes are written in **one** PostgreSQL transaction
-//! ([`enqueue`] takes the caller's connection). A `PublisherActor` claims committed events and,
+//! ([`enqueue`] takes the caller's connection; [`enqueue_with`] writes a single business
+//! statement and its events as one SQL statement). A `PublisherActor` claims committed events and,
 //! in the same statement, writes one inbox row per subscribed consumer. Each consumer is an
 //! actix actor handling [`Delivery`] messages (or [`DeliveryBatch`]es, several events per call,
 //! for effects written in one statement); the delivery carries the open inbox transaction, so
