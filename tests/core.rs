@@ -745,18 +745,13 @@ async fn a_wake_up_within_the_publish_gap_is_deferred_not_lost() {
     cfg.poll_interval = Duration::from_secs(30);
     cfg.publish_gap = Duration::from_secs(2);
     cfg.listen = false;
-    let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
-        .config(cfg)
-        .consumer(
-            consumer("c1", 3).poll_interval(Duration::from_secs(30)),
-            || Recorder {
-                name: "c1".into(),
-                behaviour: Behaviour::default(),
-            },
-        )
-        .start()
-        .await
-        .unwrap();
+    let slow_poll = consumer("c1", 3).poll_interval(Duration::from_secs(30));
+    let rt = start_with(
+        db.pool.clone(),
+        cfg,
+        vec![(slow_poll, Behaviour::default())],
+    )
+    .await;
     let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
     for round in 1..=3 {
         db.produce(1, &format!("first-{round}")).await;
@@ -776,18 +771,8 @@ async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll(
     let mut slow = fast_runtime();
     slow.poll_interval = Duration::from_secs(30);
     let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
-    let rt_b = actix_outbox::OutboxRuntime::builder(other_pool)
-        .config(slow)
-        .consumer(
-            consumer("b", 3).poll_interval(Duration::from_secs(30)),
-            || Recorder {
-                name: "b".into(),
-                behaviour: Behaviour::default(),
-            },
-        )
-        .start()
-        .await
-        .unwrap();
+    let slow_poll = consumer("b", 3).poll_interval(Duration::from_secs(30));
+    let rt_b = start_with(other_pool, slow, vec![(slow_poll, Behaviour::default())]).await;
     let rt_a = start(&db, vec![(consumer("a", 3), Behaviour::default())]).await;
     // Let B's listener and first (empty) claims settle before the events exist.
     let listening =

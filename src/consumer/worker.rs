@@ -80,42 +80,43 @@ pub(crate) struct Ticket;
 /// runs on is not seen.)
 static OVERRUN: std::sync::Mutex<Vec<std::sync::Weak<Ticket>>> = std::sync::Mutex::new(Vec::new());
 
-fn overran(ticket: &Arc<Ticket>) {
+/// [`OVERRUN`] without the tickets of handlers that have ended.
+fn overruns() -> std::sync::MutexGuard<'static, Vec<std::sync::Weak<Ticket>>> {
     let mut o = OVERRUN.lock().unwrap_or_else(|e| e.into_inner());
     o.retain(|w| w.strong_count() > 0);
-    o.push(Arc::downgrade(ticket));
+    o
+}
+
+fn overran(ticket: &Arc<Ticket>) {
+    overruns().push(Arc::downgrade(ticket));
 }
 
 /// Whether a handler that overran its timeout may still run in this process.
 fn overrunning() -> bool {
-    let mut o = OVERRUN.lock().unwrap_or_else(|e| e.into_inner());
-    o.retain(|w| w.strong_count() > 0);
-    !o.is_empty()
+    !overruns().is_empty()
 }
 
 /// A batch's share of [`HANDLERS`]; see there.
-struct Hold {
-    _shared: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
-    _alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>>,
+#[expect(
+    dead_code,
+    reason = "a guard is held for as long as the batch runs, never read"
+)]
+enum Hold {
+    Shared(tokio::sync::OwnedRwLockReadGuard<()>),
+    Alone(tokio::sync::OwnedRwLockWriteGuard<()>),
 }
 
 /// The batch's share of [`HANDLERS`]; `None` if it was to run alone and cannot now.
 async fn hold(cfg: &ConsumerConfig, exclusive: bool) -> Option<Hold> {
     let lock = HANDLERS.clone();
     if !exclusive {
-        return Some(Hold {
-            _shared: Some(lock.read_owned().await),
-            _alone: None,
-        });
+        return Some(Hold::Shared(lock.read_owned().await));
     }
     if !overrunning() {
         let alone = lock.write_owned().await;
         // A handler of the last batches may have overrun meanwhile.
         if !overrunning() {
-            return Some(Hold {
-                _shared: None,
-                _alone: Some(alone),
-            });
+            return Some(Hold::Alone(alone));
         }
     }
     tracing::warn!(

@@ -184,9 +184,7 @@ impl EventRegistry {
         conn: &AsyncPgConnection,
         events: &[NewEvent],
     ) -> Result<Vec<EventId>> {
-        for event in events {
-            self.validate(event)?;
-        }
+        events.iter().try_for_each(|e| self.validate(e))?;
         crate::outbox::insert_validated(conn, events).await?;
         Ok(events.iter().map(|e| e.id).collect())
     }
@@ -205,9 +203,7 @@ impl EventRegistry {
     where
         B: QueryFragment<Pg> + Send,
     {
-        for event in events {
-            self.validate(event)?;
-        }
+        events.iter().try_for_each(|e| self.validate(e))?;
         crate::outbox::insert_validated_with(conn, business, events).await
     }
 

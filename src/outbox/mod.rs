@@ -60,10 +60,7 @@ pub async fn enqueue(conn: &AsyncPgConnection, event: &NewEvent) -> Result<Event
 /// # Errors
 /// As [`enqueue`].
 pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Result<Vec<EventId>> {
-    let rules = PayloadRules::default();
-    for event in events {
-        event.validate(&rules)?;
-    }
+    validate_all(events)?;
     insert_validated(conn, events).await?;
     Ok(events.iter().map(|e| e.id).collect())
 }
@@ -120,11 +117,14 @@ pub async fn enqueue_with<B>(
 where
     B: QueryFragment<Pg> + Send,
 {
-    let rules = PayloadRules::default();
-    for event in events {
-        event.validate(&rules)?;
-    }
+    validate_all(events)?;
     insert_validated_with(conn, business, events).await
+}
+
+/// Checks every event against the default payload rules, before anything is written.
+fn validate_all(events: &[NewEvent]) -> Result<()> {
+    let rules = PayloadRules::default();
+    events.iter().try_for_each(|e| e.validate(&rules))
 }
 
 /// The one insert path, shared with [`EventRegistry`](crate::EventRegistry).

@@ -204,13 +204,17 @@ impl Driver {
     /// Polls the element matching `css` until its text contains `want`, and returns the text.
     pub async fn wait_for_text(&self, css: &str, want: &str, timeout: Duration) -> String {
         let deadline = Instant::now() + timeout;
+        let mut shown = None;
         loop {
-            let text = self.text(&self.wait_for(css, timeout).await).await;
-            if text.contains(want) {
-                return text;
+            if let Some(e) = self.find(css).await {
+                let text = self.text(&e).await;
+                if text.contains(want) {
+                    return text;
+                }
+                shown = Some(text);
             }
             if Instant::now() > deadline {
-                panic!("{css} does not show {want:?} within {timeout:?}; it shows {text:?}");
+                panic!("{css} does not show {want:?} within {timeout:?}; it shows {shown:?}");
             }
             actix_rt::time::sleep(Duration::from_millis(100)).await;
         }

@@ -411,7 +411,16 @@ pub async fn start_batch_on(
 }
 
 pub async fn start_on(pool: PgPool, consumers: Vec<(ConsumerConfig, Behaviour)>) -> OutboxRuntime {
-    let mut b = OutboxRuntime::builder(pool).config(fast_runtime());
+    start_with(pool, fast_runtime(), consumers).await
+}
+
+/// [`start_on`] with a runtime configuration of the test's own.
+pub async fn start_with(
+    pool: PgPool,
+    config: RuntimeConfig,
+    consumers: Vec<(ConsumerConfig, Behaviour)>,
+) -> OutboxRuntime {
+    let mut b = OutboxRuntime::builder(pool).config(config);
     for (cfg, behaviour) in consumers {
         let name = cfg.name().to_string();
         b = b.consumer(cfg, move || Recorder {
