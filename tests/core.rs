@@ -787,6 +787,53 @@ async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll(
     db.finish(&[&rt_a, &rt_b]).await;
 }
 
+/// PostgreSQL refuses a notification payload of 8000 bytes or more. A claim that fans out to
+/// more consumers than one payload can name must still commit, and still wake the other
+/// instance's consumers (the payload then names them all as `*`).
+#[actix_rt::test]
+async fn a_claim_for_more_consumers_than_one_notification_can_name_still_wakes_them() {
+    let db = TestDb::new().await;
+    // 80 subscribers with 100-character names: 8,080 bytes of names. Nobody runs them.
+    db.pool
+        .get()
+        .await
+        .unwrap()
+        .batch_execute(
+            "INSERT INTO consumer_states (consumer) \
+                 SELECT 'x' || lpad(g::text, 99, '0') FROM generate_series(1, 80) g; \
+             INSERT INTO consumer_subscriptions (consumer, event_type) \
+                 SELECT consumer, 'ORDER_STATUS_CHANGED' FROM consumer_states",
+        )
+        .await
+        .unwrap();
+    let mut slow = fast_runtime();
+    slow.poll_interval = Duration::from_secs(30);
+    let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
+    let slow_poll = consumer("b", 3).poll_interval(Duration::from_secs(30));
+    let rt_b = start_with(other_pool, slow, vec![(slow_poll, Behaviour::default())]).await;
+    let rt_a = start(&db, vec![(consumer("a", 3), Behaviour::default())]).await;
+    let listening = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+         AND query LIKE 'LISTEN actix_outbox_inbox%'",
+        db.name
+    );
+    assert_eq!(db.wait_for(&listening, 2, WAIT).await, 2);
+
+    db.produce(20, "o").await;
+    rt_a.handle().wake();
+    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    assert_eq!(db.wait_for(published, 20, WAIT).await, 20);
+    let done_b =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'b' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done_b, 20, Duration::from_secs(10)).await, 20);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        20 * 82,
+        "one inbox row per event and subscriber"
+    );
+    db.finish(&[&rt_a, &rt_b]).await;
+}
+
 /// A consumer redeployed without one of its event types keeps that subscription (another
 /// instance may still run the old code) until an operator removes it; from then on events of
 /// that type get no inbox row for it, and the other types flow on.

@@ -6,11 +6,115 @@ mod common;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use actix_outbox::{pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Fault};
+use actix_outbox::{
+    pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Fault, OutboxRuntime,
+};
 use common::*;
 
 const MAX_EFFECTS_PER_EVENT: &str =
     "SELECT coalesce(max(c), 0) AS n FROM (SELECT count(*) AS c FROM effects GROUP BY consumer, event_id) x";
+
+/// One poison event ahead of 50 healthy ones, for a one-per-call consumer.
+async fn poison_first(poison: Poison, cfg: ConsumerConfig) -> (TestDb, OutboxRuntime) {
+    let db = TestDb::new().await;
+    let conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&conn, &order_event("poison"))
+        .await
+        .unwrap();
+    drop(conn);
+    db.produce(50, "healthy").await;
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison,
+        ..Default::default()
+    };
+    let rt = start(&db, vec![(cfg, behaviour)]).await;
+    (db, rt)
+}
+
+const HEALTHY_DONE: &str = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+     AND attempt_count = 1 AND aggregate_id <> 'poison'";
+
+/// A failure PostgreSQL cannot store as given — a NUL in its message, a wait longer than a
+/// timestamp can hold — is still recorded against its row. Were the mark refused, the batch
+/// would fail whole, its rows would be claimed again for ever, and the events behind them
+/// would wait.
+async fn recorded_against_the_poison_only(poison: Poison, recorded: &str) {
+    let (db, rt) = poison_first(poison, consumer("c1", 3).batch_size(8)).await;
+    assert_eq!(db.wait_for(HEALTHY_DONE, 50, WAIT).await, 50);
+    let poisoned = format!(
+        "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' AND {recorded}"
+    );
+    assert_eq!(db.wait_for(&poisoned, 1, WAIT).await, 1);
+    // The poison event's effect rolled back with each of its attempts.
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 50);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_failure_message_holding_a_nul_is_recorded_and_dead_lettered() {
+    recorded_against_the_poison_only(
+        Poison::NulMessage,
+        "status = 'DEAD_LETTER' AND attempt_count = 3 \
+         AND last_error = 'upstream said: \u{FFFD}binary\u{FFFD}'",
+    )
+    .await;
+}
+
+/// A handler that swallows a failed statement and returns Ok leaves a transaction that cannot
+/// commit. That is counted against its event, which is dead-lettered after its attempts, and
+/// the other events of its batches commit.
+#[actix_rt::test]
+async fn a_handler_that_swallows_a_failed_statement_is_counted_and_does_not_stall_the_rest() {
+    recorded_against_the_poison_only(
+        Poison::SwallowError,
+        "status = 'DEAD_LETTER' AND attempt_count = 3 AND last_error LIKE '%could not commit%'",
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn a_retry_after_forever_waits_ten_years_not_for_ever_in_a_loop() {
+    recorded_against_the_poison_only(
+        Poison::RetryNever,
+        "status = 'RETRY_PENDING' AND attempt_count = 1 \
+         AND next_attempt_at > now() + interval '9 years'",
+    )
+    .await;
+}
+
+/// A handler that overruns its timeout and keeps its connection keeps its row locked, so its
+/// attempt cannot be recorded until it lets go. The consumer does not wait for that: the other
+/// events are handled while the handler still hangs, and the attempt is counted once it ends.
+#[actix_rt::test]
+async fn a_handler_hanging_on_its_connection_does_not_stall_its_consumer() {
+    let cfg = consumer("c1", 3)
+        .batch_size(1)
+        .handler_timeout(Duration::from_millis(300));
+    let (db, rt) = poison_first(Poison::LongHang, cfg).await;
+    // Well before the hang ends (`LONG_HANG`, 20 s).
+    assert_eq!(
+        db.wait_for(HEALTHY_DONE, 50, Duration::from_secs(12)).await,
+        50
+    );
+    // Once the handler lets go, its transaction rolls back and its attempt is counted; the
+    // event is delivered again until its three attempts are used up.
+    let poison_done = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+                       AND status = 'DEAD_LETTER' AND attempt_count = 3";
+    assert_eq!(db.wait_for(poison_done, 1, WAIT).await, 1);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM effects WHERE event_id IN \
+                  (SELECT event_id FROM inbox_events WHERE aggregate_id = 'poison')"
+        )
+        .await,
+        0,
+        "the hung attempt's effect rolled back"
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 50);
+    db.finish(&[&rt]).await;
+}
 
 #[actix_rt::test]
 async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {

@@ -187,6 +187,102 @@ async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
     db.finish(&[&rt_a, &rt_b]).await;
 }
 
+/// Kills its publisher (a panic, as a crash in the broker client would) on every publish of
+/// one event; publishes the others through the scripted transport.
+#[derive(Clone)]
+struct PoisonTransport {
+    poison: &'static str,
+    inner: ScriptedTransport,
+}
+
+impl actix_outbox::Transport for PoisonTransport {
+    fn publish<'a>(
+        &'a self,
+        event: &'a actix_outbox::OutboxEvent,
+    ) -> actix_outbox::BoxFuture<'a, Result<(), actix_outbox::TransportError>> {
+        if event.aggregate_id == self.poison {
+            panic!("fault injection: the transport dies on {}", self.poison);
+        }
+        actix_outbox::Transport::publish(&self.inner, event)
+    }
+}
+
+/// An event that kills its publisher whenever it is published, leased in one batch with nine
+/// others. Which row killed the publisher is unknown when the batch's lease expires, so none
+/// is charged; from then on each is published alone. The nine are published once each, and
+/// only the poison event uses up its attempts and is dead-lettered.
+#[actix_rt::test]
+async fn an_event_that_kills_its_publisher_is_dead_lettered_alone_and_its_batch_is_published() {
+    let db = TestDb::new().await;
+    let transport = PoisonTransport {
+        poison: "o-0",
+        inner: ScriptedTransport::new(db.pool.clone()),
+    };
+    let mut cfg = external(300, 100, 3);
+    cfg.batch_size = 10;
+    // The events exist before the publisher starts, so its first claim leases all ten.
+    db.produce(10, "o").await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(consumer("c1", 5), || Recorder {
+            name: "c1".into(),
+            behaviour: Behaviour::default(),
+        })
+        .external_transport(transport.clone(), cfg)
+        .start()
+        .await
+        .unwrap();
+
+    assert_eq!(db.wait_for(PUBLISHED, 9, WAIT).await, 9);
+    let dead = "SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER' \
+                AND aggregate_id = 'o-0' AND attempt_count = 3";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 9, WAIT).await, 9);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects").await,
+        9,
+        "one effect per healthy event"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 1")
+            .await,
+        9,
+        "the batch's death was charged to none of the healthy events"
+    );
+    assert_eq!(
+        transport.inner.calls().len(),
+        9,
+        "each healthy event published once"
+    );
+    db.finish(&[&rt]).await;
+}
+
+/// A lease left by an external-route publisher that is gone for good (the deployment moved to
+/// the in-process route) is returned by the in-process runtime's reaper, and the event is
+/// delivered once.
+#[actix_rt::test]
+async fn a_lease_left_by_a_publisher_that_is_gone_is_published_by_the_in_process_route() {
+    let db = TestDb::new().await;
+    db.produce(1, "o").await;
+    let mut conn = db.pool.get().await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut *conn,
+        "UPDATE outbox_events SET status = 'PROCESSING', locked_by = 'gone', attempt_count = 1, \
+             lease_token = nextval('outbox_lease_token_seq'), \
+             locked_until = now() - interval '1 hour'",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
+    assert_eq!(db.wait_for(PUBLISHED, 1, WAIT).await, 1);
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    db.finish(&[&rt]).await;
+}
+
 #[actix_rt::test]
 async fn exhausted_publishes_and_rejections_are_dead_lettered_with_their_codes() {
     let db = TestDb::new().await;

@@ -9,7 +9,7 @@
 
 pub(crate) mod actor;
 pub(crate) mod registry;
-mod retry;
+pub(crate) mod retry;
 pub(crate) mod worker;
 
 use std::ops::{Deref, DerefMut};

@@ -82,13 +82,24 @@ impl RetryPolicy {
         let capped = raw.min(self.cap.as_secs_f64());
         // Jitter only shortens the wait, so a policy's documented wait is an upper bound.
         let spread = capped * self.jitter * unit_interval(seed ^ u64::from(attempt));
-        Duration::from_secs_f64((capped - spread).max(0.0))
+        // A cap near `Duration::MAX` rounds above it as a float: saturate, never panic.
+        Duration::try_from_secs_f64((capped - spread).max(0.0)).unwrap_or(Duration::MAX)
     }
 
     /// Whether attempt number `attempt` (1-based, already counted) was the last one allowed.
     pub fn exhausted(&self, attempt: u32) -> bool {
         attempt >= self.max_attempts
     }
+}
+
+/// The longest wait a retry is stored with: ten years. A longer one (a `RetryAfter` of
+/// `Duration::MAX`, a policy capped there) would overflow the database's interval arithmetic
+/// and fail the mark itself, leaving the row to be claimed again at once, for ever.
+pub(crate) const MAX_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// `delay` in whole milliseconds, at most [`MAX_DELAY`], as the marks bind it.
+pub(crate) fn delay_ms(delay: Duration) -> i64 {
+    delay.min(MAX_DELAY).as_millis() as i64
 }
 
 /// A deterministic value in [0, 1) from `seed` (splitmix64).

@@ -515,17 +515,43 @@ pub(crate) async fn run_batch(
             }
             // The entry forgot the row when the call ended, so this attempt is counted here
             // only. The abandoned transaction still holds the row: nobody can claim it first.
-            // Recording it waits for that transaction, so the lock goes first: no other batch
-            // waits on a handler that keeps its connection.
+            // Recording it waits for that transaction, in a task of its own, so the lock goes
+            // first: no other batch, and not this consumer, waits on a handler that keeps its
+            // connection.
             drop(hold);
-            abandon(pool, cfg, &group[0], &err).await;
+            abandon_kept(pool, cfg, &group[0], &err);
             out.failed += 1;
             return Ok(out);
         };
         match call.result {
             Ok(()) => {
                 if safe {
-                    Tm::commit_transaction(&mut *back).await?; // RELEASE SAVEPOINT
+                    if let Err(e) = Tm::commit_transaction(&mut *back).await {
+                        // RELEASE SAVEPOINT failed: the handler returned Ok although a
+                        // statement of its transaction had failed (it swallowed the error), so
+                        // the batch's transaction cannot commit. Dropping the connection rolls
+                        // it back (the pool closes a connection left inside a transaction);
+                        // the attempt is counted against this row, and the other rows are
+                        // claimed again at once, their entry in flight known as a replay.
+                        // The ROLLBACK goes first, so the row is unlocked when its attempt is
+                        // recorded (diesel counts the savepoint as gone after the failed
+                        // RELEASE: this ends the batch's transaction). Should it fail too, the
+                        // pool closes the connection.
+                        let _ = Tm::rollback_transaction(&mut *back).await;
+                        drop(back);
+                        if let Some(entry) = entered.entry {
+                            in_flight.replay(entry).await;
+                        }
+                        drop(hold);
+                        let err = HandlerError::retry(format!(
+                            "the handler returned Ok, but a statement of its transaction had \
+                             failed, so it could not commit: {e}"
+                        ));
+                        abandon(pool, cfg, &group[0], &err).await;
+                        out.failed += 1;
+                        out.rolled_back = true;
+                        return Ok(out);
+                    }
                 }
                 processed.append(&mut group);
             }
@@ -597,7 +623,15 @@ pub(crate) async fn run_batch(
             later = Some(entry);
         }
     }
-    inbox::mark_and_commit(&mut conn, &ids, &stale, &failures, &[]).await?;
+    if let Err(e) = inbox::mark_and_commit(&mut conn, &ids, &stale, &failures, &[]).await {
+        // A fast batch whose handler swallowed a failed statement and returned Ok cannot
+        // commit. Known as a replay (nothing died), the batch that claims these rows again runs
+        // one row per call, each in a savepoint, and counts that row's attempt (above).
+        if let Some(entry) = later {
+            in_flight.replay(entry).await;
+        }
+        return Err(e);
+    }
     if let Some(entry) = later {
         in_flight.leave_later(entry).await;
     }
@@ -753,7 +787,7 @@ pub(crate) fn decide(policy: &RetryPolicy, row: &InboxRow, err: &HandlerError) -
         id: row.id,
         attempts_before: row.attempt_count,
         dead,
-        delay_ms: delay.as_millis().min(i64::MAX as u128) as i64,
+        delay_ms: super::retry::delay_ms(delay),
         code: err.code().as_str().to_owned(),
         message: err.message().to_owned(),
     }
@@ -794,14 +828,33 @@ fn log_failure(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
 /// on the attempt count, so if another instance has meanwhile handled the row nothing changes.
 async fn abandon(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
     log_failure(cfg, row, err);
+    mark_abandoned(
+        pool,
+        cfg.name.as_str(),
+        row.event_id,
+        decide(&cfg.retry, row, err),
+    )
+    .await;
+}
+
+/// [`abandon`] for a row whose handler overran its timeout and keeps the connection, and with
+/// it the row's lock: the mark waits for the lock in a task of its own, and the attempt is
+/// counted as soon as the handler lets go (its transaction then rolls back). Awaited here, the
+/// wait stalled the consumer for as long as the handler hung.
+fn abandon_kept(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
+    log_failure(cfg, row, err);
     let failure = decide(&cfg.retry, row, err);
+    let (pool, consumer, event_id) = (pool.clone(), cfg.name.as_str().to_owned(), row.event_id);
+    actix_rt::spawn(async move { mark_abandoned(&pool, &consumer, event_id, failure).await });
+}
+
+async fn mark_abandoned(pool: &PgPool, consumer: &str, event_id: uuid::Uuid, failure: Failure) {
     let marked = match pool.get().await {
         Ok(conn) => inbox::mark_failed(&conn, &[failure]).await,
         Err(e) => Err(e.into()),
     };
     if let Err(e) = marked {
         // The row keeps its state and is claimed again; the attempt goes uncounted.
-        tracing::warn!(consumer = %cfg.name, event_id = %row.event_id, error = %e,
-            "could not record a failed attempt");
+        tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt");
     }
 }

@@ -10,18 +10,19 @@ use crate::store::lease::{self, LeasedRow};
 use crate::store::PgPool;
 use futures_util::future::join_all;
 
-/// Leases and publishes one batch. Returns how many rows were claimed.
+/// Leases and publishes one batch. Returns whether more rows are probably due: the batch was
+/// full, or it was a row leased alone (others may be waiting to be published alone too).
 pub(crate) async fn publish_batch(
     pool: &PgPool,
     transport: &dyn Transport,
     cfg: &ExternalConfig,
-) -> Result<usize> {
+) -> Result<bool> {
     let lease_ms = cfg.lease.as_millis().min(i64::MAX as u128) as i64;
     let rows = {
         let mut conn = pool.get().await?;
         lease::claim_leased(&mut conn, &cfg.owner, i64::from(cfg.batch_size), lease_ms).await?
     };
-    let claimed = rows.len();
+    let more = rows.len() == cfg.batch_size as usize || rows.iter().any(|r| r.alone);
     // Concurrently, so a whole batch finishes within one publish timeout and so within the
     // lease (validated to be longer); one at a time, a slow broker would make later rows of
     // the batch outlive their lease and be published twice.
@@ -33,7 +34,7 @@ pub(crate) async fn publish_batch(
     for r in results {
         r?;
     }
-    Ok(claimed)
+    Ok(more)
 }
 
 async fn publish_one(
@@ -68,7 +69,7 @@ async fn publish_one(
             tracing::warn!(name: "outbox.publish.failed", event_id = %event.id, event_type = %event.event_type,
                 aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
                 attempt = event.attempt, error_code = %code, error = %err, dead, "outbox.publish.failed");
-            let delay_ms = delay.as_millis().min(i64::MAX as u128) as i64;
+            let delay_ms = crate::consumer::retry::delay_ms(delay);
             lease::mark_failed(
                 &mut conn,
                 event.id.as_uuid(),

@@ -144,8 +144,8 @@ impl PublisherActor {
                 Box::pin(async move {
                     while !draining.load(Ordering::Relaxed) {
                         match external::publish_batch(&pool, &*transport, &cfg).await {
-                            Ok(claimed) if claimed == cfg.batch_size as usize => continue,
-                            Ok(_) => return,
+                            Ok(true) => continue,
+                            Ok(false) => return,
                             Err(e) => {
                                 metrics::outbox_publish_failed(1);
                                 tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(),
@@ -224,26 +224,34 @@ impl Actor for PublisherActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.run_interval(self.poll_interval, |act, ctx| act.run(ctx));
-        if let Route::External(_, cfg) = &self.route {
-            let max_attempts = cfg.retry.max_attempts.min(i32::MAX as u32) as i32;
-            ctx.run_interval(cfg.reap_interval, move |act, ctx| {
-                let pool = act.pool.clone();
-                let reap = async move {
-                    let reaped = match pool.get().await {
-                        Ok(mut conn) => lease::reap_expired(&mut conn, max_attempts, 1000).await,
-                        Err(e) => Err(e.into()),
-                    };
-                    match reaped {
-                        Ok(0) => {}
-                        Ok(n) => {
-                            tracing::warn!(reaped = n, "expired outbox leases returned for retry")
-                        }
-                        Err(e) => tracing::warn!(error = %e, "lease reaper failed"),
-                    }
+        let (max_attempts, every) = match &self.route {
+            Route::External(_, cfg) => (
+                cfg.retry.max_attempts.min(i32::MAX as u32) as i32,
+                cfg.reap_interval,
+            ),
+            // Leases left by an instance of the external route that is gone (it died, or the
+            // deployment moved to the in-process route) would otherwise hold their rows for
+            // ever: the in-process claim takes only due rows. Returned to it here, never
+            // dead-lettered.
+            Route::InProcess => (i32::MAX, self.poll_interval * 10),
+        };
+        ctx.run_interval(every, move |act, ctx| {
+            let pool = act.pool.clone();
+            let reap = async move {
+                let reaped = match pool.get().await {
+                    Ok(mut conn) => lease::reap_expired(&mut conn, max_attempts, 1000).await,
+                    Err(e) => Err(e.into()),
                 };
-                ctx.spawn(reap.into_actor(act));
-            });
-        }
+                match reaped {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::warn!(reaped = n, "expired outbox leases returned for retry")
+                    }
+                    Err(e) => tracing::warn!(error = %e, "lease reaper failed"),
+                }
+            };
+            ctx.spawn(reap.into_actor(act));
+        });
         // Rows committed while no publisher ran are found at once, not at the first tick.
         self.run(ctx);
     }

@@ -1,4 +1,4 @@
-//! `ListenerActor`: the cross-instance fast path. It holds one pooled connection in `LISTEN`
+//! `ListenerActor`: the cross-instance fast path. It holds one connection in `LISTEN`
 //! and turns notifications into local wake-ups, so an instance hears within milliseconds about
 //! inbox rows another instance's publisher wrote, or about events a process without a runtime
 //! committed. Polling stays the backstop: a lost notification, or a listener that is down,
@@ -13,7 +13,8 @@ use crate::store::PgPool;
 
 /// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::notify_publishers)).
 pub(crate) const OUTBOX_CHANNEL: &str = "actix_outbox_outbox";
-/// Channel for "inbox rows were written"; the payload is `instance|consumer,consumer,…`.
+/// Channel for "inbox rows were written"; the payload is `instance|consumer,consumer,…`, or
+/// `instance|*` for every consumer when the names would not fit in one notification.
 pub(crate) const INBOX_CHANNEL: &str = "actix_outbox_inbox";
 
 /// A notification arrived; the supervisor routes it.
@@ -22,7 +23,7 @@ pub(crate) const INBOX_CHANNEL: &str = "actix_outbox_inbox";
 pub(crate) enum Heard {
     /// Wake the publisher.
     Outbox,
-    /// Wake these consumers.
+    /// Wake these consumers (`*`: all of them).
     Inbox(Vec<String>),
 }
 
@@ -51,7 +52,10 @@ impl Actor for ListenerActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         let (pool, supervisor, me) = (self.pool.clone(), self.supervisor.clone(), self.me.clone());
         let listen = async move {
-            let mut conn = match pool.get_owned().await {
+            // A connection of its own, outside the pool: when the actor stops, dropping it
+            // closes it. A pooled one would go back to the pool still listening, and its
+            // notifications would pile up there unread.
+            let mut conn = match pool.dedicated_connection().await {
                 Ok(c) => c,
                 Err(e) => return tracing::warn!(error = %e, "listener could not get a connection"),
             };

@@ -69,7 +69,8 @@ pub struct RuntimeConfig {
     pub consistency_window: Duration,
     /// Reconcile rules only report drift, never repair it. Default false.
     pub reconcile_dry_run: bool,
-    /// Hold one pooled connection in `LISTEN`, so other instances' fan-outs (and
+    /// Hold one connection in `LISTEN` (opened through the pool's manager, outside the
+    /// pool, and closed when the runtime stops), so other instances' fan-outs (and
     /// [`notify_publishers`](crate::notify_publishers) calls) wake this one at once instead of
     /// at its next poll. Default true.
     pub listen: bool,
@@ -258,11 +259,11 @@ pub struct OutboxRuntime {
 
 impl OutboxRuntime {
     /// Starts building a runtime on `pool`. The pool should allow at least
-    /// 4 + Σ consumer concurrency connections (the publisher, the reconciler, the stats
-    /// sampler, one held in `LISTEN`, see [`RuntimeConfig::listen`], and one per consumer
-    /// batch). Give it a pool of its own rather than the application's. Each consumer also
-    /// opens one connection outside the pool, through the pool's manager, on which it records
-    /// the rows its batches have in flight.
+    /// 3 + Σ consumer concurrency connections (the publisher, the reconciler, the stats
+    /// sampler, and one per consumer batch). Give it a pool of its own rather than the
+    /// application's. Outside the pool, through the pool's manager, the runtime opens one
+    /// connection held in `LISTEN` (see [`RuntimeConfig::listen`]) and, per consumer, one on
+    /// which it records the rows its batches have in flight.
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,

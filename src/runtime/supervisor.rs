@@ -235,7 +235,14 @@ impl Handler<Heard> for SupervisorActor {
                     let _ = p.try_send(Wake);
                 }
             }
-            Heard::Inbox(consumers) => {
+            Heard::Inbox(mut consumers) => {
+                if consumers.iter().any(|c| c == "*") {
+                    consumers = self
+                        .consumers
+                        .iter()
+                        .map(|s| s.cfg.name.as_str().to_owned())
+                        .collect();
+                }
                 if let Some(r) = &self.registry {
                     // The registry wakes only the consumers this instance runs.
                     let consumers = consumers.into_iter().map(|c| (c, 0)).collect();
@@ -372,6 +379,11 @@ impl Handler<Shutdown> for SupervisorActor {
                         a.do_send(Stop { panic: false });
                     }
                     for a in act.reconciler.iter() {
+                        a.do_send(Stop { panic: false });
+                    }
+                    // The listener's connection is its own, not the pool's: stopping it closes
+                    // that connection, so no LISTEN outlives the runtime.
+                    for a in act.listener.iter() {
                         a.do_send(Stop { panic: false });
                     }
                     ctx.stop();

@@ -342,7 +342,7 @@ pub(crate) async fn mark_failed(
     let attempts: Vec<i32> = failures.iter().map(|f| f.attempts_before).collect();
     let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
     let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
-    let codes: Vec<&str> = failures.iter().map(|f| f.code.as_str()).collect();
+    let codes: Vec<String> = failures.iter().map(|f| truncate(&f.code, 200)).collect();
     let messages: Vec<String> = failures
         .iter()
         .map(|f| truncate(&f.message, 2000))
@@ -371,10 +371,18 @@ pub(crate) async fn mark_failed(
     Ok(n)
 }
 
+/// `s` as a `text` value PostgreSQL accepts: at most `max` characters (then `…`), and without
+/// NUL, which `text` refuses. An error text copied from elsewhere (a response body, a C
+/// library's message) may hold one, and a refused mark would fail the whole batch.
 pub(crate) fn truncate(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
+    let s = match s.char_indices().nth(max) {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_owned(),
+    };
+    if s.contains('\0') {
+        s.replace('\0', "\u{FFFD}")
+    } else {
+        s
     }
 }
 

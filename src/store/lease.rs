@@ -10,6 +10,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
+use crate::store::inbox::truncate;
 use crate::store::Prepared;
 
 /// One leased outbox row.
@@ -42,10 +43,15 @@ pub(crate) struct LeasedRow {
     /// Attempts including this one (counted at claim, before any outcome).
     #[diesel(sql_type = Integer)]
     pub attempt_count: i32,
+    /// Leased on its own: its earlier lease expired together with others'.
+    #[diesel(sql_type = Bool)]
+    pub alone: bool,
 }
 
 /// Claims up to `limit` due rows for `owner` with a lease of `lease_ms`, in one statement.
 /// The attempt is counted here, so a publisher that dies mid-publish still used an attempt.
+/// A due row marked `alone` by the reaper is claimed on its own, before any other (see the
+/// migration `outbox_alone`).
 pub(crate) async fn claim_leased(
     conn: &mut AsyncPgConnection,
     owner: &str,
@@ -54,9 +60,15 @@ pub(crate) async fn claim_leased(
 ) -> Result<Vec<LeasedRow>> {
     let rows = Prepared(
         diesel::sql_query(
-            "WITH due AS ( \
+            "WITH one AS ( \
+             SELECT id FROM outbox_events \
+             WHERE alone AND status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
+             ORDER BY seq LIMIT 1 \
+             FOR UPDATE SKIP LOCKED \
+         ), due AS ( \
              SELECT id FROM outbox_events \
              WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
+               AND NOT alone AND NOT EXISTS (SELECT FROM one) \
              ORDER BY seq LIMIT $1 \
              FOR UPDATE SKIP LOCKED \
          ) \
@@ -65,10 +77,10 @@ pub(crate) async fn claim_leased(
              locked_until = now() + $3 * interval '1 millisecond', \
              lease_token = nextval('outbox_lease_token_seq'), \
              attempt_count = o.attempt_count + 1, updated_at = now() \
-         FROM due WHERE o.id = due.id \
+         FROM (SELECT id FROM one UNION ALL SELECT id FROM due) c WHERE o.id = c.id \
          RETURNING o.id, o.lease_token, o.event_type, o.event_version, o.aggregate_type, \
              o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
-             o.causation_id, o.created_at, o.attempt_count",
+             o.causation_id, o.created_at, o.attempt_count, o.alone",
         )
         .bind::<BigInt, _>(limit)
         .bind::<Text, _>(owner)
@@ -120,8 +132,8 @@ pub(crate) async fn mark_failed(
     .bind::<BigInt, _>(token)
     .bind::<Bool, _>(dead)
     .bind::<BigInt, _>(delay_ms)
-    .bind::<Text, _>(code)
-    .bind::<Text, _>(message))
+    .bind::<Text, _>(truncate(code, 200))
+    .bind::<Text, _>(truncate(message, 2000)))
     .execute(conn)
     .await?;
     Ok(n == 1)
@@ -131,20 +143,35 @@ pub(crate) async fn mark_failed(
 /// claiming) go back to RETRY_PENDING, due at once, or to DEAD_LETTER when their attempts are
 /// used up. Their event may already have been published; publishing it again is expected and
 /// the receiving inbox absorbs the duplicate. Returns how many rows were reset.
+///
+/// Rows leased by one claim share its owner and its `locked_until` (the claim's `now()` plus
+/// the lease). When several of them expire together, which one made their publisher die or
+/// hang is unknown: none is charged the attempt, and each is marked `alone`, to be published
+/// on its own from then on. A row leased alone whose lease expires is charged.
 pub(crate) async fn reap_expired(
     conn: &mut AsyncPgConnection,
     max_attempts: i32,
     limit: i64,
 ) -> Result<usize> {
     let n = Prepared(diesel::sql_query(
-        "UPDATE outbox_events o SET \
-             status = CASE WHEN o.attempt_count >= $1 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
-             next_attempt_at = now(), locked_by = NULL, locked_until = NULL, \
+        "WITH expired AS ( \
+             SELECT id, count(*) OVER (PARTITION BY locked_by, locked_until) > 1 AS shared \
+             FROM (SELECT id, locked_by, locked_until FROM outbox_events \
+                   WHERE status = 'PROCESSING' AND locked_until < now() \
+                   ORDER BY locked_until LIMIT $2 FOR UPDATE SKIP LOCKED) e \
+         ) \
+         UPDATE outbox_events o SET \
+             attempt_count = CASE WHEN x.shared THEN greatest(o.attempt_count - 1, 0) \
+                 ELSE o.attempt_count END, \
+             status = CASE WHEN NOT x.shared AND o.attempt_count >= $1 THEN 'DEAD_LETTER' \
+                 ELSE 'RETRY_PENDING' END, \
+             alone = true, next_attempt_at = now(), locked_by = NULL, locked_until = NULL, \
              error_code = 'OUTBOX_PUBLISH_TIMEOUT', \
-             last_error = 'lease of ' || coalesce(o.locked_by, '?') || ' expired before the publish was marked', \
+             last_error = 'lease of ' || coalesce(o.locked_by, '?') || ' expired before the publish was marked' \
+                 || CASE WHEN x.shared THEN ' (with other rows: not counted; published alone from now on)' \
+                    ELSE '' END, \
              updated_at = now() \
-         WHERE o.id IN (SELECT id FROM outbox_events WHERE status = 'PROCESSING' AND locked_until < now() \
-                        ORDER BY locked_until LIMIT $2 FOR UPDATE SKIP LOCKED)",
+         FROM expired x WHERE o.id = x.id",
     )
     .bind::<Integer, _>(max_attempts)
     .bind::<BigInt, _>(limit))

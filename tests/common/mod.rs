@@ -119,6 +119,16 @@ impl TestDb {
             0,
             "idle in transaction after shutdown"
         );
+        let listening = format!(
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+             AND query LIKE 'LISTEN%'",
+            self.name
+        );
+        assert_eq!(
+            self.wait_for(&listening, 0, Duration::from_secs(5)).await,
+            0,
+            "a LISTEN connection outlived its runtime"
+        );
         let TestDb { name, pool, .. } = self;
         drop(pool);
         let mut admin = AsyncPgConnection::establish(&base_url()).await.unwrap();
@@ -210,6 +220,8 @@ pub struct Behaviour {
     /// Write the effect inside the handler's own `conn.transaction(…)`, nested in the
     /// delivery's transaction.
     pub nested: bool,
+    /// Set by the first [`Poison::LongHang`].
+    pub hung: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How a poison event fails.
@@ -228,7 +240,23 @@ pub enum Poison {
     /// The handler writes its effect, lets go of the connection, runs on for [`LATE`], past
     /// its handler timeout in the test that uses it, and then aborts the whole process.
     LateAbort,
+    /// The handler returns a retryable error whose message holds a NUL, which PostgreSQL's
+    /// `text` refuses.
+    NulMessage,
+    /// The handler asks to be retried after `Duration::MAX`, more than PostgreSQL's interval
+    /// arithmetic can add to a timestamp.
+    RetryNever,
+    /// The handler writes its effect, runs a statement that fails, ignores the error and
+    /// returns Ok: its transaction is aborted and cannot commit.
+    SwallowError,
+    /// On the poison event's first delivery, the handler writes its effect and keeps the
+    /// connection for [`LONG_HANG`]; later deliveries fail as [`Poison::Fail`].
+    LongHang,
 }
+
+/// How long a [`Poison::LongHang`] handler holds on: longer than the test that uses it waits
+/// for the other events.
+pub const LONG_HANG: Duration = Duration::from_secs(20);
 
 /// How long a [`Poison::Hang`] handler holds on.
 pub const HANG: Duration = Duration::from_secs(2);
@@ -292,6 +320,25 @@ impl Handler<Delivery> for Recorder {
             if poisoned && me.behaviour.poison == Poison::Hang {
                 actix_rt::time::sleep(HANG).await;
             }
+            if poisoned
+                && me.behaviour.poison == Poison::LongHang
+                && !me.behaviour.hung.swap(true, Ordering::Relaxed)
+            {
+                actix_rt::time::sleep(LONG_HANG).await;
+            }
+            if poisoned && me.behaviour.poison == Poison::SwallowError {
+                let _ = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
+                return Ok(());
+            }
+            if poisoned && me.behaviour.poison == Poison::NulMessage {
+                return Err(HandlerError::retry("upstream said: \u{0}binary\u{0}"));
+            }
+            if poisoned && me.behaviour.poison == Poison::RetryNever {
+                return Err(HandlerError::retry_after(
+                    Duration::MAX,
+                    "not before the end of time",
+                ));
+            }
             if poisoned && me.behaviour.poison == Poison::Abort {
                 std::process::abort();
             }
@@ -353,6 +400,25 @@ impl Handler<DeliveryBatch> for BatchRecorder {
             .await?;
             if poisoned && me.behaviour.poison == Poison::Hang {
                 actix_rt::time::sleep(HANG).await;
+            }
+            if poisoned
+                && me.behaviour.poison == Poison::LongHang
+                && !me.behaviour.hung.swap(true, Ordering::Relaxed)
+            {
+                actix_rt::time::sleep(LONG_HANG).await;
+            }
+            if poisoned && me.behaviour.poison == Poison::SwallowError {
+                let _ = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
+                return Ok(());
+            }
+            if poisoned && me.behaviour.poison == Poison::NulMessage {
+                return Err(HandlerError::retry("upstream said: \u{0}binary\u{0}"));
+            }
+            if poisoned && me.behaviour.poison == Poison::RetryNever {
+                return Err(HandlerError::retry_after(
+                    Duration::MAX,
+                    "not before the end of time",
+                ));
             }
             if poisoned && me.behaviour.poison == Poison::Abort {
                 std::process::abort();
