@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use actix_outbox::{admin_scope, AdminConfig};
 use actix_web::test::{call_service, init_service, read_body, TestRequest};
 use actix_web::App;
@@ -307,6 +309,111 @@ async fn a_custom_guard_replaces_the_tokens() {
         "carol",
         "the guard's name is the audit's who"
     );
+    db.finish(&[]).await;
+}
+
+/// With a guard that reads a session cookie, a browser would send the operator's credentials
+/// with a form posted from any other site's page. Actions sent from another site are refused,
+/// whatever their body, and change nothing; the page's own requests (same origin) and clients
+/// that are not browsers go through.
+#[actix_rt::test]
+async fn an_action_sent_from_another_sites_page_is_refused() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let cfg = config(&db).guard(|req| req.cookie("session").map(|c| c.value().to_owned()));
+    let app = init_service(App::new().service(admin_scope("/ops", cfg))).await;
+    let retry = format!("/ops/inbox/{}/retry", s.inbox_dead[0]);
+    let before = fingerprint(&db).await;
+    let forged = |headers: &[(&'static str, &'static str)]| {
+        let mut req = TestRequest::post()
+            .uri(&retry)
+            .cookie(actix_web::cookie::Cookie::new("session", "carol"))
+            .insert_header(("Content-Type", "text/plain"))
+            .set_payload("{\"reason\":\"x\"}");
+        for h in headers {
+            req = req.insert_header(*h);
+        }
+        req
+    };
+    for headers in [
+        &[("Sec-Fetch-Site", "cross-site")][..],
+        &[("Sec-Fetch-Site", "same-site")][..],
+        // An older browser: no Sec-Fetch-Site, but an Origin that is not the API's.
+        &[("Origin", "https://evil.example")][..],
+        &[("Origin", "null")][..],
+    ] {
+        assert_error(&call!(app, forged(headers)), 403, "ADMIN_CROSS_SITE");
+    }
+    assert_eq!(
+        fingerprint(&db).await,
+        before,
+        "a forged action changed something"
+    );
+    // Reading is not an action.
+    let read = TestRequest::get()
+        .uri("/ops/overview")
+        .cookie(actix_web::cookie::Cookie::new("session", "carol"))
+        .insert_header(("Sec-Fetch-Site", "cross-site"));
+    assert_eq!(call!(app, read).0, 200);
+    // The page's own request goes through, and so does a client that is not a browser.
+    let (status, body) = call!(app, forged(&[("Sec-Fetch-Site", "same-origin")]));
+    assert_eq!(status, 200, "{body}");
+    let script = TestRequest::post()
+        .uri(&format!("/ops/inbox/{}/retry", s.inbox_dead[1]))
+        .cookie(actix_web::cookie::Cookie::new("session", "carol"));
+    let (status, body) = call!(app, script);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM admin_audit").await,
+        2,
+        "the two admitted actions, audited"
+    );
+    db.finish(&[]).await;
+}
+
+/// A row held by a consumer batch in progress (here: a transaction that locks it and hangs,
+/// like a handler past its timeout) is waited for a moment, then the action is refused with
+/// `ROW_BUSY` and changes nothing; once the row is free, the action goes through.
+#[actix_rt::test]
+async fn an_action_on_a_row_a_batch_holds_is_refused_as_busy_not_left_waiting() {
+    let db = TestDb::new().await;
+    let s = seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let id = s.inbox_dead[0];
+    let mut holder = db.pool.get().await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut *holder,
+        &format!("BEGIN; SELECT 1 FROM inbox_events WHERE id = {id} FOR UPDATE"),
+    )
+    .await
+    .unwrap();
+    let before = fingerprint(&db).await;
+    let retry = format!("/ops/inbox/{id}/retry");
+    let got = within(Duration::from_secs(20), async {
+        call!(app, post(&retry, json!({})))
+    })
+    .await;
+    assert_error(&got, 409, "ROW_BUSY");
+    let bulk = post(
+        "/ops/inbox/retry",
+        json!({"ids": [s.inbox_dead[1], id], "confirm": "RETRY 2"}),
+    );
+    assert_error(
+        &within(Duration::from_secs(20), async { call!(app, bulk) }).await,
+        409,
+        "ROW_BUSY",
+    );
+    assert_eq!(
+        fingerprint(&db).await,
+        before,
+        "a refused action changed something"
+    );
+    diesel_async::SimpleAsyncConnection::batch_execute(&mut *holder, "ROLLBACK")
+        .await
+        .unwrap();
+    drop(holder);
+    let (status, body) = call!(app, post(&retry, json!({})));
+    assert_eq!(status, 200, "{body}");
     db.finish(&[]).await;
 }
 
@@ -841,6 +948,25 @@ async fn bad_input_is_a_4xx_json_error_that_names_the_problem_and_changes_nothin
             "INVALID_BODY",
         ),
         (get("/ops/metrics"), 404, "METRICS_NOT_CONFIGURED"),
+        // What PostgreSQL would refuse is bad input, not a database failure.
+        (get("/ops/outbox?type=A%00B"), 400, "INVALID_QUERY"),
+        (
+            post(
+                "/ops/consumers/mail/subscriptions/A%00B/remove",
+                json!({"reason": "x"}),
+            ),
+            400,
+            "INVALID_QUERY",
+        ),
+        (
+            post(
+                &format!("/ops/inbox/{}/retry", s.inbox_dead[0]),
+                json!({"reason": "a\u{0}b"}),
+            ),
+            400,
+            "INVALID_BODY",
+        ),
+        (post("/ops/", json!({})), 405, "METHOD_NOT_ALLOWED"),
     ];
     for (req, status, code) in cases {
         let got = call!(app, req);

@@ -162,6 +162,13 @@ async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
         ("old-version", changed("x", "PAID", 1).version(1)),
         ("secret", NewEvent::new("ORDER_STATUS_CHANGED", "order", "x",
             json!({"order_id": "x", "status": "PAID", "version": 1, "customer": {"email": "a@b.c"}})).version(2)),
+        // What PostgreSQL itself would refuse gets the same code, not DATABASE_ERROR.
+        ("nul-payload", NewEvent::new("ORDER_STATUS_CHANGED", "order", "x",
+            json!({"order_id": "x", "status": "PAID\u{0}", "version": 1})).version(2)),
+        ("nul-metadata", changed("x", "PAID", 2).metadata(json!({"trace": ["a\u{0}"]}))),
+        ("nul-id", changed("x\u{0}y", "PAID", 2)),
+        ("nul-correlation", changed("x", "PAID", 2).correlation_id("c\u{0}")),
+        ("long-correlation", changed("x", "PAID", 2).correlation_id("c".repeat(3000))),
     ];
     for (order, event) in cases {
         let res = conn

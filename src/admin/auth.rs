@@ -11,7 +11,7 @@ use actix_web::dev::Payload;
 use actix_web::http::header;
 use actix_web::{web, FromRequest, HttpRequest};
 
-use super::error::AdminError;
+use super::error::{AdminError, CROSS_SITE, INVALID_QUERY};
 use super::State;
 
 /// The application's guard: the operator's name for an authorised request, `None` otherwise.
@@ -54,7 +54,7 @@ impl FromRequest for Operator {
             .app_data::<web::Data<State>>()
             .and_then(|st| authenticate(&st.auth, req));
         ready(match who {
-            Some(name) => Ok(Operator(name)),
+            Some(name) => admissible(req).map(|()| Operator(name)),
             None => {
                 tracing::warn!(
                     name: "admin.unauthorized",
@@ -67,6 +67,50 @@ impl FromRequest for Operator {
             }
         })
     }
+}
+
+/// Refuses, for an authenticated operator, what no operator's own client sends:
+/// - an action (POST) a browser sends for another site's page. With a guard that reads a
+///   session cookie, such a request would carry the operator's credentials: a form on any page
+///   the operator visits could retry or ignore rows. Browsers say where a request comes from in
+///   `Sec-Fetch-Site`, or else in `Origin`; a client that sends neither (curl, a script, a test)
+///   is not a browser and is let through. Bearer tokens are never sent by a browser on its own,
+///   so this matters only for guards, but applies to every action.
+/// - a NUL (`%00`) in the path or query, which PostgreSQL's `text` refuses: it would surface as
+///   a database failure instead of as bad input.
+fn admissible(req: &HttpRequest) -> Result<(), AdminError> {
+    if req.uri().to_string().contains("%00") {
+        return Err(AdminError::bad_request(
+            INVALID_QUERY,
+            "the path or query holds a NUL character (%00)",
+        ));
+    }
+    if req.method() != actix_web::http::Method::POST {
+        return Ok(());
+    }
+    let header = |name| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let same_origin = match (header("sec-fetch-site"), header(header::ORIGIN.as_str())) {
+        (Some(site), _) => site == "same-origin" || site == "none",
+        (None, Some(origin)) => {
+            let info = req.connection_info();
+            origin == format!("{}://{}", info.scheme(), info.host())
+        }
+        (None, None) => true,
+    };
+    if same_origin {
+        return Ok(());
+    }
+    tracing::warn!(
+        name: "admin.cross_site",
+        path = %req.path(),
+        origin = header(header::ORIGIN.as_str()),
+        "admin.cross_site: an action sent from another site's page refused"
+    );
+    Err(AdminError::new(
+        actix_web::http::StatusCode::FORBIDDEN,
+        CROSS_SITE,
+        "actions are accepted only from the operator page's own origin",
+    ))
 }
 
 /// The operator's name, or `None` for a request that must be refused.

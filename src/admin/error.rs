@@ -8,6 +8,10 @@ use serde_json::json;
 
 use crate::error::{Error, ErrorCode};
 
+/// An action sent by a browser from another site's page (403).
+pub(crate) const CROSS_SITE: ErrorCode = ErrorCode::from_static("ADMIN_CROSS_SITE");
+/// A row of the action is held by a batch in progress past the wait (409).
+pub(crate) const ROW_BUSY: ErrorCode = ErrorCode::from_static("ROW_BUSY");
 /// No valid credentials (401).
 pub(crate) const UNAUTHORIZED: ErrorCode = ErrorCode::from_static("ADMIN_UNAUTHORIZED");
 /// The body is not the JSON the endpoint takes (400).

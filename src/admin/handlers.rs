@@ -63,7 +63,11 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
             AdminError::bad_request(INVALID_ID, format!("invalid path: {e}")).into()
         }))
         .app_data(web::PayloadConfig::new(MAX_BODY))
-        .service(web::resource(["", "/"]).route(web::get().to(page)))
+        .service(
+            web::resource(["", "/"])
+                .route(web::get().to(page))
+                .default_service(web::to(method_not_allowed)),
+        )
         .service(get("/health", health))
         .service(get("/overview", overview))
         .service(get("/metrics", metrics_text))
@@ -532,6 +536,10 @@ fn reason(v: Option<String>, required: bool) -> Result<Option<String>, AdminErro
             REASON_TOO_LONG,
             format!("a reason is at most {MAX_REASON_CHARS} characters"),
         )),
+        Some(r) if r.contains('\0') => Err(AdminError::bad_request(
+            INVALID_BODY,
+            "a reason must not hold a NUL character",
+        )),
         r => Ok(r),
     }
 }
@@ -631,10 +639,7 @@ async fn apply(
     let mut conn = st.pool.get().await?;
     let outcome = conn
         .transaction::<_, AdminError, _>(async |conn| {
-            let rows = match &ids {
-                Ids::Inbox(v) => stmt::lock_inbox(conn, v).await?,
-                Ids::Outbox(v) => stmt::lock_outbox(conn, v).await?,
-            };
+            let rows = lock_rows(conn, &ids).await?;
             let missing: Vec<&str> = wanted
                 .iter()
                 .filter(|w| !rows.iter().any(|r| &r.id == *w))
@@ -686,6 +691,38 @@ async fn apply(
         .await?;
     log_action(who, &outcome, reason.as_deref());
     Ok(outcome)
+}
+
+/// How long an action waits for rows that a batch in progress holds.
+const ROW_WAIT: Duration = Duration::from_secs(2);
+
+/// Locks the action's rows, waiting up to [`ROW_WAIT`] for those a consumer batch or a
+/// publisher holds (normally milliseconds). Past that — a handler hanging past its timeout
+/// keeps its rows for as long as it hangs — the action is refused with `ROW_BUSY` rather than
+/// left waiting with a connection taken from the pool.
+async fn lock_rows(
+    conn: &mut AsyncPgConnection,
+    ids: &Ids,
+) -> Result<Vec<stmt::LockedRow>, AdminError> {
+    let deadline = std::time::Instant::now() + ROW_WAIT;
+    loop {
+        let (rows, existing) = match ids {
+            Ids::Inbox(v) => stmt::lock_inbox(conn, v).await?,
+            Ids::Outbox(v) => stmt::lock_outbox(conn, v).await?,
+        };
+        if rows.len() as i64 >= existing {
+            return Ok(rows);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(AdminError::new(
+                StatusCode::CONFLICT,
+                ROW_BUSY,
+                "a row is held by a batch in progress (a handler may be running past its \
+                 timeout); nothing was changed, try again later",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn log_action(who: &str, o: &Outcome, reason: Option<&str>) {

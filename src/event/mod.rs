@@ -198,6 +198,35 @@ impl NewEvent {
         if self.aggregate_type.is_empty() || self.aggregate_id.is_empty() {
             return bad("aggregate type and id must not be empty".into());
         }
+        // Past these, an index entry would outgrow PostgreSQL's limit for one B-tree row.
+        let ids = [
+            ("aggregate type", Some(&self.aggregate_type), 200),
+            ("aggregate id", Some(&self.aggregate_id), 400),
+            ("correlation id", self.correlation_id.as_ref(), 400),
+            ("causation id", self.causation_id.as_ref(), 400),
+        ];
+        for (what, value, max) in ids {
+            if value.is_some_and(|v| v.chars().count() > max) {
+                return bad(format!("{what} must be at most {max} characters"));
+            }
+        }
+        // PostgreSQL's text and jsonb cannot hold NUL; refused there, the error would say
+        // DATABASE_ERROR instead of naming the field.
+        let texts = [
+            ("event type", Some(&self.event_type)),
+            ("aggregate type", Some(&self.aggregate_type)),
+            ("aggregate id", Some(&self.aggregate_id)),
+            ("correlation id", self.correlation_id.as_ref()),
+            ("causation id", self.causation_id.as_ref()),
+        ];
+        for (what, value) in texts {
+            if value.is_some_and(|v| v.contains('\0')) {
+                return bad(format!("{what} contains a NUL character"));
+            }
+        }
+        if has_nul(&self.payload) || has_nul(&self.metadata) {
+            return bad("payload or metadata contains a NUL character (\\u0000)".into());
+        }
         if let Some(v) = self.aggregate_version {
             if v < 0 {
                 return bad(format!("aggregate version {v} must not be negative"));
@@ -221,6 +250,16 @@ impl NewEvent {
             ));
         }
         Ok(())
+    }
+}
+
+/// Whether a string or key anywhere in `v` holds a NUL, which `jsonb` refuses.
+fn has_nul(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(a) => a.iter().any(has_nul),
+        serde_json::Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        _ => false,
     }
 }
 

@@ -187,35 +187,53 @@ pub(crate) struct LockedRow {
     pub consumer: Option<String>,
 }
 
-/// Locks the inbox rows `ids` for the caller's transaction and returns their state. Waits for
-/// a consumer batch that holds one of them to commit, so the state returned is final.
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Locks those of the inbox rows `ids` that nobody else holds, for the caller's transaction,
+/// and returns their state, with how many of `ids` exist (locked or not). A row held by a
+/// consumer batch in progress is left out (`SKIP LOCKED`) rather than waited for: a handler
+/// that overran its timeout may hold it for as long as it hangs. The caller tries again.
 pub(crate) async fn lock_inbox(
     conn: &mut AsyncPgConnection,
     ids: &[i64],
-) -> Result<Vec<LockedRow>> {
+) -> Result<(Vec<LockedRow>, i64)> {
     let rows = diesel::sql_query(
         "SELECT id::text AS id, status, attempt_count, error_code, event_type, consumer \
-         FROM inbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+         FROM inbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
     )
     .bind::<Array<BigInt>, _>(ids)
     .load(conn)
     .await?;
-    Ok(rows)
+    let existing: Count =
+        diesel::sql_query("SELECT count(*) AS n FROM inbox_events WHERE id = ANY($1)")
+            .bind::<Array<BigInt>, _>(ids)
+            .get_result(conn)
+            .await?;
+    Ok((rows, existing.n))
 }
 
 /// As [`lock_inbox`], for outbox rows.
 pub(crate) async fn lock_outbox(
     conn: &mut AsyncPgConnection,
     ids: &[uuid::Uuid],
-) -> Result<Vec<LockedRow>> {
+) -> Result<(Vec<LockedRow>, i64)> {
     let rows = diesel::sql_query(
         "SELECT id::text AS id, status, attempt_count, error_code, event_type, NULL::text AS consumer \
-         FROM outbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+         FROM outbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
     )
     .bind::<Array<SqlUuid>, _>(ids)
     .load(conn)
     .await?;
-    Ok(rows)
+    let existing: Count =
+        diesel::sql_query("SELECT count(*) AS n FROM outbox_events WHERE id = ANY($1)")
+            .bind::<Array<SqlUuid>, _>(ids)
+            .get_result(conn)
+            .await?;
+    Ok((rows, existing.n))
 }
 
 /// Dead letters back to the consumer: RETRY_PENDING, due now, attempt count kept (so the
