@@ -200,3 +200,106 @@ async fn a_rule_held_by_another_instance_is_skipped() {
     drop(conn);
     db.finish(&[&rt]).await;
 }
+
+/// A rule whose search takes `sleep_ms` and then, if `fail`, fails.
+struct Slow {
+    interval: Duration,
+    sleep_ms: u32,
+    fail: bool,
+}
+
+impl ReconcileRule for Slow {
+    fn name(&self) -> &str {
+        "slow"
+    }
+    fn interval(&self) -> Duration {
+        self.interval
+    }
+    fn find_drift<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+    ) -> BoxFuture<'a, actix_outbox::Result<Vec<String>>> {
+        Box::pin(async move {
+            conn.batch_execute(&format!("SELECT pg_sleep({} / 1000.0)", self.sleep_ms))
+                .await?;
+            if self.fail {
+                conn.batch_execute("SELECT 1 FROM no_such_table").await?;
+            }
+            Ok(Vec::new())
+        })
+    }
+    fn repair<'a>(
+        &'a self,
+        _: &'a mut AsyncPgConnection,
+        _: &'a str,
+    ) -> BoxFuture<'a, actix_outbox::Result<bool>> {
+        Box::pin(async { Ok(false) })
+    }
+}
+
+const ADVISORY_LOCKS: &str = "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' \
+     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+
+/// The reconciler panics while a rule runs, holding the rule's session lock on a pooled
+/// connection. The lock must go with the run: left on a connection back in the pool, every
+/// later run of the rule, on every instance, would be skipped.
+#[actix_rt::test]
+async fn a_run_cut_off_by_a_panic_leaves_no_lock_behind_and_the_rule_runs_again() {
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .reconcile(Slow {
+            interval: Duration::from_millis(100),
+            sleep_ms: 2_000,
+            fail: false,
+        })
+        .start()
+        .await
+        .unwrap();
+    let sleeping = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+         AND query LIKE '%pg_sleep%' AND state = 'active' AND pid <> pg_backend_pid()",
+        db.name
+    );
+    assert_eq!(db.wait_for(&sleeping, 1, WAIT).await, 1);
+    assert_eq!(db.count(ADVISORY_LOCKS).await, 1, "the run holds its lock");
+    assert!(rt.inject_fault(actix_outbox::Fault::PanicReconciler).await);
+    assert_eq!(
+        db.wait_for(ADVISORY_LOCKS, 0, Duration::from_secs(10))
+            .await,
+        0,
+        "the lock outlived its run"
+    );
+    let report = within(Duration::from_secs(20), rt.reconcile_now()).await;
+    let report = report.unwrap().remove(0).unwrap();
+    assert!(!report.skipped, "{report:?}");
+    db.finish(&[&rt]).await;
+}
+
+/// Every run is recorded, a failed one with its error, each with when it started.
+#[actix_rt::test]
+async fn a_failed_run_is_recorded_with_its_error() {
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .reconcile(Slow {
+            interval: Duration::from_secs(3600),
+            sleep_ms: 50,
+            fail: true,
+        })
+        .start()
+        .await
+        .unwrap();
+    let report = within(Duration::from_secs(20), rt.reconcile_now()).await;
+    assert!(report.unwrap().remove(0).is_err());
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM reconcile_runs WHERE rule = 'slow' \
+             AND error LIKE '%no_such_table%' AND started_at < finished_at"
+        )
+        .await,
+        1
+    );
+    assert_eq!(db.count(ADVISORY_LOCKS).await, 0);
+    db.finish(&[&rt]).await;
+}

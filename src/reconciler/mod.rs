@@ -163,7 +163,8 @@ async fn run_rule(
         dry_run,
         ..Default::default()
     };
-    let mut conn = pool.get_owned().await?;
+    let mut held = Held(Some(pool.get_owned().await?));
+    let conn = held.0.as_mut().expect("set just above");
     let lock: Locked = diesel::sql_query(
         "SELECT pg_try_advisory_lock(hashtextextended('actix_outbox.reconcile:' || $1, 0)) AS locked",
     )
@@ -172,19 +173,28 @@ async fn run_rule(
     .await?;
     if !lock.locked {
         report.skipped = true;
+        held.release();
         return Ok(report);
     }
-    let outcome = repair_all(&mut conn, &*rule, dry_run, &mut report).await;
+    let started = chrono::Utc::now();
+    let outcome = repair_all(conn, &*rule, dry_run, &mut report).await;
+    record_run(
+        conn,
+        rule.name(),
+        dry_run,
+        started,
+        &report,
+        outcome.as_ref().err(),
+    )
+    .await;
     let unlocked = diesel::sql_query(
         "SELECT pg_advisory_unlock(hashtextextended('actix_outbox.reconcile:' || $1, 0))",
     )
     .bind::<Text, _>(rule.name())
-    .execute(&mut *conn)
+    .execute(&mut **conn)
     .await;
-    if unlocked.is_err() {
-        // A session lock must not outlive the run on a pooled connection: mark the connection
-        // broken so the pool closes it, which releases the lock.
-        Tm::transaction_manager_status_mut(&mut *conn).set_in_error();
+    if unlocked.is_ok() {
+        held.release();
     }
     outcome?;
     if report.found > 0 {
@@ -197,6 +207,57 @@ async fn run_rule(
         );
     }
     Ok(report)
+}
+
+/// A pooled connection holding a rule's session lock. Dropped while still held — the unlock
+/// failed, or the run was cut off because its actor stopped or panicked — it marks the
+/// connection broken, so the pool closes it and PostgreSQL releases the lock. Returned to the
+/// pool healthy, the lock would stay with it, and every later run of the rule, on any
+/// instance, would be skipped.
+struct Held(Option<crate::store::OwnedConn>);
+
+impl Held {
+    /// The lock is gone (or was never taken): the connection goes back to the pool as it is.
+    fn release(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(conn) = &mut self.0 {
+            Tm::transaction_manager_status_mut(&mut **conn).set_in_error();
+        }
+    }
+}
+
+/// One `reconcile_runs` row for the run, failed or not. Not recorded if the connection broke
+/// (the run's error is returned anyway).
+async fn record_run(
+    conn: &mut AsyncPgConnection,
+    rule: &str,
+    dry_run: bool,
+    started: chrono::DateTime<chrono::Utc>,
+    report: &ReconcileReport,
+    error: Option<&crate::Error>,
+) {
+    let recorded = diesel::sql_query(
+        "INSERT INTO reconcile_runs (rule, dry_run, started_at, finished_at, found, repaired, error) \
+         VALUES ($1, $2, $3, now(), $4, $5, $6)",
+    )
+    .bind::<Text, _>(rule)
+    .bind::<Bool, _>(dry_run)
+    .bind::<diesel::sql_types::Timestamptz, _>(started)
+    .bind::<Integer, _>(report.found as i32)
+    .bind::<Integer, _>(report.repaired as i32)
+    .bind::<diesel::sql_types::Nullable<Text>, _>(
+        error.map(|e| crate::store::inbox::truncate(&e.to_string(), 2000)),
+    )
+    .execute(conn)
+    .await;
+    if let Err(e) = recorded {
+        tracing::warn!(rule, error = %e, "could not record the reconcile run");
+    }
 }
 
 async fn repair_all(
@@ -223,15 +284,6 @@ async fn repair_all(
             }
         }
     }
-    diesel::sql_query(
-        "INSERT INTO reconcile_runs (rule, dry_run, finished_at, found, repaired) VALUES ($1, $2, now(), $3, $4)",
-    )
-    .bind::<Text, _>(rule.name())
-    .bind::<Bool, _>(dry_run)
-    .bind::<Integer, _>(report.found as i32)
-    .bind::<Integer, _>(report.repaired as i32)
-    .execute(conn)
-    .await?;
     Ok(())
 }
 
