@@ -119,8 +119,12 @@ async fn a_handler_hanging_on_its_connection_does_not_stall_its_consumer() {
 #[actix_rt::test]
 async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
     let db = TestDb::new().await;
-    let rt = start(
-        &db,
+    // The runtime's sessions carry a name of their own, so that only they are terminated.
+    let url = format!("{}?application_name=doomed", db.url);
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let rt = start_with(
+        pool,
+        fast_runtime(),
         vec![
             (consumer("paused", 3), Behaviour::default()),
             (consumer("other", 3), Behaviour::default()),
@@ -653,5 +657,70 @@ async fn a_rate_limited_consumer_drains_a_backlog_at_its_rate() {
     let free =
         "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'free'";
     assert_eq!(db.wait_for(free, 300, WAIT).await, 300);
+    db.finish(&[&rt]).await;
+}
+
+/// Every session of the runtime — the claims, the batches, the in-flight records, the LISTEN
+/// connection — is terminated three times while events flow.
+/// Each broken batch rolls back and is claimed again, the listener reconnects, the pool
+/// replaces what it lost: every event is handled, and no effect happens twice.
+#[actix_rt::test]
+async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
+    let db = TestDb::new().await;
+    let busy = Behaviour {
+        work: Duration::from_millis(3),
+        ..Default::default()
+    };
+    // The runtime's sessions carry a name of their own, so that only they are terminated.
+    let pool = actix_outbox::connect(&format!("{}?application_name=doomed", db.url), 10)
+        .await
+        .unwrap();
+    let rt = start_with(
+        pool,
+        fast_runtime(),
+        vec![
+            (consumer("c1", 5).batch_size(20), busy.clone()),
+            (consumer("c2", 5).batch_size(20).concurrency(2), busy),
+        ],
+    )
+    .await;
+    let kill = format!(
+        "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity \
+         WHERE datname = '{}' AND application_name = 'doomed'",
+        db.name
+    );
+    let mut killed = 0;
+    for round in 0..3 {
+        db.produce(100, &format!("r{round}")).await;
+        // Let batches get under way, then break every connection they use.
+        actix_rt::time::sleep(Duration::from_millis(40)).await;
+        killed += db.count(&kill).await;
+    }
+    assert!(killed >= 3, "sessions were terminated: {killed}");
+    for c in ["c1", "c2"] {
+        let done = format!(
+            "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{c}' AND status = 'PROCESSED'"
+        );
+        assert_eq!(db.wait_for(&done, 300, WAIT).await, 300, "{c}");
+    }
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 600);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'")
+            .await,
+        0
+    );
+    // The listener lost its connection and listens again on a new one.
+    let listening = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+         AND application_name = 'doomed' AND query LIKE 'LISTEN%'",
+        db.name
+    );
+    assert_eq!(db.wait_for(&listening, 1, WAIT).await, 1);
+    let restarts = rt.status().await.unwrap().restarts;
+    assert!(
+        restarts.get("listener").is_some_and(|n| *n >= 1),
+        "{restarts:?}"
+    );
     db.finish(&[&rt]).await;
 }
