@@ -495,3 +495,33 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
     server_handle.stop(true).await;
     db.finish(&[&rt]).await;
 }
+
+/// A failed attempt recorded outside its batch's transaction — here a handler that kills its
+/// actor on a batch of one row — is counted in the failure metrics like any other.
+#[actix_rt::test]
+async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
+    let handle = install_prometheus_recorder().expect("the only recorder of this test process");
+    let db = TestDb::new().await;
+    let conn = db.pool.get().await.unwrap();
+    actix_outbox::enqueue(&conn, &order_event("poison"))
+        .await
+        .unwrap();
+    drop(conn);
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison: Poison::Kill,
+        ..Default::default()
+    };
+    let rt = start(&db, vec![(consumer("mail", 2).batch_size(1), behaviour)]).await;
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+                AND attempt_count = 2";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let text = handle.render();
+    for line in [
+        "inbox_failed_total{consumer=\"mail\"} 2",
+        "inbox_dead_lettered_total{consumer=\"mail\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} not in:\n{text}");
+    }
+    db.finish(&[&rt]).await;
+}

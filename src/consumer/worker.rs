@@ -849,12 +849,21 @@ fn abandon_kept(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &Handl
 }
 
 async fn mark_abandoned(pool: &PgPool, consumer: &str, event_id: uuid::Uuid, failure: Failure) {
+    let dead = failure.dead;
     let marked = match pool.get().await {
         Ok(conn) => inbox::mark_failed(&conn, &[failure]).await,
         Err(e) => Err(e.into()),
     };
-    if let Err(e) = marked {
+    match marked {
+        // As `record_committed` counts the failures a batch commits.
+        Ok(n) if n > 0 => {
+            metrics::inbox_failed(consumer, 1);
+            if dead {
+                metrics::inbox_dead_lettered(consumer, 1);
+            }
+        }
+        Ok(_) => {}
         // The row keeps its state and is claimed again; the attempt goes uncounted.
-        tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt");
+        Err(e) => tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt"),
     }
 }

@@ -59,12 +59,8 @@ async fn publish_one(
     };
     let mut conn = pool.get().await?;
     let marked = match &failure {
-        None => {
-            metrics::outbox_published(1);
-            lease::mark_published(&mut conn, event.id.as_uuid(), token).await?
-        }
+        None => lease::mark_published(&mut conn, event.id.as_uuid(), token).await?,
         Some((err, timed_out)) => {
-            metrics::outbox_publish_failed(1);
             let (dead, delay, code) = decide(cfg, &event, err, *timed_out);
             tracing::warn!(name: "outbox.publish.failed", event_id = %event.id, event_type = %event.event_type,
                 aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
@@ -82,13 +78,18 @@ async fn publish_one(
             .await?
         }
     };
+    // Counted once the mark is made: a publish whose lease was lost is made again by the row's
+    // next owner, which counts it then.
     if !marked {
         // The lease expired and the row was reaped or claimed again: the newer owner
         // decides its fate. A publish we made meanwhile is a duplicate the inbox absorbs.
         tracing::warn!(event_id = %event.id, owner = %cfg.owner, "lease lost before the mark; nothing changed");
     } else if failure.is_none() {
+        metrics::outbox_published(1);
         tracing::debug!(name: "outbox.published", event_id = %event.id, event_type = %event.event_type,
             attempt = event.attempt, "outbox.published");
+    } else {
+        metrics::outbox_publish_failed(1);
     }
     Ok(())
 }
