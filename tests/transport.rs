@@ -367,3 +367,50 @@ async fn the_timeline_of_a_receiving_database_shows_what_it_received_and_what_fo
     producer.finish(&[&rt_a]).await;
     receiver.finish(&[&rt_b]).await;
 }
+
+/// A broker that redelivers: every duplicate that `receive` absorbs is counted against its
+/// consumer in the stats sample, which the duplicate-rate alarm reads.
+#[actix_rt::test]
+async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut *conn,
+        "INSERT INTO consumer_states (consumer) VALUES ('mail'), ('ledger'); \
+         INSERT INTO consumer_subscriptions (consumer, event_type) \
+             VALUES ('mail', 'ORDER_STATUS_CHANGED'), ('ledger', 'ORDER_STATUS_CHANGED')",
+    )
+    .await
+    .unwrap();
+    let event: actix_outbox::OutboxEvent = serde_json::from_value(serde_json::json!({
+        "id": uuid::Uuid::now_v7(), "event_type": "ORDER_STATUS_CHANGED", "event_version": 1,
+        "aggregate_type": "order", "aggregate_id": "o-1", "aggregate_version": null,
+        "payload": {"order_id": "o-1", "status": "COMPLETED"}, "metadata": {},
+        "correlation_id": "c-1", "causation_id": null,
+        "created_at": "2026-11-29T00:00:00Z", "attempt": 1
+    }))
+    .unwrap();
+    for _ in 0..30 {
+        actix_outbox::receive(&mut conn, &event).await.unwrap();
+    }
+    drop(conn);
+    actix_outbox::StatsSampler::new(db.pool.clone(), actix_outbox::StatsConfig::default())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    for (consumer, field, want) in [
+        ("mail", "received", 1),
+        ("mail", "duplicates", 29),
+        ("ledger", "duplicates", 29),
+    ] {
+        let got = db
+            .count(&format!(
+                "SELECT (c->>'{field}')::int8 AS n FROM outbox_stats_samples, \
+                 jsonb_array_elements(sample->'consumers') c WHERE c->>'consumer' = '{consumer}'"
+            ))
+            .await;
+        assert_eq!(got, want, "{consumer} {field}");
+    }
+    db.finish(&[]).await;
+}

@@ -864,6 +864,8 @@ async fn mark_abandoned(pool: &PgPool, consumer: &str, event_id: uuid::Uuid, fai
         }
         Ok(_) => {}
         // The row keeps its state and is claimed again; the attempt goes uncounted.
-        Err(e) => tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt"),
+        Err(e) => {
+            tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt")
+        }
     }
 }

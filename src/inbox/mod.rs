@@ -147,12 +147,23 @@ pub async fn receive(
     conn: &mut AsyncPgConnection,
     event: &crate::publisher::OutboxEvent,
 ) -> Result<Received> {
-    let (new, duplicates) = store::inbox::receive(conn, event).await?;
+    let rows = store::inbox::receive(conn, event).await?;
+    // Counted per consumer, as the in-process fan-out counts them, so that the duplicate-rate
+    // alarm sees the redeliveries of external transports. Counted when written: a caller that
+    // then rolls back has counted them anyway.
+    for row in &rows {
+        if row.new {
+            crate::maintenance::metrics::inbox_received(&row.consumer, 1);
+        } else {
+            crate::maintenance::metrics::inbox_duplicate(&row.consumer, 1);
+        }
+    }
+    let new = rows.iter().filter(|r| r.new).count();
+    let duplicates = rows.len() - new;
     if duplicates > 0 {
         tracing::info!(name: "event.duplicate", event_id = %event.id, event_type = %event.event_type,
             aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
             causation_id = event.causation_id.as_deref(), duplicates, code = "DUPLICATE_EVENT", "event.duplicate");
-        crate::maintenance::metrics::inbox_duplicate("*", duplicates as u64);
     }
     if new > 0 {
         tracing::debug!(name: "event.received", event_id = %event.id, event_type = %event.event_type, new,

@@ -407,30 +407,32 @@ pub(crate) async fn set_paused(
     Ok(n == 1)
 }
 
+/// One subscribed consumer of a received event, and whether its inbox row is new (else it
+/// already had the event).
 #[derive(QueryableByName)]
-struct ReceiveRow {
-    #[diesel(sql_type = BigInt)]
-    wanted: i64,
-    #[diesel(sql_type = BigInt)]
-    rows: i64,
+pub(crate) struct ReceiveRow {
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub new: bool,
 }
 
 /// The receiving side of an external transport: one inbox row per consumer subscribed to the
-/// event's type. Returns (new rows, rows that already existed).
+/// event's type. Returns each subscribed consumer and whether its row is new.
 pub(crate) async fn receive(
     conn: &mut AsyncPgConnection,
     e: &crate::publisher::OutboxEvent,
-) -> Result<(usize, usize)> {
-    let r: ReceiveRow = Prepared(diesel::sql_query(
+) -> Result<Vec<ReceiveRow>> {
+    let rows = Prepared(diesel::sql_query(
         "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \
          ins AS ( \
              INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
                  aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id, \
                  event_created_at, external) \
              SELECT $1, consumer, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, true FROM subs \
-             ON CONFLICT (event_id, consumer) DO NOTHING RETURNING 1 \
+             ON CONFLICT (event_id, consumer) DO NOTHING RETURNING consumer \
          ) \
-         SELECT (SELECT count(*) FROM subs) AS wanted, (SELECT count(*) FROM ins) AS rows",
+         SELECT s.consumer, i.consumer IS NOT NULL AS new FROM subs s LEFT JOIN ins i USING (consumer)",
     )
     .bind::<SqlUuid, _>(e.id.as_uuid())
     .bind::<Text, _>(&e.event_type)
@@ -443,9 +445,9 @@ pub(crate) async fn receive(
     .bind::<Text, _>(&e.correlation_id)
     .bind::<Nullable<Text>, _>(e.causation_id.as_deref())
     .bind::<Timestamptz, _>(e.created_at))
-    .get_result(conn)
+    .load(conn)
     .await?;
-    Ok((r.rows as usize, (r.wanted - r.rows).max(0) as usize))
+    Ok(rows)
 }
 
 #[derive(QueryableByName)]
