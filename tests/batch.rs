@@ -7,7 +7,9 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use actix_outbox::RetryPolicy;
 use common::*;
+use diesel_async::SimpleAsyncConnection;
 
 const MAX_EFFECTS_PER_EVENT: &str =
     "SELECT coalesce(max(c), 0) AS n FROM (SELECT count(*) AS c FROM effects GROUP BY consumer, event_id) x";
@@ -94,7 +96,8 @@ async fn a_batch_that_hangs_is_narrowed_down_to_the_event_that_hangs() {
 }
 
 /// Entries in flight that a dead process left behind are forgotten after a day (no batch lives
-/// that long), by the next batch of any consumer; younger ones stay.
+/// that long) once none of their rows is waiting, by the next batch of any consumer; younger
+/// ones stay.
 #[actix_rt::test]
 async fn entries_in_flight_older_than_a_day_are_forgotten() {
     let db = TestDb::new().await;
@@ -118,5 +121,53 @@ async fn entries_in_flight_older_than_a_day_are_forgotten() {
         1,
         "the day-old entry is gone, the hour-old one stays"
     );
+    db.finish(&[&rt]).await;
+}
+
+/// A consumer paused for over a day — as an operator pauses one whose events keep killing its
+/// process — still finds the entry its dead batch left, however many batches of other
+/// consumers ran meanwhile: the interrupted attempt is counted when it resumes.
+#[actix_rt::test]
+async fn a_day_old_entry_whose_row_still_waits_is_kept() {
+    let db = TestDb::new().await;
+    let slow_retry = RetryPolicy::fixed(3, Duration::from_secs(3600));
+    let rt = start(
+        &db,
+        vec![
+            (consumer("c", 3).retry(slow_retry), Behaviour::default()),
+            (consumer("d", 3), Behaviour::default()),
+        ],
+    )
+    .await;
+    let c = actix_outbox::ConsumerName::new("c").unwrap();
+    let mut conn = db.pool.get().await.unwrap();
+    actix_outbox::pause_consumer(&mut conn, &c, "ops", "kills its process")
+        .await
+        .unwrap();
+    db.produce(1, "x").await;
+    let d_done =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'd' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(d_done, 1, WAIT).await, 1);
+    // A batch of c handed its row over alone, and the process died, a day ago.
+    conn.batch_execute(
+        "INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids, alone, entered_at) \
+         SELECT 'c', id, id, ARRAY[id], id, now() - interval '25 hours' \
+         FROM inbox_events WHERE consumer = 'c'",
+    )
+    .await
+    .unwrap();
+    // d's batches run meanwhile, each deleting the day-old entries it may.
+    for i in 0..5 {
+        db.produce(1, &format!("y{i}")).await;
+        assert_eq!(db.wait_for(d_done, 2 + i, WAIT).await, 2 + i);
+    }
+    actix_outbox::resume_consumer(&mut conn, &c, "ops")
+        .await
+        .unwrap();
+    drop(conn);
+    let counted = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c' \
+                   AND aggregate_id = 'x-0' AND status = 'RETRY_PENDING' AND attempt_count = 1 \
+                   AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+    assert_eq!(db.wait_for(counted, 1, WAIT).await, 1);
     db.finish(&[&rt]).await;
 }

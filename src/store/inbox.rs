@@ -162,8 +162,9 @@ pub(crate) struct InFlightEntry {
 
 /// Enters a batch's rows `ids` in `inbox_in_flight` (autocommit, on the consumer's in-flight
 /// connection), deletes the entries `done` (of this consumer's committed batches) and any
-/// entry older than a day (no batch lives that long; an entry left behind has served its
-/// purpose once its rows were claimed again), and returns the new entry's id with the other
+/// entry older than a day none of whose rows is still waiting (no batch lives that long; an
+/// entry left behind has served its purpose once its rows were claimed again and decided, but
+/// a consumer paused or stopped for over a day still needs it when it comes back), and returns the new entry's id with the other
 /// entries whose id range meets the batch's. The caller holds the rows' locks, so no live
 /// batch can own an entry holding one of them.
 pub(crate) async fn enter_in_flight(
@@ -187,8 +188,11 @@ pub(crate) async fn enter_in_flight(
     let hi = ids.iter().copied().max().unwrap_or_default();
     let rows: Vec<Row> = Prepared(
         diesel::sql_query(
-            "WITH gone AS (DELETE FROM inbox_in_flight \
-                           WHERE id = ANY($3) OR entered_at < now() - interval '1 day'), \
+            "WITH gone AS (DELETE FROM inbox_in_flight f \
+                           WHERE id = ANY($3) OR (entered_at < now() - interval '1 day' \
+                               AND NOT EXISTS (SELECT 1 FROM inbox_events i \
+                                   WHERE i.id = ANY (f.inbox_ids) \
+                                     AND i.status IN ('RECEIVED', 'RETRY_PENDING')))), \
                   entered AS (INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids) \
                               VALUES ($1, $4, $5, $2) RETURNING id) \
              SELECT e.id AS entry, f.id, f.inbox_ids, f.alone FROM entered e \
