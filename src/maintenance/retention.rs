@@ -8,7 +8,9 @@
 //! Why the keys outlive the inbox rows: once a PROCESSED inbox row is gone, a redelivery of
 //! that event (a broker replay, an operator re-publishing) is processed again, and only the
 //! business key stops it from repeating its effect. Keep `idempotency_keys_after` longer than
-//! any replay you may do.
+//! any replay you may do — including an operator's retry of a dead letter: dead letters are
+//! kept for ever, and one retried after the key its effect needs was deleted applies that
+//! effect again.
 
 use std::time::Duration;
 
