@@ -116,15 +116,49 @@ async fn a_handler_hanging_on_its_connection_does_not_stall_its_consumer() {
     db.finish(&[&rt]).await;
 }
 
+/// Every event hangs past its timeout holding its connection. The consumer goes on past one
+/// such handler per batch loop, not more: hanging handlers must not take the pool's every
+/// connection (each holds its own and its attempt's mark waits on another).
+#[actix_rt::test]
+async fn handlers_hanging_on_their_connections_take_a_bounded_share_of_the_pool() {
+    let db = TestDb::new().await;
+    db.produce(6, "h").await;
+    let behaviour = Behaviour {
+        poison_aggregate: Some("*".into()),
+        poison: Poison::Hang,
+        ..Default::default()
+    };
+    let cfg = consumer("c1", 1)
+        .batch_size(1)
+        .handler_timeout(Duration::from_millis(200));
+    let rt = start(&db, vec![(cfg, behaviour)]).await;
+    let hung = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+         AND state LIKE 'idle in transaction%'",
+        db.name
+    );
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
+    let mut most = 0;
+    let deadline = std::time::Instant::now() + WAIT;
+    while db.count(dead).await < 6 && std::time::Instant::now() < deadline {
+        most = most.max(db.count(&hung).await);
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(db.count(dead).await, 6, "every attempt was counted");
+    // One loop: the handler it went on past, and the one it then waited for.
+    assert!(
+        most <= 2,
+        "{most} handlers hung holding their connections at once"
+    );
+    assert!(most >= 1, "the handlers did hang");
+    db.finish(&[&rt]).await;
+}
+
 #[actix_rt::test]
 async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
     let db = TestDb::new().await;
-    // The runtime's sessions carry a name of their own, so that only they are terminated.
-    let url = format!("{}?application_name=doomed", db.url);
-    let pool = actix_outbox::connect(&url, 10).await.unwrap();
-    let rt = start_with(
-        pool,
-        fast_runtime(),
+    let rt = start(
+        &db,
         vec![
             (consumer("paused", 3), Behaviour::default()),
             (consumer("other", 3), Behaviour::default()),

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use actix_outbox::{
-    admin_scope, install_prometheus_recorder, AdminConfig, Delivery, ErrorCode, HandlerError,
-    HealthState, OutboxRuntime, Retention, RetentionConfig, StatsConfig, StatsSampler, Trend,
+    admin_scope, AdminConfig, Delivery, ErrorCode, HandlerError, HealthState, OutboxRuntime,
+    Retention, RetentionConfig, StatsConfig, StatsSampler, Trend,
 };
 use actix_web::test::{call_service, init_service, read_body, TestRequest};
 use actix_web::{App, HttpServer};
@@ -128,7 +128,7 @@ async fn health_is_critical_for_a_stuck_publisher_and_warns_on_lag_and_dead_lett
 
 #[actix_rt::test]
 async fn the_metrics_endpoint_serves_outbox_and_inbox_series() {
-    let handle = install_prometheus_recorder().expect("the only recorder of this test process");
+    let handle = prometheus();
     let db = TestDb::new().await;
     let rt = start(&db, vec![(consumer("mail", 3), Behaviour::default())]).await;
     // The supervisor starts the stats sampler with the runtime; it samples at once.
@@ -500,7 +500,7 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
 /// actor on a batch of one row — is counted in the failure metrics like any other.
 #[actix_rt::test]
 async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
-    let handle = install_prometheus_recorder().expect("the only recorder of this test process");
+    let handle = prometheus();
     let db = TestDb::new().await;
     let conn = db.pool.get().await.unwrap();
     actix_outbox::enqueue(&conn, &order_event("poison"))
@@ -512,14 +512,14 @@ async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
         poison: Poison::Kill,
         ..Default::default()
     };
-    let rt = start(&db, vec![(consumer("mail", 2).batch_size(1), behaviour)]).await;
+    let rt = start(&db, vec![(consumer("metered", 2).batch_size(1), behaviour)]).await;
     let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
                 AND attempt_count = 2";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     let text = handle.render();
     for line in [
-        "inbox_failed_total{consumer=\"mail\"} 2",
-        "inbox_dead_lettered_total{consumer=\"mail\"} 1",
+        "inbox_failed_total{consumer=\"metered\"} 2",
+        "inbox_dead_lettered_total{consumer=\"metered\"} 1",
     ] {
         assert!(text.contains(line), "{line} not in:\n{text}");
     }

@@ -369,16 +369,18 @@ async fn the_timeline_of_a_receiving_database_shows_what_it_received_and_what_fo
 }
 
 /// A broker that redelivers: every duplicate that `receive` absorbs is counted against its
-/// consumer in the stats sample, which the duplicate-rate alarm reads.
+/// consumer (the stats sample, which the duplicate-rate alarm reads, keeps registered
+/// consumers only), like every new row.
 #[actix_rt::test]
 async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
+    let metrics = prometheus();
     let db = TestDb::new().await;
     let mut conn = db.pool.get().await.unwrap();
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut *conn,
-        "INSERT INTO consumer_states (consumer) VALUES ('mail'), ('ledger'); \
+        "INSERT INTO consumer_states (consumer) VALUES ('rmail'), ('rledger'); \
          INSERT INTO consumer_subscriptions (consumer, event_type) \
-             VALUES ('mail', 'ORDER_STATUS_CHANGED'), ('ledger', 'ORDER_STATUS_CHANGED')",
+             VALUES ('rmail', 'ORDER_STATUS_CHANGED'), ('rledger', 'ORDER_STATUS_CHANGED')",
     )
     .await
     .unwrap();
@@ -394,23 +396,15 @@ async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
         actix_outbox::receive(&mut conn, &event).await.unwrap();
     }
     drop(conn);
-    actix_outbox::StatsSampler::new(db.pool.clone(), actix_outbox::StatsConfig::default())
-        .unwrap()
-        .run_once()
-        .await
-        .unwrap();
-    for (consumer, field, want) in [
-        ("mail", "received", 1),
-        ("mail", "duplicates", 29),
-        ("ledger", "duplicates", 29),
+    // Read from the recorder: the stats sampler's tally is shared by every runtime of this
+    // process, and another test's sampler may take these counts first.
+    let text = metrics.render();
+    for line in [
+        "inbox_received_total{consumer=\"rmail\"} 1",
+        "inbox_duplicate_total{consumer=\"rmail\"} 29",
+        "inbox_duplicate_total{consumer=\"rledger\"} 29",
     ] {
-        let got = db
-            .count(&format!(
-                "SELECT (c->>'{field}')::int8 AS n FROM outbox_stats_samples, \
-                 jsonb_array_elements(sample->'consumers') c WHERE c->>'consumer' = '{consumer}'"
-            ))
-            .await;
-        assert_eq!(got, want, "{consumer} {field}");
+        assert!(text.contains(line), "{line} not in:\n{text}");
     }
     db.finish(&[]).await;
 }

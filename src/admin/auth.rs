@@ -50,11 +50,11 @@ impl FromRequest for Operator {
     type Future = Ready<Result<Self, AdminError>>;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        let who = req
-            .app_data::<web::Data<State>>()
-            .and_then(|st| authenticate(&st.auth, req));
+        let st = req.app_data::<web::Data<State>>();
+        let who = st.and_then(|st| authenticate(&st.auth, req));
+        let guarded = st.is_some_and(|st| matches!(st.auth, Auth::Guard(_)));
         ready(match who {
-            Some(name) => admissible(req).map(|()| Operator(name)),
+            Some(name) => admissible(req, guarded).map(|()| Operator(name)),
             None => {
                 tracing::warn!(
                     name: "admin.unauthorized",
@@ -70,22 +70,24 @@ impl FromRequest for Operator {
 }
 
 /// Refuses, for an authenticated operator, what no operator's own client sends:
-/// - an action (POST) a browser sends for another site's page. With a guard that reads a
-///   session cookie, such a request would carry the operator's credentials: a form on any page
-///   the operator visits could retry or ignore rows. Browsers say where a request comes from in
-///   `Sec-Fetch-Site`, or else in `Origin`; a client that sends neither (curl, a script, a test)
-///   is not a browser and is let through. Bearer tokens are never sent by a browser on its own,
-///   so this matters only for guards, but applies to every action.
+/// - with the application's guard (`guarded`), an action (POST) a browser sends for another
+///   site's page. A guard that reads a session cookie would find the operator's credentials
+///   on it: a form on any page the operator visits could retry or ignore rows. Browsers say
+///   where a request comes from in `Sec-Fetch-Site` (to HTTPS and localhost), or else in
+///   `Origin`, compared with the host the request was sent to (`Host`, or the proxy's
+///   `Forwarded`/`X-Forwarded-Host`: a proxy that rewrites `Host` must set one of those). A
+///   client that sends neither (curl, a script) is not a browser and is let through. Bearer
+///   tokens are never sent by a browser on its own, so with tokens nothing is checked.
 /// - a NUL (`%00`) in the path or query, which PostgreSQL's `text` refuses: it would surface as
 ///   a database failure instead of as bad input.
-fn admissible(req: &HttpRequest) -> Result<(), AdminError> {
+fn admissible(req: &HttpRequest, guarded: bool) -> Result<(), AdminError> {
     if req.uri().to_string().contains("%00") {
         return Err(AdminError::bad_request(
             INVALID_QUERY,
             "the path or query holds a NUL character (%00)",
         ));
     }
-    if req.method() != actix_web::http::Method::POST {
+    if !guarded || req.method() != actix_web::http::Method::POST {
         return Ok(());
     }
     let header = |name| req.headers().get(name).and_then(|v| v.to_str().ok());

@@ -62,12 +62,13 @@ pub(crate) struct ConsumerActor {
 impl ConsumerActor {
     pub(crate) fn new(cfg: Arc<ConsumerConfig>, pool: PgPool, factory: HandlerFactory) -> Self {
         let handler = factory();
+        let rows_in_flight = InFlight::new(cfg.concurrency);
         ConsumerActor {
             cfg,
             pool,
             factory,
             handler,
-            rows_in_flight: InFlight::default(),
+            rows_in_flight,
             in_flight: 0,
             want: true,
             backlog: false,

@@ -145,8 +145,11 @@ const DEFER_DELAY: Duration = Duration::from_millis(10);
 /// transaction, because an entry must be committed before a handler runs; outside the pool,
 /// because every batch already holds a pool connection and a second checkout per batch could
 /// deadlock a small pool. Replaced after an error.
-#[derive(Default, Clone)]
-pub(crate) struct InFlight(Arc<Mutex<InFlightConn>>);
+///
+/// It also holds the consumer's permits for handlers that overran their timeout keeping their
+/// connection ([`abandon_kept`]): one per batch loop (`concurrency`).
+#[derive(Clone)]
+pub(crate) struct InFlight(Arc<Mutex<InFlightConn>>, Arc<tokio::sync::Semaphore>);
 
 #[derive(Default)]
 struct InFlightConn {
@@ -207,6 +210,14 @@ impl InFlight {
             Ok(entered)
         })
         .await
+    }
+
+    /// The in-flight record of a consumer with `concurrency` batch loops.
+    pub(crate) fn new(concurrency: u32) -> Self {
+        InFlight(
+            Arc::default(),
+            Arc::new(tokio::sync::Semaphore::new(concurrency as usize)),
+        )
     }
 
     /// Remembers that the fast batch `entry` rolled back in this living process.
@@ -519,7 +530,13 @@ pub(crate) async fn run_batch(
             // first: no other batch, and not this consumer, waits on a handler that keeps its
             // connection.
             drop(hold);
-            abandon_kept(pool, cfg, &group[0], &err);
+            match in_flight.1.clone().try_acquire_owned() {
+                Ok(permit) => abandon_kept(pool, cfg, &group[0], &err, permit),
+                // As many handlers as the consumer has loops already hang holding their
+                // connections (two each, with their marks): this loop waits for this one
+                // instead, so that hanging handlers cannot empty the pool.
+                Err(_) => abandon(pool, cfg, &group[0], &err).await,
+            }
             out.failed += 1;
             return Ok(out);
         };
@@ -527,6 +544,13 @@ pub(crate) async fn run_batch(
             Ok(()) => {
                 if safe {
                     if let Err(e) = Tm::commit_transaction(&mut *back).await {
+                        if !refused_by_server(&e) || untraced {
+                            // A broken connection: nothing shows which row, if any, is at
+                            // fault, so none is charged; the batch rolls back and its rows are
+                            // claimed again. (Untraced: the entry still names this row as
+                            // handed over alone, and counts the attempt on the next claim.)
+                            return Err(e.into());
+                        }
                         // RELEASE SAVEPOINT failed: the handler returned Ok although a
                         // statement of its transaction had failed (it swallowed the error), so
                         // the batch's transaction cannot commit. Dropping the connection rolls
@@ -640,6 +664,18 @@ pub(crate) async fn run_batch(
     out.failed += failures.len();
     out.next_retry = next_retry(&failures, out.deferred);
     Ok(out)
+}
+
+/// Whether PostgreSQL answered `e` (a statement it refused), as opposed to a connection that
+/// broke or a client-side failure. A `RELEASE SAVEPOINT` it refuses means the transaction had
+/// already failed: a statement of the handler's failed and the handler went on.
+fn refused_by_server(e: &diesel::result::Error) -> bool {
+    use diesel::result::DatabaseErrorKind as K;
+    matches!(
+        e,
+        diesel::result::Error::DatabaseError(kind, _)
+            if !matches!(kind, K::ClosedConnection | K::UnableToSendCommand)
+    )
 }
 
 /// When the soonest of `failures` falls due again, or a deferred row (due as soon as the batch
@@ -838,14 +874,23 @@ async fn abandon(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &Hand
 }
 
 /// [`abandon`] for a row whose handler overran its timeout and keeps the connection, and with
-/// it the row's lock: the mark waits for the lock in a task of its own, and the attempt is
-/// counted as soon as the handler lets go (its transaction then rolls back). Awaited here, the
-/// wait stalled the consumer for as long as the handler hung.
-fn abandon_kept(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
+/// it the row's lock: the mark waits for the lock in a task of its own, holding `permit` until
+/// it is made, and the attempt is counted as soon as the handler lets go (its transaction then
+/// rolls back). Awaited here, the wait stalled the consumer for as long as the handler hung.
+fn abandon_kept(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    row: &InboxRow,
+    err: &HandlerError,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     log_failure(cfg, row, err);
     let failure = decide(&cfg.retry, row, err);
     let (pool, consumer, event_id) = (pool.clone(), cfg.name.as_str().to_owned(), row.event_id);
-    actix_rt::spawn(async move { mark_abandoned(&pool, &consumer, event_id, failure).await });
+    actix_rt::spawn(async move {
+        mark_abandoned(&pool, &consumer, event_id, failure).await;
+        drop(permit);
+    });
 }
 
 async fn mark_abandoned(pool: &PgPool, consumer: &str, event_id: uuid::Uuid, failure: Failure) {

@@ -239,7 +239,7 @@ impl Actor for PublisherActor {
             let pool = act.pool.clone();
             let reap = async move {
                 let reaped = match pool.get().await {
-                    Ok(mut conn) => lease::reap_expired(&mut conn, max_attempts, 1000).await,
+                    Ok(mut conn) => lease::reap_expired(&mut conn, max_attempts, 100).await,
                     Err(e) => Err(e.into()),
                 };
                 match reaped {

@@ -147,7 +147,10 @@ pub(crate) async fn mark_failed(
 /// Rows leased by one claim share its owner and its `locked_until` (the claim's `now()` plus
 /// the lease). When several of them expire together, which one made their publisher die or
 /// hang is unknown: none is charged the attempt, and each is marked `alone`, to be published
-/// on its own from then on. A row leased alone whose lease expires is charged.
+/// on its own from then on. A row leased alone whose lease expires is charged. A reap takes
+/// whole leases (`limit` of them), and counts a lease's rows from the table, not from the rows
+/// it locked, so neither its limit nor a concurrent reaper splits a lease into rows that would
+/// each look leased alone.
 pub(crate) async fn reap_expired(
     conn: &mut AsyncPgConnection,
     max_attempts: i32,
@@ -155,10 +158,15 @@ pub(crate) async fn reap_expired(
 ) -> Result<usize> {
     let n = Prepared(diesel::sql_query(
         "WITH expired AS ( \
-             SELECT id, count(*) OVER (PARTITION BY locked_by, locked_until) > 1 AS shared \
+             SELECT e.id, (SELECT count(*) FROM outbox_events p WHERE p.status = 'PROCESSING' \
+                     AND p.locked_by = e.locked_by AND p.locked_until = e.locked_until) > 1 \
+                 AS shared \
              FROM (SELECT id, locked_by, locked_until FROM outbox_events \
-                   WHERE status = 'PROCESSING' AND locked_until < now() \
-                   ORDER BY locked_until LIMIT $2 FOR UPDATE SKIP LOCKED) e \
+                   WHERE status = 'PROCESSING' AND locked_until IN ( \
+                       SELECT DISTINCT locked_until FROM outbox_events \
+                       WHERE status = 'PROCESSING' AND locked_until < now() \
+                       ORDER BY locked_until LIMIT $2) \
+                   FOR UPDATE SKIP LOCKED) e \
          ) \
          UPDATE outbox_events o SET \
              attempt_count = CASE WHEN x.shared THEN greatest(o.attempt_count - 1, 0) \

@@ -264,8 +264,10 @@ pub const HANG: Duration = Duration::from_secs(2);
 pub const LATE: Duration = Duration::from_millis(600);
 
 impl Behaviour {
+    /// `poison_aggregate` `*` poisons every event.
     fn poisoned<'a>(&self, mut aggregates: impl Iterator<Item = &'a str>) -> bool {
-        aggregates.any(|a| self.poison_aggregate.as_deref() == Some(a))
+        aggregates
+            .any(|a| matches!(self.poison_aggregate.as_deref(), Some(p) if p == a || p == "*"))
     }
 }
 
@@ -543,4 +545,18 @@ pub async fn inbox_states(
             )
         })
         .collect()
+}
+
+/// The Prometheus recorder of this test process, installed by the first test that asks. A
+/// process has one recorder, and `cargo test` runs a file's tests in one process: tests that
+/// read it use consumer names of their own.
+pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            actix_outbox::install_prometheus_recorder()
+                .expect("no other recorder in this test process")
+        })
+        .clone()
 }
