@@ -18,9 +18,9 @@ fn external(lease_ms: u64, timeout_ms: u64, max_attempts: u32) -> ExternalConfig
     cfg
 }
 
-async fn start_external(
+async fn start_external<T: actix_outbox::Transport + Clone>(
     db: &TestDb,
-    transport: &ScriptedTransport,
+    transport: &T,
     cfg: ExternalConfig,
     pool: actix_outbox::PgPool,
 ) -> OutboxRuntime {
@@ -222,16 +222,7 @@ async fn an_event_that_kills_its_publisher_is_dead_lettered_alone_and_its_batch_
     cfg.batch_size = 10;
     // The events exist before the publisher starts, so its first claim leases all ten.
     db.produce(10, "o").await;
-    let rt = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(consumer("c1", 5), || Recorder {
-            name: "c1".into(),
-            behaviour: Behaviour::default(),
-        })
-        .external_transport(transport.clone(), cfg)
-        .start()
-        .await
-        .unwrap();
+    let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
 
     assert_eq!(db.wait_for(PUBLISHED, 9, WAIT).await, 9);
     let dead = "SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER' \

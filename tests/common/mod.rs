@@ -264,6 +264,32 @@ pub const HANG: Duration = Duration::from_secs(2);
 pub const LATE: Duration = Duration::from_millis(600);
 
 impl Behaviour {
+    /// What a poisoned delivery does once its effect is written, for the poisons that act
+    /// then; `Some` is what the handler returns at once.
+    async fn after_effect(&self, conn: &mut AsyncPgConnection) -> Option<Result<(), HandlerError>> {
+        match self.poison {
+            Poison::Hang => actix_rt::time::sleep(HANG).await,
+            Poison::LongHang if !self.hung.swap(true, Ordering::Relaxed) => {
+                actix_rt::time::sleep(LONG_HANG).await
+            }
+            Poison::SwallowError => {
+                let _ = diesel::sql_query("SELECT 1 / 0").execute(conn).await;
+                return Some(Ok(()));
+            }
+            Poison::NulMessage => {
+                return Some(Err(HandlerError::retry("upstream said: \u{0}binary\u{0}")));
+            }
+            Poison::RetryNever => {
+                return Some(Err(HandlerError::retry_after(
+                    Duration::MAX,
+                    "not before the end of time",
+                )));
+            }
+            _ => {}
+        }
+        None
+    }
+
     /// `poison_aggregate` `*` poisons every event.
     fn poisoned<'a>(&self, mut aggregates: impl Iterator<Item = &'a str>) -> bool {
         aggregates
@@ -319,27 +345,10 @@ impl Handler<Delivery> for Recorder {
             if d.attempt() <= me.behaviour.panic_attempts {
                 panic!("injected panic in {} for {}", me.name, d.event_id());
             }
-            if poisoned && me.behaviour.poison == Poison::Hang {
-                actix_rt::time::sleep(HANG).await;
-            }
-            if poisoned
-                && me.behaviour.poison == Poison::LongHang
-                && !me.behaviour.hung.swap(true, Ordering::Relaxed)
-            {
-                actix_rt::time::sleep(LONG_HANG).await;
-            }
-            if poisoned && me.behaviour.poison == Poison::SwallowError {
-                let _ = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
-                return Ok(());
-            }
-            if poisoned && me.behaviour.poison == Poison::NulMessage {
-                return Err(HandlerError::retry("upstream said: \u{0}binary\u{0}"));
-            }
-            if poisoned && me.behaviour.poison == Poison::RetryNever {
-                return Err(HandlerError::retry_after(
-                    Duration::MAX,
-                    "not before the end of time",
-                ));
+            if poisoned {
+                if let Some(done) = me.behaviour.after_effect(&mut conn).await {
+                    return done;
+                }
             }
             if poisoned && me.behaviour.poison == Poison::Abort {
                 std::process::abort();
@@ -400,27 +409,10 @@ impl Handler<DeliveryBatch> for BatchRecorder {
             .bind::<Array<diesel::sql_types::Integer>, _>(&attempts)
             .execute(&mut *conn)
             .await?;
-            if poisoned && me.behaviour.poison == Poison::Hang {
-                actix_rt::time::sleep(HANG).await;
-            }
-            if poisoned
-                && me.behaviour.poison == Poison::LongHang
-                && !me.behaviour.hung.swap(true, Ordering::Relaxed)
-            {
-                actix_rt::time::sleep(LONG_HANG).await;
-            }
-            if poisoned && me.behaviour.poison == Poison::SwallowError {
-                let _ = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
-                return Ok(());
-            }
-            if poisoned && me.behaviour.poison == Poison::NulMessage {
-                return Err(HandlerError::retry("upstream said: \u{0}binary\u{0}"));
-            }
-            if poisoned && me.behaviour.poison == Poison::RetryNever {
-                return Err(HandlerError::retry_after(
-                    Duration::MAX,
-                    "not before the end of time",
-                ));
+            if poisoned {
+                if let Some(done) = me.behaviour.after_effect(&mut conn).await {
+                    return done;
+                }
             }
             if poisoned && me.behaviour.poison == Poison::Abort {
                 std::process::abort();
