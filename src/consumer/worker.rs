@@ -551,16 +551,14 @@ pub(crate) async fn run_batch(
                             // handed over alone, and counts the attempt on the next claim.)
                             return Err(e.into());
                         }
-                        // RELEASE SAVEPOINT failed: the handler returned Ok although a
+                        // RELEASE SAVEPOINT refused: the handler returned Ok although a
                         // statement of its transaction had failed (it swallowed the error), so
-                        // the batch's transaction cannot commit. Dropping the connection rolls
-                        // it back (the pool closes a connection left inside a transaction);
-                        // the attempt is counted against this row, and the other rows are
-                        // claimed again at once, their entry in flight known as a replay.
-                        // The ROLLBACK goes first, so the row is unlocked when its attempt is
-                        // recorded (diesel counts the savepoint as gone after the failed
-                        // RELEASE: this ends the batch's transaction). Should it fail too, the
-                        // pool closes the connection.
+                        // the batch's transaction cannot commit. It is rolled back now, which
+                        // unlocks the row before its attempt is recorded (diesel counts the
+                        // savepoint as released after the failed RELEASE, so this is the
+                        // batch's ROLLBACK; should it fail, the pool closes the connection).
+                        // The other rows are claimed again at once, their entry in flight
+                        // known as a replay.
                         let _ = Tm::rollback_transaction(&mut *back).await;
                         drop(back);
                         if let Some(entry) = entered.entry {

@@ -263,9 +263,10 @@ impl OutboxRuntime {
     /// reconciler, the stats sampler, and one per consumer batch). A handler that overruns its
     /// timeout keeping its connection holds it, and the mark of its attempt waits on another,
     /// until it lets go: at most one such handler per batch loop, so Σ 2 × concurrency more
-    /// while handlers hang. Give it a pool of its own rather than the application's. Outside the pool, through the pool's manager, the runtime opens one
-    /// connection held in `LISTEN` (see [`RuntimeConfig::listen`]) and, per consumer, one on
-    /// which it records the rows its batches have in flight.
+    /// while handlers hang. Give it a pool of its own rather than the application's. Outside
+    /// the pool, through the pool's manager, the runtime opens one connection held in `LISTEN`
+    /// (see [`RuntimeConfig::listen`]) and, per consumer, one on which it records the rows its
+    /// batches have in flight.
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,
