@@ -967,6 +967,14 @@ async fn bad_input_is_a_4xx_json_error_that_names_the_problem_and_changes_nothin
             "INVALID_BODY",
         ),
         (post("/ops/", json!({})), 405, "METHOD_NOT_ALLOWED"),
+        (
+            post(
+                &format!("/ops/inbox/{}/ignore", s.inbox_dead[0]),
+                json!({"reason": "x".repeat(70_000)}),
+            ),
+            413,
+            "BODY_TOO_LARGE",
+        ),
     ];
     for (req, status, code) in cases {
         let got = call!(app, req);

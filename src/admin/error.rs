@@ -16,6 +16,8 @@ pub(crate) const ROW_BUSY: ErrorCode = ErrorCode::from_static("ROW_BUSY");
 pub(crate) const UNAUTHORIZED: ErrorCode = ErrorCode::from_static("ADMIN_UNAUTHORIZED");
 /// The body is not the JSON the endpoint takes (400).
 pub(crate) const INVALID_BODY: ErrorCode = ErrorCode::from_static("INVALID_BODY");
+/// A body over 64 KiB (413).
+pub(crate) const BODY_TOO_LARGE: ErrorCode = ErrorCode::from_static("BODY_TOO_LARGE");
 /// Unknown or malformed query parameters (400).
 pub(crate) const INVALID_QUERY: ErrorCode = ErrorCode::from_static("INVALID_QUERY");
 /// A path id that is not an inbox id (integer) or an event id (UUID) (400).

@@ -62,7 +62,6 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .app_data(web::PathConfig::default().error_handler(|e, _| {
             AdminError::bad_request(INVALID_ID, format!("invalid path: {e}")).into()
         }))
-        .app_data(web::PayloadConfig::new(MAX_BODY))
         .service(
             web::resource(["", "/"])
                 .route(web::get().to(page))
@@ -498,6 +497,43 @@ async fn audit(_: Operator, st: web::Data<State>, q: web::Query<AuditQuery>) -> 
 // ---------------------------------------------------------------------------------------------
 // Actions
 
+/// An action's body, read up to [`MAX_BODY`] bytes. Past that, a JSON 413 `BODY_TOO_LARGE`
+/// (actix's own limit would answer in plain text, without a code).
+struct Body(web::Bytes);
+
+impl FromRequest for Body {
+    type Error = AdminError;
+    type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, AdminError>>;
+
+    fn from_request(
+        _: &actix_web::HttpRequest,
+        payload: &mut actix_web::dev::Payload,
+    ) -> Self::Future {
+        use futures_util::StreamExt;
+        let mut payload = payload.take();
+        Box::pin(async move {
+            let mut buf = web::BytesMut::new();
+            while let Some(chunk) = payload.next().await {
+                let chunk = chunk.map_err(|e| {
+                    AdminError::bad_request(
+                        INVALID_BODY,
+                        format!("the body could not be read: {e}"),
+                    )
+                })?;
+                if buf.len() + chunk.len() > MAX_BODY {
+                    return Err(AdminError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        BODY_TOO_LARGE,
+                        format!("a body is at most {MAX_BODY} bytes"),
+                    ));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            Ok(Body(buf.freeze()))
+        })
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ReasonBody {
@@ -752,7 +788,7 @@ async fn retry_inbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     let ids = Ids::Inbox(vec![parse_inbox_id(&path)?]);
     act_on_one(op, st, ids, &body, Change::Retry).await
@@ -762,13 +798,13 @@ async fn retry_outbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     let ids = Ids::Outbox(vec![parse_event_id(&path)?]);
     act_on_one(op, st, ids, &body, Change::Retry).await
 }
 
-async fn retry_inbox_set(op: Operator, st: web::Data<State>, body: web::Bytes) -> Reply {
+async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
     let body: BulkBody<i64> = parse_body(&body)?;
     let strings: Vec<String> = body.ids.iter().map(i64::to_string).collect();
     check_bulk(&strings, body.confirm.as_deref())?;
@@ -791,7 +827,7 @@ async fn retry_inbox_set(op: Operator, st: web::Data<State>, body: web::Bytes) -
     Ok(ok_json(out))
 }
 
-async fn retry_outbox_set(op: Operator, st: web::Data<State>, body: web::Bytes) -> Reply {
+async fn retry_outbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
     let body: BulkBody<uuid::Uuid> = parse_body(&body)?;
     let strings: Vec<String> = body.ids.iter().map(uuid::Uuid::to_string).collect();
     check_bulk(&strings, body.confirm.as_deref())?;
@@ -812,7 +848,7 @@ async fn ignore_inbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     let ids = Ids::Inbox(vec![parse_inbox_id(&path)?]);
     act_on_one(op, st, ids, &body, Change::Ignore).await
@@ -822,7 +858,7 @@ async fn ignore_outbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     let ids = Ids::Outbox(vec![parse_event_id(&path)?]);
     act_on_one(op, st, ids, &body, Change::Ignore).await
@@ -832,7 +868,7 @@ async fn pause(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     set_pause(op, st, path, body, true).await
 }
@@ -841,7 +877,7 @@ async fn resume(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     set_pause(op, st, path, body, false).await
 }
@@ -872,7 +908,7 @@ async fn remove_subscription(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<(String, String)>,
-    body: web::Bytes,
+    Body(body): Body,
 ) -> Reply {
     let (name, event_type) = path.into_inner();
     let name = consumer_name(name)?;
