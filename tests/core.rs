@@ -764,15 +764,21 @@ async fn a_wake_up_within_the_publish_gap_is_deferred_not_lost() {
     db.finish(&[&rt]).await;
 }
 
-#[actix_rt::test]
-async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll() {
-    let db = TestDb::new().await;
-    // B polls every 30 s; only the LISTEN/NOTIFY path can wake it within the deadline.
+/// Instance B, on a pool of its own, running consumer `b`; it and its consumer poll every 30 s,
+/// so only the LISTEN/NOTIFY path wakes them within a test's deadline.
+async fn slow_polling_instance(db: &TestDb) -> actix_outbox::OutboxRuntime {
     let mut slow = fast_runtime();
     slow.poll_interval = Duration::from_secs(30);
     let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
     let slow_poll = consumer("b", 3).poll_interval(Duration::from_secs(30));
-    let rt_b = start_with(other_pool, slow, vec![(slow_poll, Behaviour::default())]).await;
+    start_with(other_pool, slow, vec![(slow_poll, Behaviour::default())]).await
+}
+
+#[actix_rt::test]
+async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll() {
+    let db = TestDb::new().await;
+    // B polls every 30 s; only the LISTEN/NOTIFY path can wake it within the deadline.
+    let rt_b = slow_polling_instance(&db).await;
     let rt_a = start(&db, vec![(consumer("a", 3), Behaviour::default())]).await;
     // Let B's listener and first (empty) claims settle before the events exist.
     let listening =
@@ -806,11 +812,7 @@ async fn a_claim_for_more_consumers_than_one_notification_can_name_still_wakes_t
         )
         .await
         .unwrap();
-    let mut slow = fast_runtime();
-    slow.poll_interval = Duration::from_secs(30);
-    let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
-    let slow_poll = consumer("b", 3).poll_interval(Duration::from_secs(30));
-    let rt_b = start_with(other_pool, slow, vec![(slow_poll, Behaviour::default())]).await;
+    let rt_b = slow_polling_instance(&db).await;
     let rt_a = start(&db, vec![(consumer("a", 3), Behaviour::default())]).await;
     let listening = format!(
         "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \

@@ -17,11 +17,7 @@ const MAX_EFFECTS_PER_EVENT: &str =
 /// One poison event ahead of 50 healthy ones, for a one-per-call consumer.
 async fn poison_first(poison: Poison, cfg: ConsumerConfig) -> (TestDb, OutboxRuntime) {
     let db = TestDb::new().await;
-    let conn = db.pool.get().await.unwrap();
-    actix_outbox::enqueue(&conn, &order_event("poison"))
-        .await
-        .unwrap();
-    drop(conn);
+    db.enqueue_one("poison").await;
     db.produce(50, "healthy").await;
     let behaviour = Behaviour {
         poison_aggregate: Some("poison".into()),

@@ -508,11 +508,7 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
 async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
     let handle = prometheus();
     let db = TestDb::new().await;
-    let conn = db.pool.get().await.unwrap();
-    actix_outbox::enqueue(&conn, &order_event("poison"))
-        .await
-        .unwrap();
-    drop(conn);
+    db.enqueue_one("poison").await;
     let behaviour = Behaviour {
         poison_aggregate: Some("poison".into()),
         poison: Poison::Kill,

@@ -399,3 +399,37 @@ async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
     }
     db.finish(&[]).await;
 }
+
+/// A lease of 1,001 rows expires: more than one reap takes. The reaper takes whole leases, so
+/// no row of it is left to look leased alone and be charged the batch's death: none is
+/// dead-lettered, though every row was at its last attempt, and each is published once.
+#[actix_rt::test]
+async fn a_lease_larger_than_one_reap_is_not_split_into_rows_charged_alone() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut *conn,
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+             correlation_id, status, locked_by, locked_until, lease_token, attempt_count) \
+         SELECT gen_random_uuid(), 'ORDER_STATUS_CHANGED', 'order', 'o-' || g, \
+             jsonb_build_object('order_id', 'o-' || g, 'status', 'COMPLETED'), 'c-' || g, \
+             'PROCESSING', 'gone', now() - interval '1 hour', \
+             nextval('outbox_lease_token_seq'), 3 \
+         FROM generate_series(1, 1001) g",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let transport = ScriptedTransport::new(db.pool.clone());
+    let rt = start_external(&db, &transport, external(2_000, 500, 3), db.pool.clone()).await;
+    assert_eq!(db.wait_for(PUBLISHED, 1001, WAIT).await, 1001);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER'")
+            .await,
+        0
+    );
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1001, WAIT).await, 1001);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1001);
+    db.finish(&[&rt]).await;
+}

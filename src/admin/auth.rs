@@ -81,7 +81,7 @@ impl FromRequest for Operator {
 /// - a NUL (`%00`) in the path or query, which PostgreSQL's `text` refuses: it would surface as
 ///   a database failure instead of as bad input.
 fn admissible(req: &HttpRequest, guarded: bool) -> Result<(), AdminError> {
-    if req.uri().to_string().contains("%00") {
+    if req.path().contains("%00") || req.query_string().contains("%00") {
         return Err(AdminError::bad_request(
             INVALID_QUERY,
             "the path or query holds a NUL character (%00)",

@@ -220,6 +220,12 @@ impl InFlight {
         )
     }
 
+    /// A permit for one more handler that overran keeping its connection, if the consumer has
+    /// one left.
+    fn overrun_permit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.1.clone().try_acquire_owned().ok()
+    }
+
     /// Remembers that the fast batch `entry` rolled back in this living process.
     async fn replay(&self, entry: i64) {
         let replays = &mut self.0.lock().await.book.replays;
@@ -530,12 +536,12 @@ pub(crate) async fn run_batch(
             // first: no other batch, and not this consumer, waits on a handler that keeps its
             // connection.
             drop(hold);
-            match in_flight.1.clone().try_acquire_owned() {
-                Ok(permit) => abandon_kept(pool, cfg, &group[0], &err, permit),
+            match in_flight.overrun_permit() {
+                Some(permit) => abandon_kept(pool, cfg, &group[0], &err, permit),
                 // As many handlers as the consumer has loops already hang holding their
                 // connections (two each, with their marks): this loop waits for this one
                 // instead, so that hanging handlers cannot empty the pool.
-                Err(_) => abandon(pool, cfg, &group[0], &err).await,
+                None => abandon(pool, cfg, &group[0], &err).await,
             }
             out.failed += 1;
             return Ok(out);

@@ -208,6 +208,10 @@ pub(crate) async fn lock_inbox(
     .bind::<Array<BigInt>, _>(ids)
     .load(conn)
     .await?;
+    if rows.len() == ids.len() {
+        // Every row locked (the ids are distinct): no need to count what exists.
+        return Ok((rows, ids.len() as i64));
+    }
     let existing: Count =
         diesel::sql_query("SELECT count(*) AS n FROM inbox_events WHERE id = ANY($1)")
             .bind::<Array<BigInt>, _>(ids)
@@ -228,6 +232,10 @@ pub(crate) async fn lock_outbox(
     .bind::<Array<SqlUuid>, _>(ids)
     .load(conn)
     .await?;
+    if rows.len() == ids.len() {
+        // Every row locked (the ids are distinct): no need to count what exists.
+        return Ok((rows, ids.len() as i64));
+    }
     let existing: Count =
         diesel::sql_query("SELECT count(*) AS n FROM outbox_events WHERE id = ANY($1)")
             .bind::<Array<SqlUuid>, _>(ids)

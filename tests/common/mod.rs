@@ -138,8 +138,12 @@ impl TestDb {
             .unwrap();
     }
 
-    /// Enqueues `n` ORDER_STATUS_CHANGED events, one business transaction each (order row,
-    /// audit row, event), and returns their ids.
+    /// Enqueues one ORDER_STATUS_CHANGED event of `aggregate`, with no business row.
+    pub async fn enqueue_one(&self, aggregate: &str) {
+        let conn = self.pool.get().await.unwrap();
+        enqueue(&conn, &order_event(aggregate)).await.unwrap();
+    }
+
     /// Enqueues `n` events in business transactions of `per_tx` events each.
     pub async fn produce_batched(&self, n: usize, per_tx: usize, prefix: &str) {
         let mut conn = self.pool.get().await.unwrap();
@@ -156,6 +160,8 @@ impl TestDb {
         }
     }
 
+    /// Enqueues `n` ORDER_STATUS_CHANGED events, one business transaction each (order row,
+    /// audit row, event), and returns their ids.
     pub async fn produce(&self, n: usize, prefix: &str) -> Vec<uuid::Uuid> {
         let mut ids = Vec::with_capacity(n);
         let mut conn = self.pool.get().await.unwrap();
