@@ -64,11 +64,8 @@ impl Cluster {
             .local_addr()
             .unwrap()
             .port();
-        let want = std::env::temp_dir()
-            .join(format!("ao-crash-{}", uuid::Uuid::new_v4().simple()))
-            .display()
-            .to_string();
-        let dir = pg_sh(r#"pg_owned_dir "$1""#, &[&want]);
+        let tmp = std::env::temp_dir().display().to_string();
+        let dir = pg_sh(r#"pg_owned_dir "$1" ao-crash"#, &[&tmp]);
         let c = Cluster { dir, port };
         c.run_server();
         c

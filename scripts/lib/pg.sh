@@ -2,20 +2,30 @@
 # server the scripts may create databases on.
 #
 #   1. DATABASE_URL, when set, wins.
-#   2. Otherwise a server already listening on 127.0.0.1:5432 (user postgres, trust auth).
-#   3. Otherwise a private cluster from the system's PostgreSQL binaries, in target/pg-private
-#      on a free port, installing Debian's `postgresql` first when it is missing and we are
-#      root. It is stopped and removed when the calling script exits.
+#   2. Otherwise a server on 127.0.0.1:5432 that user postgres logs in to without a password,
+#      PostgreSQL 13 or later.
+#   3. Otherwise a private cluster from the system's newest PostgreSQL binaries (13 or later),
+#      in a folder of its own under target/ on a free port, installing Debian's `postgresql`
+#      first when it is missing and we are root. It is stopped and removed when the calling
+#      script exits.
 
 pg_log() { printf '[pg] %s\n' "$*" >&2; }
 
+# The newest major version's binaries (a dist-upgrade leaves the old ones installed), if it is
+# 13 or later: the migrations need gen_random_uuid() and DROP DATABASE … WITH (FORCE).
 pg_find_bin() {
-    local dir
-    for dir in /usr/lib/postgresql/*/bin; do
-        [ -x "$dir/initdb" ] && { printf '%s\n' "$dir"; return 0; }
-    done
-    command -v initdb >/dev/null 2>&1 && { dirname "$(command -v initdb)"; return 0; }
-    return 1
+    local dir="" major
+    dir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+    if [ -z "$dir" ] || [ ! -x "$dir/initdb" ]; then
+        command -v initdb >/dev/null 2>&1 || return 1
+        dir=$(dirname "$(command -v initdb)")
+    fi
+    major=$("$dir/initdb" --version | sed -E 's/.* ([0-9]+)[.0-9]*.*/\1/')
+    if [ "${major:-0}" -lt 13 ] 2>/dev/null; then
+        pg_log "PostgreSQL $major in $dir is too old (13 or later is needed)"
+        return 1
+    fi
+    printf '%s\n' "$dir"
 }
 
 pg_free_port() {
@@ -62,21 +72,21 @@ pg_ensure_bin() {
     }
 }
 
-# Prints a folder the server's user can write: $1 (made empty) if it can reach it, else a new
-# temporary one (the server runs as `postgres`, which may not reach a checkout under a
-# private home directory).
+# Prints a new folder the server's user can write, named $2.XXXXXX: in $1 if it can reach it,
+# else in /tmp (the server runs as `postgres`, which may not reach a checkout under a private
+# home directory). A folder of its own per run: two runs in one checkout share no cluster.
 pg_owned_dir() {
-    local dir=$1
+    local dir
     if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
         useradd --system --home-dir /var/lib/postgresql --shell /bin/sh postgres
     fi
-    rm -rf "$dir"
-    mkdir -p "$dir"
+    mkdir -p "$1"
+    dir=$(mktemp -d "$1/$2.XXXXXX")
     if [ "$(id -u)" = 0 ]; then
         chown postgres "$dir"
         if ! runuser -u postgres -- test -w "$dir"; then
             rmdir "$dir"
-            dir=$(mktemp -d /tmp/actix-outbox-pg.XXXXXX)
+            dir=$(mktemp -d "/tmp/$2.XXXXXX")
             chown postgres "$dir"
             pg_log "the postgres user cannot reach $1; using $dir"
         fi
@@ -92,9 +102,10 @@ pg_cluster_start() {
         pg_as_owner "$PG_BIN/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 >"$dir/initdb.log" 2>&1 \
             || { cat "$dir/initdb.log" >&2; return 1; }
     fi
+    # TCP only: a socket path under a long or spaced checkout path would not fit or would split.
     pg_as_owner "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w \
-        -o "-p $port -k $dir -c listen_addresses=127.0.0.1 $settings" start >/dev/null \
-        || { cat "$dir/server.log" >&2; return 1; }
+        -o "-p $port -c unix_socket_directories= -c listen_addresses=127.0.0.1 $settings" \
+        start >/dev/null || { cat "$dir/server.log" >&2; return 1; }
 }
 
 # Stops the cluster in $1/data: `fast` (clean) or `immediate` (a crash: no checkpoint).
@@ -104,23 +115,40 @@ pg_cluster_stop() {
 
 pg_start_private() {
     pg_ensure_bin || return 1
-    local root port
-    port=$(pg_free_port) || { pg_log "no free port"; return 1; }
-    root=$(pg_owned_dir "$(pwd)/target/pg-private") || return 1
+    local root port tries
+    root=$(pg_owned_dir "$(pwd)/target" pg-private) || return 1
     PG_PRIVATE_DIR="$root"
     trap pg_stop_private EXIT
-    pg_log "starting a private cluster in $root on port $port"
-    pg_cluster_start "$root" "$port" "-c max_connections=300 -c fsync=off" || return 1
-    DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
+    # A port found free may be taken before the server binds it (another run starting at the
+    # same moment): then the next one.
+    for tries in 1 2 3 4 5; do
+        port=$(pg_free_port) || { pg_log "no free port"; return 1; }
+        pg_log "starting a private cluster in $root on port $port"
+        if pg_cluster_start "$root" "$port" "-c max_connections=300 -c fsync=off"; then
+            DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# Whether the server at URL $1 takes user postgres without a password and is 13 or later.
+# Without psql to ask, a listener is taken on trust.
+pg_usable() {
+    if command -v psql >/dev/null 2>&1; then
+        [ "$(psql "$1" -X -w -Atqc "SELECT current_setting('server_version_num')::int >= 130000" 2>/dev/null)" = t ]
+    else
+        (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null
+    fi
 }
 
 pg_ensure() {
+    local default="postgres://postgres@127.0.0.1:5432/postgres"
     if [ -n "${DATABASE_URL:-}" ]; then
         pg_log "using DATABASE_URL"
-    elif pg_isready -q -h 127.0.0.1 -p 5432 -U postgres 2>/dev/null \
-        || (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null; then
+    elif pg_usable "$default"; then
         pg_log "using the server on 127.0.0.1:5432"
-        DATABASE_URL="postgres://postgres@127.0.0.1:5432/postgres"
+        DATABASE_URL=$default
     else
         pg_start_private || return 1
     fi
