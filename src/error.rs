@@ -40,6 +40,10 @@ impl ErrorCode {
     pub const MIGRATION_FAILED: ErrorCode = ErrorCode::from_static("MIGRATION_FAILED");
     /// The runtime was configured with invalid values.
     pub const CONFIG_INVALID: ErrorCode = ErrorCode::from_static("CONFIG_INVALID");
+    /// A business idempotency key (or its `claimed_by`) PostgreSQL could not store or index:
+    /// empty, holding a NUL, or longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES).
+    pub const IDEMPOTENCY_KEY_INVALID: ErrorCode =
+        ErrorCode::from_static("IDEMPOTENCY_KEY_INVALID");
     /// No consumer of that name was ever registered.
     pub const CONSUMER_UNKNOWN: ErrorCode = ErrorCode::from_static("CONSUMER_UNKNOWN");
     /// The runtime has stopped and no longer accepts requests.
@@ -81,6 +85,9 @@ pub enum Error {
     /// The event was rejected before it was written; the caller's transaction must fail.
     #[error("invalid event: {0}")]
     InvalidEvent(String),
+    /// The idempotency key was rejected before it was written.
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(String),
     /// The runtime's configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -102,6 +109,7 @@ impl Error {
             Error::Database(_) => ErrorCode::DATABASE_ERROR,
             Error::Pool(_) => ErrorCode::POOL_TIMEOUT,
             Error::InvalidEvent(_) => ErrorCode::EVENT_SCHEMA_INVALID,
+            Error::InvalidKey(_) => ErrorCode::IDEMPOTENCY_KEY_INVALID,
             Error::Config(_) => ErrorCode::CONFIG_INVALID,
             Error::Migration(_) => ErrorCode::MIGRATION_FAILED,
             Error::UnknownConsumer(_) => ErrorCode::CONSUMER_UNKNOWN,

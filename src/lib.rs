@@ -157,6 +157,7 @@ pub use event::{
 };
 pub use inbox::{
     claim_key, pause_consumer, receive, resume_consumer, unsubscribe, KeyClaim, Received,
+    MAX_KEY_BYTES,
 };
 pub use maintenance::{
     ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Retention,

@@ -234,6 +234,33 @@ async fn a_poison_event_is_dead_lettered_while_healthy_events_flow() {
     db.finish(&[&rt]).await;
 }
 
+/// A handler that fails is called once per attempt. The failing row is in the middle of a
+/// fast batch (no savepoints), whose rollback undoes its neighbours too; the batch is then
+/// replayed one row per call, but the failure, known to be this row's, was recorded at once and
+/// is not called again. (It was: every attempt cost two calls.)
+#[actix_rt::test]
+async fn a_failing_handler_is_called_once_per_attempt() {
+    let db = TestDb::new().await;
+    db.produce(5, "before").await;
+    db.enqueue_one("poison").await;
+    db.produce(20, "after").await;
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        ..Default::default()
+    };
+    let calls = behaviour.poison_calls.clone();
+    let rt = start(&db, vec![(consumer("c1", 3).batch_size(8), behaviour)]).await;
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+                AND aggregate_id = 'poison' AND attempt_count = 3";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(healthy, 25, WAIT).await, 25);
+    assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 3);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 25);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
+}
+
 /// The consumer actor dies while its batch is open (a handler has written its effect and is
 /// still working). The batch's BEGIN and COMMIT are pipelined outside diesel's transaction
 /// manager, which is told about the BEGIN beforehand: so the connection, handed back when the

@@ -288,6 +288,51 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     db.finish(&[]).await;
 }
 
+/// A backlog of expired rows larger than one run deletes is worked off run after run, not one
+/// run per `retention_interval` (an hour here), and the first run is at start. An age of
+/// `Duration::MAX` keeps rows, rather than failing every run.
+#[actix_rt::test]
+async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
+         SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '9 days',
+             'PROCESSED', now() - interval '8 days'
+         FROM generate_series(1, 1000);
+         INSERT INTO idempotency_keys (key, created_at) VALUES ('old', now() - interval '9000 days');",
+    )
+    .await;
+    let mut retention = RetentionConfig::default();
+    retention.batch_size = 100;
+    retention.max_batches = 2;
+    retention.idempotency_keys_after = Duration::MAX;
+    let mut config = fast_runtime();
+    config.retention = Some(retention.clone());
+    config.retention_interval = Duration::from_secs(3600);
+    let rt = start_with(db.pool.clone(), config, vec![]).await;
+    let left = "SELECT count(*) AS n FROM inbox_events";
+    assert_eq!(db.wait_for(left, 0, WAIT).await, 0);
+    let report = Retention::new(db.pool.clone(), retention)
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(report.keys_deleted, 0);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM idempotency_keys").await,
+        1
+    );
+    let mut stats = StatsConfig::default();
+    stats.interval = Duration::from_micros(500);
+    assert_eq!(
+        stats.validate().unwrap_err().code(),
+        ErrorCode::CONFIG_INVALID
+    );
+    db.finish(&[&rt]).await;
+}
+
 /// Retention deletes a published event whose inbox rows it does not delete (a dead letter, a
 /// retry, a row not yet expired): the timeline of its correlation id still shows them.
 #[actix_rt::test]

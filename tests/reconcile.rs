@@ -36,11 +36,26 @@ async fn two_claims_of_one_key_give_one_effect_and_a_rolled_back_claim_frees_it(
         claim_key(&mut conn, "k2", "test", None).await.unwrap(),
         KeyClaim::Claimed
     );
-    assert!(claim_key(&mut conn, "", "test", None).await.is_err());
+    // Keys PostgreSQL cannot store or index fail with their own code, before any write; the
+    // longest accepted one is stored.
+    let longest = "k".repeat(actix_outbox::MAX_KEY_BYTES);
+    for (key, by) in [
+        ("", "test"),
+        ("k\0", "test"),
+        ("k3", "te\0st"),
+        (&*format!("{longest}k"), "test"),
+    ] {
+        let err = claim_key(&mut conn, key, by, None).await.unwrap_err();
+        assert_eq!(err.code(), actix_outbox::ErrorCode::IDEMPOTENCY_KEY_INVALID);
+    }
+    assert_eq!(
+        claim_key(&mut conn, &longest, "test", None).await.unwrap(),
+        KeyClaim::Claimed
+    );
     drop(conn);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM idempotency_keys").await,
-        2
+        3
     );
     db.finish(&[]).await;
 }

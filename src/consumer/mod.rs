@@ -25,7 +25,7 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 pub use retry::RetryPolicy;
 
 use crate::error::{Error, ErrorCode};
-use crate::event::{ConsumerName, Event, EventId, EventRegistry, NewEvent};
+use crate::event::{ConsumerName, Event, EventId, EventRegistry, NewEvent, PayloadRules};
 use crate::store::inbox::InboxRow;
 use crate::store::OwnedConn;
 
@@ -43,6 +43,8 @@ pub struct Delivery {
     /// Alive while the handler keeps the delivery: how the runtime knows that a handler that
     /// overran its timeout may still run.
     pub(crate) _ticket: Option<Arc<worker::Ticket>>,
+    /// The runtime's event registry, which [`Delivery::enqueue`] validates follow-ups with.
+    pub(crate) events: Option<Arc<EventRegistry>>,
 }
 
 impl Message for Delivery {
@@ -130,7 +132,9 @@ impl Delivery {
     ///
     /// # Errors
     /// A permanent [`HandlerError`]: `EVENT_SCHEMA_INVALID` for another type or a payload that
-    /// does not decode, `EVENT_VERSION_UNSUPPORTED` for another version.
+    /// does not decode, `EVENT_VERSION_UNSUPPORTED` for an older version. A newer version is
+    /// `EVENT_VERSION_UNSUPPORTED` too, but retried: during a rolling deploy an instance of the
+    /// newer build may handle it.
     pub fn event<E: Event>(&self) -> Result<E, HandlerError> {
         if self.row.event_type != E::TYPE {
             return Err(HandlerError::permanent(
@@ -143,28 +147,41 @@ impl Delivery {
             ));
         }
         if self.row.event_version != E::VERSION {
-            return Err(HandlerError::permanent(
-                ErrorCode::EVENT_VERSION_UNSUPPORTED,
-                format!(
-                    "{} v{} delivered, the handler reads v{}",
-                    E::TYPE,
-                    self.row.event_version,
-                    E::VERSION
-                ),
-            ));
+            let message = format!(
+                "{} v{} delivered, the handler reads v{}",
+                E::TYPE,
+                self.row.event_version,
+                E::VERSION
+            );
+            let code = ErrorCode::EVENT_VERSION_UNSUPPORTED;
+            return Err(if self.row.event_version > E::VERSION {
+                HandlerError::Retry { code, message }
+            } else {
+                HandlerError::permanent(code, message)
+            });
         }
         self.decode()
     }
 
     /// Enqueues `event` as caused by this delivery — same correlation id, this event's id as
-    /// causation id — in the delivery's transaction, so it commits with the inbox mark.
+    /// causation id — in the delivery's transaction, so it commits with the inbox mark. With
+    /// an [`EventRegistry`] given to the runtime
+    /// ([`OutboxBuilder::events`](crate::OutboxBuilder::events)), the event is validated
+    /// against it, as [`EventRegistry::enqueue`] would.
     ///
     /// # Errors
-    /// As [`enqueue`](crate::enqueue), as a [`HandlerError`].
+    /// As [`enqueue`](crate::enqueue) or [`EventRegistry::enqueue`], as a [`HandlerError`]: an
+    /// invalid event is a permanent failure with its code.
     pub async fn enqueue(&self, event: NewEvent) -> Result<EventId, HandlerError> {
         let event = self.follow_up(event);
+        // Before taking the connection: an invalid event needs none.
+        match &self.events {
+            Some(registry) => registry.validate(&event)?,
+            None => event.validate(&PayloadRules::default())?,
+        }
         let conn = self.conn().await?;
-        Ok(crate::enqueue(&conn, &event).await?)
+        crate::outbox::insert_validated(&conn, std::slice::from_ref(&event)).await?;
+        Ok(event.id)
     }
 
     /// An event caused by this one: same correlation id, this event's id as causation id.
@@ -370,8 +387,12 @@ impl HandlerError {
 /// Database errors inside a handler are retried: the savepoint undoes the partial writes, and
 /// the attempt limit bounds a statement that can never succeed.
 impl From<diesel::result::Error> for HandlerError {
+    /// Retried with `DATABASE_ERROR`, as an [`Error::Database`] is.
     fn from(e: diesel::result::Error) -> Self {
-        HandlerError::retry(format!("database: {e}"))
+        HandlerError::Retry {
+            code: ErrorCode::DATABASE_ERROR,
+            message: format!("database: {e}"),
+        }
     }
 }
 
@@ -483,8 +504,9 @@ impl ConsumerConfig {
         self
     }
     /// Stale-event detection: per aggregate, the last applied aggregate version is recorded in
-    /// the delivery's transaction, and an event whose aggregate version is not above it is
-    /// recorded as PROCESSED with `EVENT_STALE` without calling the handler. For consumers
+    /// the delivery's transaction, and an event whose aggregate version is below it is
+    /// recorded as PROCESSED with `EVENT_STALE` without calling the handler. An event at the
+    /// same version is applied: the events one change emits share its version. For consumers
     /// that project state (a late `SENT` must not overwrite `DELIVERED`); leave it off for
     /// consumers that must see every event, such as counters. Default off.
     pub fn skip_stale(mut self, on: bool) -> Self {

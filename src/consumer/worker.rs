@@ -367,11 +367,13 @@ pub(crate) async fn run_batch(
     };
     // How the batch isolates its rows. A fast batch runs the handlers without savepoints (two
     // round trips fewer per row), and a batch handler gets every row in one call; any failure
-    // rolls the whole batch back, marking nothing and counting no attempt. Its entry in flight
-    // stays, so the batch that claims those rows again finds it and is safe: one row per call
-    // with a savepoint each, so that only the failing row's writes are undone and its attempt
-    // is recorded. A process that died holding rows leaves them the same way. A row's effect
-    // commits at most once either way; a failed fast batch only means some handlers run again.
+    // rolls the whole batch back, counting an attempt only against a row that failed on its own
+    // in its call. Its entry in flight stays, so the batch that claims those rows again finds
+    // it and is safe: one row per call with a savepoint each, so that only a failing row's
+    // writes are undone and its attempt is recorded. A process that died holding rows leaves
+    // them the same way. A row's effect commits at most once either way; a failed fast batch
+    // only means that the rows handled before the failure (or, for a batch handler, all of
+    // them) are handed over again.
     let safe = !entered.holders.is_empty();
     let mut out = BatchOutcome {
         claimed: rows.len(),
@@ -394,7 +396,7 @@ pub(crate) async fn run_batch(
             leave_now(pool, cfg, in_flight, &[entry]).await;
         }
         inbox::mark_and_commit(&mut conn, &[], &[], &failures, &entered.counted).await?;
-        record_committed(cfg, &[], &failures);
+        record_committed(cfg, &[], 0, &failures);
         out.failed = failures.len();
         out.next_retry = next_retry(&failures, 0);
         out.rolled_back = true;
@@ -410,6 +412,8 @@ pub(crate) async fn run_batch(
     let mut stale = Vec::new();
     // The mark of a row handed over alone could not be cleared after its call: stop there.
     let mut untraced = false;
+    // Whether a handler was called on this batch's transaction before the one in hand.
+    let mut called_before = false;
     // Rows ready for the handler, with their payloads, not yet handed over.
     let mut group: Vec<InboxRow> = Vec::new();
     let mut rows = rows.into_iter();
@@ -490,6 +494,7 @@ pub(crate) async fn run_batch(
             }
         }
         let call = hand_over(cfg, handler, conn, &mut group, safe, &ticket).await;
+        let first_call = !std::mem::replace(&mut called_before, true);
         if call.timed_out {
             // The handler may run on, and may yet kill the process. Its attempt is counted as
             // timed out; until it ends, no row is handed over alone, so that its death is never
@@ -541,7 +546,7 @@ pub(crate) async fn run_batch(
                 // As many handlers as the consumer has loops already hang holding their
                 // connections (two each, with their marks): this loop waits for this one
                 // instead, so that hanging handlers cannot empty the pool.
-                None => abandon(pool, cfg, &group[0], &err).await,
+                None => abandon(pool, None, cfg, &group[0], &err).await,
             }
             out.failed += 1;
             return Ok(out);
@@ -575,7 +580,7 @@ pub(crate) async fn run_batch(
                             "the handler returned Ok, but a statement of its transaction had \
                              failed, so it could not commit: {e}"
                         ));
-                        abandon(pool, cfg, &group[0], &err).await;
+                        abandon(pool, None, cfg, &group[0], &err).await;
                         out.failed += 1;
                         out.rolled_back = true;
                         return Ok(out);
@@ -591,18 +596,28 @@ pub(crate) async fn run_batch(
                 }
                 // Undo the whole batch (the handler's partial writes with it).
                 Tm::rollback_transaction(&mut *back).await?;
-                if !many && (call.lost || call.timed_out) {
-                    // The handler died or hung on this one row: calling it again at once would
-                    // only repeat that, so this row's attempt is recorded now and the rest are
-                    // claimed again by the next batch.
-                    abandon(pool, cfg, &group[0], &err).await;
+                // One row in the call, and a failure that is its own: the handler died, hung,
+                // or returned an error of its own making. A database error is its own only in
+                // the batch's first call: after another, it may come from a transaction that
+                // an earlier handler left failed (it swallowed its error and returned Ok).
+                let own = call.lost
+                    || call.timed_out
+                    || first_call
+                    || *err.code() != ErrorCode::DATABASE_ERROR;
+                if !many && own {
+                    // Its attempt is recorded now, on the batch's connection, so that the
+                    // handler is called once per attempt, not again in the replay (only another
+                    // loop of this consumer claiming the row between the rollback and this
+                    // mark can call it first, and then this fenced mark counts nothing).
+                    abandon(pool, Some(&back), cfg, &group[0], &err).await;
                     out.failed += 1;
-                } else {
-                    // Replay the batch with savepoints, one row per call (its rows' entries in
-                    // flight stay, which makes the replay safe), which records the failing
-                    // row's attempt and keeps the other rows' effects.
-                    out.rolled_back = true;
                 }
+                // The other rows (those handled before, rolled back with it, and those not yet
+                // handed over) are claimed again; their entry in flight stays, which makes
+                // that batch safe: one row per call with savepoints, so that a failing row's
+                // attempt is recorded and the other rows' effects kept. At once, unless the
+                // handler died or hung on its one row: that calls for a pause.
+                out.rolled_back = many || !(call.lost || call.timed_out);
                 return Ok(out);
             }
             Err(err) => {
@@ -663,7 +678,7 @@ pub(crate) async fn run_batch(
     if let Some(entry) = later {
         in_flight.leave_later(entry).await;
     }
-    record_committed(cfg, &processed, &failures);
+    record_committed(cfg, &processed, stale.len(), &failures);
     out.processed = processed.len();
     out.failed += failures.len();
     out.next_retry = next_retry(&failures, out.deferred);
@@ -746,6 +761,7 @@ async fn hand_over(
                 consumer: cfg.name.clone(),
                 slot: slot.clone(),
                 _ticket: Some(ticket.clone()),
+                events: cfg.events.clone(),
             }
         })
         .collect();
@@ -801,6 +817,10 @@ pub(crate) fn upcast(cfg: &ConsumerConfig, row: &mut InboxRow) -> Result<(), Han
             ErrorCode::EVENT_VERSION_UNSUPPORTED,
             m,
         )),
+        Upcast::Newer(message) => Err(HandlerError::Retry {
+            code: ErrorCode::EVENT_VERSION_UNSUPPORTED,
+            message,
+        }),
         Upcast::Invalid(m) => Err(HandlerError::permanent(ErrorCode::EVENT_SCHEMA_INVALID, m)),
     }
 }
@@ -834,7 +854,12 @@ pub(crate) fn decide(policy: &RetryPolicy, row: &InboxRow, err: &HandlerError) -
 }
 
 /// Logs and counts what a committed batch did; nothing is reported for a batch that rolled back.
-fn record_committed(cfg: &ConsumerConfig, processed: &[InboxRow], failures: &[Failure]) {
+fn record_committed(
+    cfg: &ConsumerConfig,
+    processed: &[InboxRow],
+    stale: usize,
+    failures: &[Failure],
+) {
     let consumer = cfg.name.as_str();
     let now = chrono::Utc::now();
     for row in processed {
@@ -848,7 +873,8 @@ fn record_committed(cfg: &ConsumerConfig, processed: &[InboxRow], failures: &[Fa
             "consumer.completed"
         );
     }
-    metrics::inbox_processed(consumer, processed.len() as u64);
+    // Stale rows are marked PROCESSED too (with `EVENT_STALE`).
+    metrics::inbox_processed(consumer, (processed.len() + stale) as u64);
     metrics::inbox_failed(consumer, failures.len() as u64);
     metrics::inbox_dead_lettered(consumer, failures.iter().filter(|f| f.dead).count() as u64);
 }
@@ -864,12 +890,20 @@ fn log_failure(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
     );
 }
 
-/// Records a failed attempt outside the abandoned transaction, on a fresh connection. Fenced
-/// on the attempt count, so if another instance has meanwhile handled the row nothing changes.
-async fn abandon(pool: &PgPool, cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
+/// Records a failed attempt outside the abandoned transaction: on `conn`, the batch's own
+/// connection once its transaction has rolled back, or else on a fresh one. Fenced on the
+/// attempt count, so if another batch has meanwhile handled the row nothing changes.
+async fn abandon(
+    pool: &PgPool,
+    conn: Option<&AsyncPgConnection>,
+    cfg: &ConsumerConfig,
+    row: &InboxRow,
+    err: &HandlerError,
+) {
     log_failure(cfg, row, err);
     mark_abandoned(
         pool,
+        conn,
         cfg.name.as_str(),
         row.event_id,
         decide(&cfg.retry, row, err),
@@ -892,16 +926,27 @@ fn abandon_kept(
     let failure = decide(&cfg.retry, row, err);
     let (pool, consumer, event_id) = (pool.clone(), cfg.name.as_str().to_owned(), row.event_id);
     actix_rt::spawn(async move {
-        mark_abandoned(&pool, &consumer, event_id, failure).await;
+        mark_abandoned(&pool, None, &consumer, event_id, failure).await;
         drop(permit);
     });
 }
 
-async fn mark_abandoned(pool: &PgPool, consumer: &str, event_id: uuid::Uuid, failure: Failure) {
+/// Records `failure` outside any batch transaction: on `conn` (idle, outside a transaction)
+/// if given, else on a connection of the pool's.
+async fn mark_abandoned(
+    pool: &PgPool,
+    conn: Option<&AsyncPgConnection>,
+    consumer: &str,
+    event_id: uuid::Uuid,
+    failure: Failure,
+) {
     let dead = failure.dead;
-    let marked = match pool.get().await {
-        Ok(conn) => inbox::mark_failed(&conn, &[failure]).await,
-        Err(e) => Err(e.into()),
+    let marked = match conn {
+        Some(conn) => inbox::mark_failed(conn, &[failure]).await,
+        None => match pool.get().await {
+            Ok(conn) => inbox::mark_failed(&conn, &[failure]).await,
+            Err(e) => Err(e.into()),
+        },
     };
     match marked {
         // As `record_committed` counts the failures a batch commits.

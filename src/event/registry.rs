@@ -55,8 +55,11 @@ type Upcaster = Arc<dyn Fn(Value) -> std::result::Result<Value, String> + Send +
 /// Enqueue through [`EventRegistry::enqueue`] to have the type, version and payload checked
 /// at runtime (not only by the Rust type): a failure is `EVENT_SCHEMA_INVALID` and fails the
 /// caller's transaction. Give the registry to the runtime
-/// ([`OutboxBuilder::events`](crate::OutboxBuilder::events)) to have deliveries upcast; a
-/// version nobody can read is dead-lettered at once with `EVENT_VERSION_UNSUPPORTED`.
+/// ([`OutboxBuilder::events`](crate::OutboxBuilder::events)) to have deliveries upcast; an
+/// older version no upcaster lifts is dead-lettered at once with `EVENT_VERSION_UNSUPPORTED`.
+/// A version newer than this build's fails with the same code but is retried on the
+/// consumer's policy: during a rolling deploy an instance of the newer build can handle it,
+/// and an old instance claiming it first does not dead-letter it.
 #[derive(Clone, Default)]
 pub struct EventRegistry {
     types: HashMap<String, (i32, Check)>,
@@ -90,6 +93,8 @@ pub(crate) enum Upcast {
     Current(i32, Value),
     /// No code can read this version.
     Unsupported(String),
+    /// A version newer than this build reads: a newer build may.
+    Newer(String),
     /// An upcaster or the current type rejected the payload.
     Invalid(String),
 }
@@ -213,7 +218,7 @@ impl EventRegistry {
             return Upcast::Unregistered;
         };
         if version > *current {
-            return Upcast::Unsupported(format!(
+            return Upcast::Newer(format!(
                 "{event_type} v{version} is newer than v{current}, the newest this build reads"
             ));
         }
@@ -270,7 +275,7 @@ mod tests {
     }
 
     #[test]
-    fn old_versions_are_lifted_step_by_step_and_unknown_ones_are_unsupported() {
+    fn old_versions_are_lifted_step_by_step_and_unknown_ones_are_unsupported_or_newer() {
         let r = registry();
         let v1 = json!({"order_id": "o1", "state": "PAID"});
         assert_eq!(
@@ -280,10 +285,7 @@ mod tests {
                 json!({"order_id": "o1", "state": null, "status": "PAID"})
             )
         );
-        assert!(matches!(
-            r.upcast("CHANGED", 4, &v1),
-            Upcast::Unsupported(_)
-        ));
+        assert!(matches!(r.upcast("CHANGED", 4, &v1), Upcast::Newer(_)));
         assert!(matches!(
             r.upcast("CHANGED", 0, &v1),
             Upcast::Unsupported(_)

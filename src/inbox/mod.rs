@@ -12,6 +12,11 @@ use crate::error::Result;
 use crate::event::{ConsumerName, EventId};
 use crate::store;
 
+/// The longest idempotency key [`claim_key`] accepts, in bytes: well under the ~2,700 bytes a
+/// B-tree index entry may hold, so that a long key fails here with its own code rather than in
+/// PostgreSQL as a database error that is retried until the event is dead-lettered.
+pub const MAX_KEY_BYTES: usize = 1024;
+
 /// The outcome of [`claim_key`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use = "skip the effect when the key was already claimed"]
@@ -30,6 +35,9 @@ pub enum KeyClaim {
 /// `claimed_by` and `event_id` are recorded for operators.
 ///
 /// # Errors
+/// [`Error::InvalidKey`](crate::Error::InvalidKey) (`IDEMPOTENCY_KEY_INVALID`) before any
+/// write for an empty key, a key longer than [`MAX_KEY_BYTES`], or a NUL in the key or in
+/// `claimed_by` (a handler's `?` makes it a permanent failure: no retry can fix it);
 /// [`Error::Database`](crate::Error::Database) when the statement fails.
 pub async fn claim_key(
     conn: &mut AsyncPgConnection,
@@ -37,10 +45,17 @@ pub async fn claim_key(
     claimed_by: &str,
     event_id: Option<EventId>,
 ) -> Result<KeyClaim> {
-    if key.is_empty() {
-        return Err(crate::Error::InvalidEvent(
-            "an idempotency key must not be empty".into(),
-        ));
+    let invalid = if key.is_empty() {
+        Some("must not be empty".to_owned())
+    } else if key.len() > MAX_KEY_BYTES {
+        Some(format!("{} bytes, more than {MAX_KEY_BYTES}", key.len()))
+    } else if key.contains('\0') || claimed_by.contains('\0') {
+        Some("a NUL in the key or in claimed_by".to_owned())
+    } else {
+        None
+    };
+    if let Some(why) = invalid {
+        return Err(crate::Error::InvalidKey(why));
     }
     let inserted = crate::store::Prepared(
         diesel::sql_query(

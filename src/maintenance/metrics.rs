@@ -30,7 +30,7 @@ pub(crate) const OUTBOX_OLDEST_PENDING_AGE: &str = "outbox_oldest_pending_age_se
 pub(crate) const OUTBOX_HEALTH_STATE: &str = "outbox_health_state";
 /// Inbox rows written for a consumer (counter).
 pub(crate) const INBOX_RECEIVED_TOTAL: &str = "inbox_received_total";
-/// Inbox rows a consumer marked PROCESSED (counter).
+/// Inbox rows a consumer marked PROCESSED, stale ones (`EVENT_STALE`) included (counter).
 pub(crate) const INBOX_PROCESSED_TOTAL: &str = "inbox_processed_total";
 /// Deliveries absorbed because the inbox row already existed (counter).
 pub(crate) const INBOX_DUPLICATE_TOTAL: &str = "inbox_duplicate_total";

@@ -18,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::store::stats::{self as stmt, Expired};
 use crate::store::PgPool;
 
-/// What retention keeps. Every field has a documented default.
+/// What retention keeps. Every field has a documented default. An age over a century counts
+/// as a century: `Duration::MAX` keeps rows for ever in practice, and is not an error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetentionConfig {

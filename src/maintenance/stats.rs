@@ -45,11 +45,11 @@ impl StatsConfig {
     /// Checks the settings.
     ///
     /// # Errors
-    /// [`Error::Config`] for a zero interval, a history shorter than the trend window, or
+    /// [`Error::Config`] for an interval under 1 ms, a history shorter than the trend window, or
     /// invalid health thresholds.
     pub fn validate(&self) -> Result<()> {
-        if self.interval.is_zero() {
-            return Err(Error::Config("stats interval must be positive".into()));
+        if self.interval < Duration::from_millis(1) {
+            return Err(Error::Config("stats interval must be at least 1 ms".into()));
         }
         let window = u32::try_from(self.health.trend_samples)
             .ok()

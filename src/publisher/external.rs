@@ -17,7 +17,7 @@ pub(crate) async fn publish_batch(
     transport: &dyn Transport,
     cfg: &ExternalConfig,
 ) -> Result<bool> {
-    let lease_ms = cfg.lease.as_millis().min(i64::MAX as u128) as i64;
+    let lease_ms = crate::store::millis(cfg.lease);
     let rows = {
         let mut conn = pool.get().await?;
         lease::claim_leased(&mut conn, &cfg.owner, i64::from(cfg.batch_size), lease_ms).await?

@@ -81,7 +81,8 @@ pub struct RuntimeConfig {
     /// (enable it, or run [`Retention::run_once`](crate::Retention::run_once) on a schedule of
     /// your own).
     pub retention: Option<RetentionConfig>,
-    /// How often retention runs when enabled. Default 1 h.
+    /// How often retention runs when enabled: at start, then at this interval, and every second
+    /// while a run leaves expired rows behind. Default 1 h.
     pub retention_interval: Duration,
 }
 

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
 use futures_util::future::join_all;
@@ -51,7 +52,16 @@ pub(crate) struct SupervisorActor {
     restarts: BTreeMap<String, u32>,
     /// Shutdown has begun: dead children stay dead.
     stopping: bool,
+    /// Retention, when configured.
+    retention: Option<Rc<Retention>>,
+    /// A retention run is in flight: the next tick does not start another.
+    retaining: bool,
 }
+
+/// The pause between retention runs while a backlog of expired rows lasts, instead of a whole
+/// `retention_interval`: one run deletes at most `max_batches` batches per table, so at an
+/// hourly interval a table gaining more than that many rows an hour would grow for ever.
+const RETENTION_CATCH_UP: Duration = Duration::from_secs(1);
 
 impl SupervisorActor {
     pub(crate) fn new(
@@ -75,7 +85,34 @@ impl SupervisorActor {
             stats: None,
             restarts: BTreeMap::new(),
             stopping: false,
+            retention: None,
+            retaining: false,
         }
+    }
+
+    /// One retention run, unless one is in flight; while runs leave expired rows behind, the
+    /// next follows after [`RETENTION_CATCH_UP`].
+    fn run_retention(&mut self, ctx: &mut Context<Self>) {
+        let Some(retention) = self.retention.clone() else {
+            return;
+        };
+        if self.stopping || self.retaining {
+            return;
+        }
+        self.retaining = true;
+        let run = async move { retention.run_once().await };
+        ctx.spawn(run.into_actor(self).map(|result, act, ctx| {
+            act.retaining = false;
+            match result {
+                Ok(report) => {
+                    tracing::info!(?report, "retention run");
+                    if report.more_left {
+                        ctx.run_later(RETENTION_CATCH_UP, |act, ctx| act.run_retention(ctx));
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "retention run failed"),
+            }
+        }));
     }
 
     fn restarted(&mut self, child: &str) {
@@ -199,25 +236,20 @@ impl Actor for SupervisorActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.ensure_children();
         self.ensure_listener(ctx);
-        if let Some(cfg) = self.config.retention.clone() {
-            // Validated by the builder; each run is bounded and its deletes are short
-            // transactions, so it runs here rather than in an actor of its own.
-            if let Ok(retention) = Retention::new(self.pool.clone(), cfg) {
-                let retention = Rc::new(retention);
-                ctx.run_interval(self.config.retention_interval, move |act, ctx| {
-                    if act.stopping {
-                        return;
-                    }
-                    let retention = retention.clone();
-                    let run = async move {
-                        match retention.run_once().await {
-                            Ok(report) => tracing::info!(?report, "retention run"),
-                            Err(e) => tracing::warn!(error = %e, "retention run failed"),
-                        }
-                    };
-                    ctx.spawn(run.into_actor(act));
-                });
-            }
+        // Validated by the builder; each run is bounded and its deletes are short transactions,
+        // so it runs here rather than in an actor of its own. The first run is at start: a
+        // process restarted more often than the interval would otherwise never run one.
+        self.retention = self
+            .config
+            .retention
+            .clone()
+            .and_then(|cfg| Retention::new(self.pool.clone(), cfg).ok())
+            .map(Rc::new);
+        if self.retention.is_some() {
+            self.run_retention(ctx);
+            ctx.run_interval(self.config.retention_interval, |act, ctx| {
+                act.run_retention(ctx)
+            });
         }
         ctx.run_interval(self.config.supervise_interval, |act, ctx| {
             act.ensure_children();

@@ -467,16 +467,18 @@ struct AdvanceRow {
 /// The outcome of [`advance_version`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Advance {
-    /// Newer than what the consumer applied: recorded, apply the event.
+    /// Not older than what the consumer applied: recorded, apply the event.
     Applied,
-    /// Not newer: the consumer is already at this version.
+    /// Older: the consumer is already at a later version.
     Stale(i64),
     /// Another in-flight batch of this consumer holds the aggregate: try the row later.
     Busy,
 }
 
-/// Records that `consumer` applies `version` of an aggregate, if it is newer than what it
-/// applied before. Runs in the delivery's savepoint, so a failed handler leaves the version
+/// Records that `consumer` applies `version` of an aggregate, unless it applied a later one
+/// before. An equal version is applied: one change may emit several events (`ORDER_PLACED`
+/// and `PAYMENT_REQUESTED`, both at the aggregate's version after it), and the same event
+/// delivered again never gets this far (its inbox row is unique). Runs in the delivery's savepoint, so a failed handler leaves the version
 /// where it was.
 ///
 /// The aggregate is first locked with a non-blocking advisory lock held to the batch's end.
@@ -499,7 +501,7 @@ pub(crate) async fn advance_version(
              SELECT $1, $2, $3, $4 FROM l WHERE l.ok \
              ON CONFLICT (consumer, aggregate_type, aggregate_id) DO UPDATE \
                  SET version = EXCLUDED.version, updated_at = now() \
-                 WHERE aggregate_versions.version < EXCLUDED.version \
+                 WHERE aggregate_versions.version <= EXCLUDED.version \
              RETURNING 1 \
          ) \
          SELECT (SELECT ok FROM l) AS locked, (SELECT count(*) FROM up) AS applied, \

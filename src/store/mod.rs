@@ -90,6 +90,14 @@ pub(crate) async fn run(mut conn: &AsyncPgConnection, sql: &'static str) -> crat
     Ok(())
 }
 
+/// `d` in milliseconds, for `$n * interval '1 millisecond'`, capped at a century: `now() - …`
+/// must stay a timestamp PostgreSQL can hold (a `Duration::MAX` would fail every run that uses
+/// it), and an age of a century means "for ever" in practice.
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
+    const CENTURY_MS: u128 = 100 * 366 * 24 * 3600 * 1000;
+    d.as_millis().min(CENTURY_MS) as i64
+}
+
 /// Keeps the planner on the indexes for the runtime's statements on the outbox and inbox, to
 /// the end of the current transaction (`set_config(…, true)` is `SET LOCAL`).
 ///

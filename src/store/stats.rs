@@ -14,6 +14,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
 use crate::maintenance::health::{ConsumerGauges, OutboxGauges, Sample};
+use crate::store;
 
 #[derive(QueryableByName)]
 struct OutboxRow {
@@ -143,7 +144,7 @@ pub(crate) async fn insert_sample(
          VALUES ($1, $2, $3, $4) RETURNING sampled_at",
     )
     .bind::<Text, _>(instance)
-    .bind::<BigInt, _>(interval.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<BigInt, _>(store::millis(interval))
     .bind::<Jsonb, _>(sample)
     .bind::<Jsonb, _>(health)
     .get_result(conn)
@@ -168,7 +169,7 @@ pub(crate) async fn recent_samples(
          WHERE sampled_at > now() - $1 * interval '1 millisecond' \
          ORDER BY sampled_at DESC, id DESC LIMIT $2",
     )
-    .bind::<BigInt, _>(since.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<BigInt, _>(store::millis(since))
     .bind::<BigInt, _>(limit)
     .load(conn)
     .await?;
@@ -230,7 +231,7 @@ pub(crate) async fn consumer_sums(
          WHERE s.sampled_at > now() - $1 * interval '1 millisecond' \
          GROUP BY 1 ORDER BY 1",
     )
-    .bind::<BigInt, _>(since.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<BigInt, _>(store::millis(since))
     .load(conn)
     .await?;
     Ok(rows
@@ -251,7 +252,7 @@ pub(crate) async fn prune_samples(
              WHERE sampled_at < now() - $1 * interval '1 millisecond' \
              ORDER BY sampled_at LIMIT $2)",
     )
-    .bind::<BigInt, _>(older_than.as_millis().min(i64::MAX as u128) as i64)
+    .bind::<BigInt, _>(store::millis(older_than))
     .bind::<BigInt, _>(batch)
     .execute(conn)
     .await?;
@@ -309,7 +310,7 @@ pub(crate) async fn delete_expired(
         }
     };
     let n = diesel::sql_query(sql)
-        .bind::<BigInt, _>(older_than.as_millis().min(i64::MAX as u128) as i64)
+        .bind::<BigInt, _>(store::millis(older_than))
         .bind::<BigInt, _>(batch)
         .execute(conn)
         .await?;

@@ -215,9 +215,15 @@ struct ConsumerSlot {
 ///   runtime only the database writes made through [`Delivery::conn`] roll back.
 /// - **One process, one handler at a time.** Consumers are driven one after the other and rows
 ///   one after the other. The runtime's `concurrency`, `batch_size` and `rate_limit` are not
-///   modelled: they change how fast rows are handled, not what happens to them. Nor are the
-///   runtime's own actors (publisher, registry, `ConsumerActor`) and their supervisor restarts;
-///   only the handler actors are real.
+///   modelled. They change how fast rows are handled, and two things more: with `skip_stale`,
+///   concurrent batches may take an aggregate's events out of order (test that with
+///   [`Harness::deliver_out_of_order`]); and a failure in a batch rolls back the writes of the
+///   rows handled before it in that batch (for a [`DeliveryBatch`] handler, of the whole
+///   batch), which the runtime then hands over again. Here each row is called once per
+///   attempt, as the failing row is in the runtime; a handler whose calls are counted outside
+///   the database may see more calls there. Nor are the runtime's own actors (publisher,
+///   registry, `ConsumerActor`) and their supervisor restarts modelled; only the handler actors
+///   are real.
 /// - **Handler timeouts use the real clock**, as in the runtime: a handler that does not finish
 ///   within [`ConsumerConfig::handler_timeout`] fails its attempt. Set a short timeout in a test
 ///   that exercises it.
@@ -795,7 +801,7 @@ impl Harness {
         let version = row.aggregate_version.filter(|_| cfg.skip_stale);
         if let Some(version) = version {
             let current = self.consumers[c].versions.get(&aggregate).copied();
-            if let Some(current) = current.filter(|&cur| cur >= version) {
+            if let Some(current) = current.filter(|&cur| cur > version) {
                 if commit {
                     self.mark_stale(i, current);
                 }
@@ -811,6 +817,7 @@ impl Harness {
             consumer: cfg.name.clone(),
             slot: slot.clone(),
             _ticket: None,
+            events: cfg.events.clone(),
         };
         let handler = self.consumers[c].handler.clone();
         let sent = match &handler {
@@ -887,7 +894,7 @@ impl Harness {
         e.next_attempt_at = now
             .checked_add_signed(delay)
             .unwrap_or(DateTime::<Utc>::MAX_UTC);
-        e.error_code = Some(f.code);
+        e.error_code = Some(truncate(&f.code, 200));
         e.last_error = Some(truncate(&f.message, 2000));
     }
 }

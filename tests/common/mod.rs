@@ -228,6 +228,8 @@ pub struct Behaviour {
     pub nested: bool,
     /// Set by the first [`Poison::LongHang`].
     pub hung: Arc<std::sync::atomic::AtomicBool>,
+    /// Calls that got the poison event, counted outside any transaction.
+    pub poison_calls: Arc<AtomicUsize>,
 }
 
 /// How a poison event fails.
@@ -319,6 +321,9 @@ impl Handler<Delivery> for Recorder {
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
         let poisoned = self.behaviour.poisoned(std::iter::once(d.aggregate_id()));
+        if poisoned {
+            self.behaviour.poison_calls.fetch_add(1, Ordering::Relaxed);
+        }
         if d.attempt() <= self.behaviour.kill_attempts
             || (poisoned && self.behaviour.poison == Poison::Kill)
         {
@@ -392,6 +397,9 @@ impl Handler<DeliveryBatch> for BatchRecorder {
         let poisoned = me
             .behaviour
             .poisoned(b.deliveries().iter().map(|d| d.aggregate_id()));
+        if poisoned {
+            me.behaviour.poison_calls.fetch_add(1, Ordering::Relaxed);
+        }
         if poisoned && me.behaviour.poison == Poison::Kill {
             panic!("injected panic in handle of {}", me.name);
         }
