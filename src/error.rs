@@ -40,8 +40,8 @@ impl ErrorCode {
     pub const MIGRATION_FAILED: ErrorCode = ErrorCode::from_static("MIGRATION_FAILED");
     /// The runtime was configured with invalid values.
     pub const CONFIG_INVALID: ErrorCode = ErrorCode::from_static("CONFIG_INVALID");
-    /// A business idempotency key (or its `claimed_by`) PostgreSQL could not store or index:
-    /// empty, holding a NUL, or longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES).
+    /// A business idempotency key (or its `claimed_by`) refused before it was written: empty,
+    /// holding a NUL, or longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES).
     pub const IDEMPOTENCY_KEY_INVALID: ErrorCode =
         ErrorCode::from_static("IDEMPOTENCY_KEY_INVALID");
     /// No consumer of that name was ever registered.

@@ -16,14 +16,18 @@ const MAX_EFFECTS_PER_EVENT: &str =
 
 /// One poison event ahead of 50 healthy ones, for a one-per-call consumer.
 async fn poison_first(poison: Poison, cfg: ConsumerConfig) -> (TestDb, OutboxRuntime) {
-    let db = TestDb::new().await;
-    db.enqueue_one("poison").await;
-    db.produce(50, "healthy").await;
     let behaviour = Behaviour {
         poison_aggregate: Some("poison".into()),
         poison,
         ..Default::default()
     };
+    poison_first_with(behaviour, cfg).await
+}
+
+async fn poison_first_with(behaviour: Behaviour, cfg: ConsumerConfig) -> (TestDb, OutboxRuntime) {
+    let db = TestDb::new().await;
+    db.enqueue_one("poison").await;
+    db.produce(50, "healthy").await;
     let rt = start(&db, vec![(cfg, behaviour)]).await;
     (db, rt)
 }
@@ -68,6 +72,27 @@ async fn a_handler_that_swallows_a_failed_statement_is_counted_and_does_not_stal
         "status = 'DEAD_LETTER' AND attempt_count = 3 AND last_error LIKE '%could not commit%'",
     )
     .await;
+}
+
+/// As above, with handlers that make an error of their own of a failed statement: the events
+/// handed over after the swallowing one, whose statements fail in the transaction it left
+/// failed, are still not charged, whatever error their handler returns.
+#[actix_rt::test]
+async fn events_after_a_swallowed_failure_are_not_charged_whatever_error_their_handler_makes() {
+    let behaviour = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        poison: Poison::SwallowError,
+        own_errors: true,
+        ..Default::default()
+    };
+    let (db, rt) = poison_first_with(behaviour, consumer("c1", 3).batch_size(8)).await;
+    assert_eq!(db.wait_for(HEALTHY_DONE, 50, WAIT).await, 50);
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+                AND status = 'DEAD_LETTER' AND attempt_count = 3";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 50);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
 }
 
 #[actix_rt::test]
@@ -258,6 +283,10 @@ async fn a_failing_handler_is_called_once_per_attempt() {
     assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 3);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 25);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    // No entry in flight is left holding the charged row: one would make each of its later
+    // batches safe (one row per call), or, once this process forgot it, make them run alone.
+    let left = "SELECT count(*) AS n FROM inbox_in_flight";
+    assert_eq!(db.wait_for(left, 0, WAIT).await, 0);
     db.finish(&[&rt]).await;
 }
 

@@ -11,17 +11,22 @@
 
 pg_log() { printf '[pg] %s\n' "$*" >&2; }
 
-# The newest major version's binaries (a dist-upgrade leaves the old ones installed), if it is
-# 13 or later: the migrations need gen_random_uuid() and DROP DATABASE … WITH (FORCE).
+# The newest major version's server binaries (a dist-upgrade leaves the old ones installed; a
+# newer client-only package has no initdb), if it is 13 or later: the migrations need
+# gen_random_uuid() and DROP DATABASE … WITH (FORCE).
 pg_find_bin() {
-    local dir="" major
-    dir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
-    if [ -z "$dir" ] || [ ! -x "$dir/initdb" ]; then
+    local dir="" candidate major
+    for candidate in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -Vr); do
+        [ -x "$candidate/initdb" ] && { dir=$candidate; break; }
+    done
+    if [ -z "$dir" ]; then
         command -v initdb >/dev/null 2>&1 || return 1
         dir=$(dirname "$(command -v initdb)")
     fi
-    major=$("$dir/initdb" --version | sed -E 's/.* ([0-9]+)[.0-9]*.*/\1/')
-    if [ "${major:-0}" -lt 13 ] 2>/dev/null; then
+    # "initdb (PostgreSQL) 15.20 (Debian 15.20-0+deb12u1)" → 15
+    major=$("$dir/initdb" --version | sed -E 's/^[^0-9]*([0-9]+).*/\1/')
+    case "$major" in '' | *[!0-9]*) pg_log "cannot tell the version of $dir/initdb"; return 1 ;; esac
+    if [ "$major" -lt 13 ]; then
         pg_log "PostgreSQL $major in $dir is too old (13 or later is needed)"
         return 1
     fi
@@ -81,6 +86,13 @@ pg_owned_dir() {
         useradd --system --home-dir /var/lib/postgresql --shell /bin/sh postgres
     fi
     mkdir -p "$1"
+    # Folders of earlier runs that were killed before they could remove theirs: over an hour
+    # old (a run starting now may not have started its server yet), with no server running.
+    for dir in $(find "$1" -maxdepth 1 -type d -name "$2.*" -mmin +60 2>/dev/null); do
+        if [ ! -f "$dir/data/postmaster.pid" ] || ! kill -0 "$(head -n 1 "$dir/data/postmaster.pid")" 2>/dev/null; then
+            rm -rf "$dir"
+        fi
+    done
     dir=$(mktemp -d "$1/$2.XXXXXX")
     if [ "$(id -u)" = 0 ]; then
         chown postgres "$dir"
@@ -120,7 +132,7 @@ pg_start_private() {
     PG_PRIVATE_DIR="$root"
     trap pg_stop_private EXIT
     # A port found free may be taken before the server binds it (another run starting at the
-    # same moment): then the next one.
+    # same moment): then another. Any other failure is final.
     for tries in 1 2 3 4 5; do
         port=$(pg_free_port) || { pg_log "no free port"; return 1; }
         pg_log "starting a private cluster in $root on port $port"
@@ -128,6 +140,8 @@ pg_start_private() {
             DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
             return 0
         fi
+        grep -q "could not bind" "$root/server.log" 2>/dev/null || return 1
+        : >"$root/server.log"
     done
     return 1
 }
@@ -136,7 +150,7 @@ pg_start_private() {
 # Without psql to ask, a listener is taken on trust.
 pg_usable() {
     if command -v psql >/dev/null 2>&1; then
-        [ "$(psql "$1" -X -w -Atqc "SELECT current_setting('server_version_num')::int >= 130000" 2>/dev/null)" = t ]
+        [ "$(PGCONNECT_TIMEOUT=5 psql "$1" -X -w -Atqc "SELECT current_setting('server_version_num')::int >= 130000" 2>/dev/null)" = t ]
     else
         (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null
     fi

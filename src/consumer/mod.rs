@@ -166,8 +166,9 @@ impl Delivery {
     /// Enqueues `event` as caused by this delivery — same correlation id, this event's id as
     /// causation id — in the delivery's transaction, so it commits with the inbox mark. With
     /// an [`EventRegistry`] given to the runtime
-    /// ([`OutboxBuilder::events`](crate::OutboxBuilder::events)), the event is validated
-    /// against it, as [`EventRegistry::enqueue`] would.
+    /// ([`OutboxBuilder::events`](crate::OutboxBuilder::events)), an event of a type it
+    /// registers is validated as [`EventRegistry::enqueue`] would (version and payload), and
+    /// any other with the registry's payload rules.
     ///
     /// # Errors
     /// As [`enqueue`](crate::enqueue) or [`EventRegistry::enqueue`], as a [`HandlerError`]: an
@@ -176,7 +177,7 @@ impl Delivery {
         let event = self.follow_up(event);
         // Before taking the connection: an invalid event needs none.
         match &self.events {
-            Some(registry) => registry.validate(&event)?,
+            Some(registry) => registry.validate_follow_up(&event)?,
             None => event.validate(&PayloadRules::default())?,
         }
         let conn = self.conn().await?;

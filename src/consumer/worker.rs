@@ -13,8 +13,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use tokio::sync::Mutex;
 
 use super::actor::HandlerRef;
@@ -37,8 +37,9 @@ pub(crate) struct BatchOutcome {
     pub next_retry: Option<Duration>,
     /// The handler actor stopped (panicked) during the batch and must be replaced.
     pub handler_lost: bool,
-    /// A fast batch hit a failure and was rolled back whole, counting no attempt; its rows
-    /// are due again at once, and their entry in flight makes the batch that gets them safe.
+    /// A fast batch hit a failure and was rolled back whole, counting an attempt only against a
+    /// row whose own failure it was; its other rows are due again at once, and their entry in
+    /// flight makes the batch that gets them safe.
     /// Also set when a batch gave its rows back to be claimed again at once (see `exclusive`).
     pub rolled_back: bool,
     /// Rows were found that a process may have died holding: the next batch must run with no
@@ -546,7 +547,9 @@ pub(crate) async fn run_batch(
                 // As many handlers as the consumer has loops already hang holding their
                 // connections (two each, with their marks): this loop waits for this one
                 // instead, so that hanging handlers cannot empty the pool.
-                None => abandon(pool, None, cfg, &group[0], &err).await,
+                None => {
+                    abandon(pool, None, cfg, &group[0], &err).await;
+                }
             }
             out.failed += 1;
             return Ok(out);
@@ -594,22 +597,36 @@ pub(crate) async fn run_batch(
                 if let Some(entry) = entered.entry {
                     in_flight.replay(entry).await;
                 }
+                // One row in the call, and a failure that is its own: the handler died or hung,
+                // or it was the batch's first call, or the transaction is still sound after it.
+                // A failed transaction after an earlier call may be that call's doing (its
+                // handler swallowed a failed statement and returned Ok), whatever error this
+                // handler made of it.
+                let own = !many
+                    && (call.lost
+                        || call.timed_out
+                        || first_call
+                        || diesel::sql_query("SELECT 1")
+                            .execute(&mut *back)
+                            .await
+                            .is_ok());
                 // Undo the whole batch (the handler's partial writes with it).
                 Tm::rollback_transaction(&mut *back).await?;
-                // One row in the call, and a failure that is its own: the handler died, hung,
-                // or returned an error of its own making. A database error is its own only in
-                // the batch's first call: after another, it may come from a transaction that
-                // an earlier handler left failed (it swallowed its error and returned Ok).
-                let own = call.lost
-                    || call.timed_out
-                    || first_call
-                    || *err.code() != ErrorCode::DATABASE_ERROR;
-                if !many && own {
+                if own {
                     // Its attempt is recorded now, on the batch's connection, so that the
                     // handler is called once per attempt, not again in the replay (only another
                     // loop of this consumer claiming the row between the rollback and this
-                    // mark can call it first, and then this fenced mark counts nothing).
-                    abandon(pool, Some(&back), cfg, &group[0], &err).await;
+                    // mark can call it first, and then this fenced mark counts nothing). The
+                    // entry in flight lets go of it, so that the replay, which does not claim
+                    // it, still finds all the entry's rows and deletes it.
+                    let row = &group[0];
+                    if abandon(pool, Some(&back), cfg, row, &err).await {
+                        if let Some(entry) = entered.entry {
+                            let _ = inbox::forget_in_flight(&back, entry, row.id).await;
+                        }
+                    }
+                    let failure = decide(&cfg.retry, row, &err);
+                    out.next_retry = next_retry(std::slice::from_ref(&failure), 0);
                     out.failed += 1;
                 }
                 // The other rows (those handled before, rolled back with it, and those not yet
@@ -892,14 +909,15 @@ fn log_failure(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
 
 /// Records a failed attempt outside the abandoned transaction: on `conn`, the batch's own
 /// connection once its transaction has rolled back, or else on a fresh one. Fenced on the
-/// attempt count, so if another batch has meanwhile handled the row nothing changes.
+/// attempt count, so if another batch has meanwhile handled the row nothing changes. Returns
+/// whether the row is decided (marked now or before), as opposed to a mark that failed.
 async fn abandon(
     pool: &PgPool,
     conn: Option<&AsyncPgConnection>,
     cfg: &ConsumerConfig,
     row: &InboxRow,
     err: &HandlerError,
-) {
+) -> bool {
     log_failure(cfg, row, err);
     mark_abandoned(
         pool,
@@ -908,7 +926,7 @@ async fn abandon(
         row.event_id,
         decide(&cfg.retry, row, err),
     )
-    .await;
+    .await
 }
 
 /// [`abandon`] for a row whose handler overran its timeout and keeps the connection, and with
@@ -926,7 +944,7 @@ fn abandon_kept(
     let failure = decide(&cfg.retry, row, err);
     let (pool, consumer, event_id) = (pool.clone(), cfg.name.as_str().to_owned(), row.event_id);
     actix_rt::spawn(async move {
-        mark_abandoned(&pool, None, &consumer, event_id, failure).await;
+        let _ = mark_abandoned(&pool, None, &consumer, event_id, failure).await;
         drop(permit);
     });
 }
@@ -939,7 +957,7 @@ async fn mark_abandoned(
     consumer: &str,
     event_id: uuid::Uuid,
     failure: Failure,
-) {
+) -> bool {
     let dead = failure.dead;
     let marked = match conn {
         Some(conn) => inbox::mark_failed(conn, &[failure]).await,
@@ -955,11 +973,13 @@ async fn mark_abandoned(
             if dead {
                 metrics::inbox_dead_lettered(consumer, 1);
             }
+            true
         }
-        Ok(_) => {}
+        Ok(_) => true,
         // The row keeps its state and is claimed again; the attempt goes uncounted.
         Err(e) => {
-            tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt")
+            tracing::warn!(consumer, %event_id, error = %e, "could not record a failed attempt");
+            false
         }
     }
 }

@@ -170,6 +170,17 @@ impl EventRegistry {
         Ok(())
     }
 
+    /// [`EventRegistry::validate`] for an event of a registered type; for another, only the
+    /// envelope and payload rules. A runtime's registry may list only the types its consumers
+    /// read, and a handler's follow-up of another type was never refused for that.
+    pub(crate) fn validate_follow_up(&self, event: &NewEvent) -> Result<()> {
+        if self.types.contains_key(&event.event_type) {
+            self.validate(event)
+        } else {
+            event.validate(&self.rules)
+        }
+    }
+
     /// Validates and writes one event in the caller's transaction.
     ///
     /// # Errors

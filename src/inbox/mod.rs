@@ -12,10 +12,11 @@ use crate::error::Result;
 use crate::event::{ConsumerName, EventId};
 use crate::store;
 
-/// The longest idempotency key [`claim_key`] accepts, in bytes: well under the ~2,700 bytes a
-/// B-tree index entry may hold, so that a long key fails here with its own code rather than in
-/// PostgreSQL as a database error that is retried until the event is dead-lettered.
-pub const MAX_KEY_BYTES: usize = 1024;
+/// The longest idempotency key [`claim_key`] accepts, in bytes: what a B-tree index entry
+/// holds whatever the key (2,704 bytes with its headers), so that a longer key fails here with
+/// its own code rather than, depending on how well it compresses, in PostgreSQL as a database
+/// error retried until the event is dead-lettered.
+pub const MAX_KEY_BYTES: usize = 2600;
 
 /// The outcome of [`claim_key`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +155,10 @@ pub struct Received {
 
 /// The receiving side of an external transport: records `event` in the inbox of every consumer
 /// subscribed to its type, in the caller's transaction. Receiving the same event again changes
-/// nothing, so a broker may redeliver freely; acknowledge the broker only after this commits.
+/// nothing while its inbox rows exist, so a broker may redeliver freely; acknowledge the broker
+/// only after this commits. Once [`Retention`](crate::Retention) has deleted a PROCESSED row
+/// (after `processed_inbox_after`, 7 days by default), the same event is new again: keep the
+/// broker's redelivery window shorter than that.
 ///
 /// # Errors
 /// [`Error::Database`](crate::Error::Database) when the insert fails.

@@ -141,8 +141,11 @@ pub struct OutboxBuilder {
 
 impl OutboxBuilder {
     /// Gives the runtime the application's event types: deliveries of an older version are
-    /// upcast to the current one before the handler sees them, and a version nobody can read
-    /// is dead-lettered on its first attempt with `EVENT_VERSION_UNSUPPORTED`.
+    /// upcast to the current one before the handler sees them; an older version no upcaster
+    /// lifts is dead-lettered on its first attempt with `EVENT_VERSION_UNSUPPORTED`, and a
+    /// newer one than this build reads fails with that code but is retried on the consumer's
+    /// policy (an instance of the newer build may take it). Handlers' follow-ups
+    /// ([`Delivery::enqueue`](crate::Delivery::enqueue)) are validated with it.
     pub fn events(mut self, registry: EventRegistry) -> Self {
         self.events = Some(Arc::new(registry));
         self

@@ -239,6 +239,29 @@ pub(crate) async fn set_alone(
     Ok(())
 }
 
+/// Removes `row` from the entry `entry`, or the entry if it held that row only: the row's
+/// attempt is recorded, so the entry no longer needs to hold it, and the batch that claims the
+/// entry's other rows again then finds them all and deletes it.
+pub(crate) async fn forget_in_flight(
+    mut conn: &AsyncPgConnection,
+    entry: i64,
+    row: i64,
+) -> Result<()> {
+    Prepared(
+        diesel::sql_query(
+            "WITH gone AS (DELETE FROM inbox_in_flight \
+                           WHERE id = $1 AND inbox_ids <@ ARRAY[$2]::int8[] RETURNING id) \
+             UPDATE inbox_in_flight SET inbox_ids = array_remove(inbox_ids, $2) \
+             WHERE id = $1 AND NOT EXISTS (SELECT FROM gone)",
+        )
+        .bind::<BigInt, _>(entry)
+        .bind::<BigInt, _>(row),
+    )
+    .execute(&mut conn)
+    .await?;
+    Ok(())
+}
+
 /// Deletes entries from `inbox_in_flight`.
 pub(crate) async fn leave_in_flight(mut conn: &AsyncPgConnection, entries: &[i64]) -> Result<()> {
     Prepared(

@@ -230,6 +230,9 @@ pub struct Behaviour {
     pub hung: Arc<std::sync::atomic::AtomicBool>,
     /// Calls that got the poison event, counted outside any transaction.
     pub poison_calls: Arc<AtomicUsize>,
+    /// The handler makes an error of its own (`INBOX_CONSUMER_FAILED`) of a failed effect
+    /// statement, as one using `map_err` does, instead of passing it on with `?`.
+    pub own_errors: bool,
 }
 
 /// How a poison event fails.
@@ -347,6 +350,11 @@ impl Handler<Delivery> for Recorder {
                     effect.execute(c).await.map(drop)
                 })
                 .await?;
+            } else if me.behaviour.own_errors {
+                effect
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(|e| HandlerError::retry(format!("could not record: {e}")))?;
             } else {
                 effect.execute(&mut *conn).await?;
             }
