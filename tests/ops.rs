@@ -330,7 +330,62 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
         stats.validate().unwrap_err().code(),
         ErrorCode::CONFIG_INVALID
     );
+    let mut config = fast_runtime();
+    config.retention_interval = Duration::ZERO;
+    let refused = OutboxRuntime::builder(db.pool.clone())
+        .config(config)
+        .start()
+        .await;
+    assert_eq!(
+        refused.err().map(|e| e.code()),
+        Some(ErrorCode::CONFIG_INVALID)
+    );
     db.finish(&[&rt]).await;
+}
+
+/// An expired event whose inbox row a batch holds locked (a handler hung on it, say) is left
+/// for a later run instead of being waited for: retention goes on with the other events, and
+/// takes that one once the lock is gone.
+#[actix_rt::test]
+async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+             correlation_id, status, published_at, created_at)
+         SELECT ('00000000-0000-0000-0000-00000000000' || i)::uuid, 'T', 'a', 'x' || i, '{}', 'c',
+             'PUBLISHED', now() - interval '8 days', now() - interval '9 days'
+         FROM generate_series(1, 3) i;
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status)
+         SELECT ('00000000-0000-0000-0000-00000000000' || i)::uuid, 'mail', 'T', 1, 'a', 'x' || i,
+             '{}', 'c', now() - interval '9 days', 'RETRY_PENDING'
+         FROM generate_series(1, 3) i;",
+    )
+    .await;
+    let mut holder = db.pool.get().await.unwrap();
+    holder
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM inbox_events \
+             WHERE event_id = '00000000-0000-0000-0000-000000000002' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    let retention = Retention::new(db.pool.clone(), RetentionConfig::default()).unwrap();
+    let report = within(WAIT, retention.run_once()).await.unwrap();
+    assert_eq!(report.outbox_deleted, 2);
+    let left = "SELECT count(*) AS n FROM outbox_events \
+                WHERE id = '00000000-0000-0000-0000-000000000002'";
+    assert_eq!(db.count(left).await, 1);
+    let marked = "SELECT count(*) AS n FROM inbox_events WHERE external";
+    assert_eq!(db.count(marked).await, 2);
+    holder.batch_execute("COMMIT").await.unwrap();
+    drop(holder);
+    let report = within(WAIT, retention.run_once()).await.unwrap();
+    assert_eq!(report.outbox_deleted, 1);
+    assert_eq!(db.count(left).await, 0);
+    assert_eq!(db.count(marked).await, 3);
+    db.finish(&[]).await;
 }
 
 /// Retention deletes a published event whose inbox rows it does not delete (a dead letter, a

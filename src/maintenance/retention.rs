@@ -133,9 +133,9 @@ impl Retention {
         for _ in 0..self.config.max_batches {
             // A connection per batch: a long run does not pin one away from the runtime.
             let mut conn = self.pool.get().await?;
-            let n = stmt::delete_expired(&mut conn, what, older_than, batch).await?;
-            deleted += n as u64;
-            if (n as i64) < batch {
+            let expiry = stmt::delete_expired(&mut conn, what, older_than, batch).await?;
+            deleted += expiry.deleted as u64;
+            if expiry.seen < batch {
                 return Ok((deleted, false));
             }
         }

@@ -116,6 +116,7 @@ impl RuntimeConfig {
             self.poll_interval,
             self.supervise_interval,
             self.reconcile_interval,
+            self.retention_interval,
         ];
         if intervals.iter().any(|d| d.is_zero()) {
             return Err(Error::Config("intervals must be positive".into()));

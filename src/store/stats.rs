@@ -270,6 +270,16 @@ pub(crate) enum Expired {
     IdempotencyKeys,
 }
 
+/// Rows one [`delete_expired`] batch found expired, and those it deleted.
+#[derive(QueryableByName)]
+pub(crate) struct Expiry {
+    /// Expired rows the batch took (at most `batch`): fewer means none is left.
+    #[diesel(sql_type = BigInt)]
+    pub seen: i64,
+    #[diesel(sql_type = BigInt)]
+    pub deleted: i64,
+}
+
 /// Deletes at most `batch` rows of `what` older than `older_than`, oldest first. Rows locked
 /// by someone else are skipped, never waited for. Dead letters and IGNORED rows never match:
 /// they are an operator's to decide about.
@@ -281,38 +291,54 @@ pub(crate) async fn delete_expired(
     what: Expired,
     older_than: Duration,
     batch: i64,
-) -> Result<usize> {
+) -> Result<Expiry> {
     let sql = match what {
         // The event's inbox rows that stay (dead letters, retries, rows not yet expired) are
         // found by correlation through their outbox row; with it gone, they are marked
         // `external` (no outbox row here), which puts them in the inbox's own correlation index
-        // and keeps them in the timeline.
+        // and keeps them in the timeline. An event one of whose inbox rows is locked (a batch
+        // holds it; a hung handler may hold it for long) is left for a later run: waiting
+        // for it would stall retention behind that handler.
         Expired::PublishedOutbox => {
-            "WITH gone AS ( \
+            "WITH expired AS ( \
                  SELECT id FROM outbox_events \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
                  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             locked AS ( \
+                 SELECT id, event_id FROM inbox_events \
+                 WHERE event_id IN (SELECT id FROM expired) AND NOT external \
+                 FOR UPDATE SKIP LOCKED), \
+             busy AS ( \
+                 SELECT event_id FROM inbox_events \
+                 WHERE event_id IN (SELECT id FROM expired) AND NOT external \
+                   AND id NOT IN (SELECT id FROM locked)), \
+             gone AS (SELECT id FROM expired WHERE id NOT IN (SELECT event_id FROM busy)), \
              kept AS (UPDATE inbox_events SET external = true \
-                 WHERE event_id IN (SELECT id FROM gone) AND NOT external) \
-             DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone)"
+                 WHERE id IN (SELECT id FROM locked WHERE event_id IN (SELECT id FROM gone))), \
+             deleted AS (DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted"
         }
         Expired::ProcessedInbox => {
-            "DELETE FROM inbox_events WHERE id IN ( \
+            "WITH expired AS ( \
                  SELECT id FROM inbox_events \
                  WHERE status = 'PROCESSED' AND processed_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+                 ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             deleted AS (DELETE FROM inbox_events WHERE id IN (SELECT id FROM expired) RETURNING 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted"
         }
         Expired::IdempotencyKeys => {
-            "DELETE FROM idempotency_keys WHERE key IN ( \
+            "WITH expired AS ( \
                  SELECT key FROM idempotency_keys \
                  WHERE created_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+                 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             deleted AS (DELETE FROM idempotency_keys WHERE key IN (SELECT key FROM expired) RETURNING 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted"
         }
     };
-    let n = diesel::sql_query(sql)
+    let expiry = diesel::sql_query(sql)
         .bind::<BigInt, _>(store::millis(older_than))
         .bind::<BigInt, _>(batch)
-        .execute(conn)
+        .get_result(conn)
         .await?;
-    Ok(n)
+    Ok(expiry)
 }
