@@ -168,6 +168,22 @@ fn id_header(req: &HttpRequest, name: &str) -> Option<String> {
     ok.then(|| v.to_owned())
 }
 
+/// The Idempotency-Key, if the client sent one. Unlike a request id it is refused when it is
+/// not usable: ignoring it would make the create silently not idempotent, and the client's
+/// retry would create a second order.
+fn idempotency_key(req: &HttpRequest) -> Result<Option<String>, ApiError> {
+    match (
+        req.headers().contains_key("Idempotency-Key"),
+        id_header(req, "Idempotency-Key"),
+    ) {
+        (true, None) => Err(ApiError::unprocessable(
+            "INVALID_IDEMPOTENCY_KEY",
+            "Idempotency-Key must be 1-200 visible ASCII characters",
+        )),
+        (_, key) => Ok(key),
+    }
+}
+
 #[derive(Debug, Serialize, QueryableByName)]
 pub struct Order {
     #[diesel(sql_type = Text)]
@@ -281,7 +297,7 @@ async fn create_order(
             "total_cents must not be negative",
         ));
     }
-    let idempotency_key = id_header(&req, "Idempotency-Key");
+    let idempotency_key = idempotency_key(&req)?;
     let correlation = id_header(&req, "X-Request-Id");
     let id = uuid::Uuid::now_v7().to_string();
 

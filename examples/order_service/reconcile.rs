@@ -10,7 +10,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::consumers::{insert_job, notification_key};
 
-/// Few per run, so a run's transaction, which holds every key it claims, stays short.
+/// Few per run, so that a run, which holds the reconciler's lock, stays short.
 const REPAIRS_PER_RUN: i64 = 200;
 
 pub struct CompletedWithoutNotification {
@@ -76,10 +76,11 @@ impl ReconcileRule for CompletedWithoutNotification {
     ) -> BoxFuture<'a, actix_outbox::Result<bool>> {
         Box::pin(async move {
             let key = notification_key(order_id, "COMPLETED");
-            // A claim waits for a consumer that holds the same key, and the run's transaction
-            // keeps every key it took until the run ends, so waiting could stall consumers (or
-            // deadlock with one) for as long as the run lasts. Give up quickly instead: the
-            // item is found again next run, by when the consumer has committed.
+            // A claim waits for a consumer that holds the same key (its batch has not
+            // committed), and the run repairs one item after another: waiting would hold up
+            // the run for as long as that batch lasts. Give up quickly instead (this repair's
+            // transaction only): the item is found again next run, by when the consumer has
+            // committed or rolled back.
             diesel::sql_query("SET LOCAL lock_timeout = '100ms'")
                 .execute(&mut *conn)
                 .await?;
