@@ -153,9 +153,12 @@ async fn handlers_hanging_on_their_connections_take_a_bounded_share_of_the_pool(
         .batch_size(1)
         .handler_timeout(Duration::from_millis(200));
     let rt = start(&db, vec![(cfg, behaviour)]).await;
+    // Hung handlers' sessions: idle inside their transaction for longer than a batch between
+    // its claim and its first handler ever is (a sample could catch one of those).
     let hung = format!(
         "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
-         AND state LIKE 'idle in transaction%'",
+         AND state LIKE 'idle in transaction%' \
+         AND state_change < now() - interval '300 milliseconds'",
         db.name
     );
     let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";

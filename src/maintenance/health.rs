@@ -65,9 +65,10 @@ pub struct HealthConfig {
     pub inbox_warn_after: Duration,
     /// … and this long CRITICAL (a paused consumer stays at WARNING). Default 5 min.
     pub inbox_critical_after: Duration,
-    /// Samples (this one included) over which the outbox backlog must move: pending in all of
-    /// them and the same oldest event at the head is CRITICAL (`OUTBOX_STUCK`); pending in all
-    /// of them and growing is a WARNING (`OUTBOX_GROWING`). Default 5.
+    /// Samples of this instance (this one included) over which the outbox backlog must move:
+    /// pending in all of them and the same oldest event at the head is CRITICAL
+    /// (`OUTBOX_STUCK`); pending in all of them and growing is a WARNING (`OUTBOX_GROWING`).
+    /// Default 5.
     pub trend_samples: usize,
     /// The recent duplicate rate must be this many times the usual rate to warn. Default 10.
     pub duplicate_rate_factor: f64,
@@ -153,6 +154,9 @@ pub(crate) struct Sample {
     pub at: DateTime<Utc>,
     pub outbox: OutboxGauges,
     pub consumers: Vec<ConsumerGauges>,
+    /// The runtime instance that took it (absent in samples stored by older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 /// Whether the outbox backlog is going down.
@@ -431,17 +435,23 @@ fn lag_state(age_seconds: f64, warn: Duration, critical: Duration) -> Option<Hea
     }
 }
 
-/// The last `trend_samples` samples, `current` included, oldest first.
+/// The last `trend_samples` samples, `current` included, oldest first: those of `current`'s
+/// instance only, so that the window spans `trend_samples` of its intervals however many
+/// instances sample (with the samples of all, four instances made it a quarter as long).
 fn trend_window<'a>(
     cfg: &HealthConfig,
     current: &'a Sample,
     previous: &'a [Sample],
 ) -> Vec<&'a Sample> {
-    let keep = cfg.trend_samples.saturating_sub(1).min(previous.len());
-    previous[previous.len() - keep..]
+    let mut window: Vec<&Sample> = previous
         .iter()
-        .chain(std::iter::once(current))
-        .collect()
+        .rev()
+        .filter(|s| current.instance.is_none() || s.instance == current.instance)
+        .take(cfg.trend_samples.saturating_sub(1))
+        .collect();
+    window.reverse();
+    window.push(current);
+    window
 }
 
 fn span_seconds(window: &[&Sample]) -> f64 {
@@ -559,6 +569,7 @@ mod tests {
             at: at(secs),
             outbox: o,
             consumers,
+            instance: None,
         }
     }
 
@@ -620,6 +631,23 @@ mod tests {
             "{}",
             r.reasons[0].message
         );
+
+        // The same samples, the four earlier ones taken by other instances within the last
+        // second: this instance has no history yet, so nothing is judged.
+        let mine = |mut s: Sample, instance: &str| {
+            s.instance = Some(instance.into());
+            s
+        };
+        let others: Vec<_> = (0..4)
+            .map(|i| {
+                mine(
+                    sample(20, outbox(10, Some(7), 20.0), vec![]),
+                    &format!("i{i}"),
+                )
+            })
+            .collect();
+        let r = assess(&cfg, &mine(now.clone(), "me"), &others);
+        assert_eq!(r.outbox.trend, Trend::Unknown);
 
         // The same numbers with one sample fewer say nothing yet.
         let r = assess(&cfg, &now, &prev[1..]);

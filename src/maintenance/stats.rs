@@ -4,8 +4,9 @@
 //!
 //! Each run also assesses lag health ([`HealthReport`]) and stores sample and report in
 //! `outbox_stats_samples`. Storing them, rather than keeping them in the actor, is what lets
-//! the operator API of *any* instance show the same health, and lets the trend checks (is the
-//! backlog going down? is the duplicate rate unusual?) look at samples from every instance.
+//! the operator API of *any* instance show the same health, and lets the duplicate-rate check
+//! look at the counts of every instance (each counts its own deliveries). The backlog's trend
+//! is judged over the instance's own samples, which are an interval apart.
 //! Samples older than [`StatsConfig::history`] are deleted by the sampler itself.
 
 use std::sync::{Arc, Mutex};
@@ -116,6 +117,7 @@ impl StatsSampler {
     pub async fn run_once(&self) -> Result<HealthReport> {
         let mut conn = self.pool.get().await?;
         let mut sample = store::stats::snapshot(&mut conn).await?;
+        sample.instance = Some(self.instance.to_string());
         let deltas = m::take_deltas();
         let stored = async {
             add_deltas(&mut sample, &deltas);

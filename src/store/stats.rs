@@ -43,6 +43,7 @@ pub(crate) async fn snapshot(conn: &mut AsyncPgConnection) -> Result<Sample> {
         at,
         outbox,
         consumers,
+        instance: None,
     })
 }
 
