@@ -135,7 +135,9 @@ impl Retention {
             let mut conn = self.pool.get().await?;
             let expiry = stmt::delete_expired(&mut conn, what, older_than, batch).await?;
             deleted += expiry.deleted as u64;
-            if expiry.seen < batch {
+            // Fewer than a batch expired: none is left. None deleted: what is left is held
+            // (rows locked by batches), and only a later run can take it.
+            if expiry.seen < batch || expiry.deleted == 0 {
                 return Ok((deleted, false));
             }
         }
