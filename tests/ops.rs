@@ -377,9 +377,12 @@ async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
     let mut one = RetentionConfig::default();
     one.batch_size = 1;
     one.max_batches = 10;
-    let report = within(WAIT, Retention::new(db.pool.clone(), one).unwrap().run_once())
-        .await
-        .unwrap();
+    let report = within(
+        WAIT,
+        Retention::new(db.pool.clone(), one).unwrap().run_once(),
+    )
+    .await
+    .unwrap();
     assert_eq!((report.outbox_deleted, report.more_left), (0, false));
     let retention = Retention::new(db.pool.clone(), RetentionConfig::default()).unwrap();
     let report = within(WAIT, retention.run_once()).await.unwrap();

@@ -383,7 +383,7 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                 ),
             );
         }
-        let dup = duplicates(cfg, &c.consumer, &window, previous);
+        let dup = duplicates(cfg, &c.consumer, current, previous);
         if dup.alarming {
             report.push(
                 HealthState::Warning,
@@ -394,7 +394,7 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                      deliveries, usually {:.1}%)",
                     c.consumer,
                     dup.recent_duplicates,
-                    window.len(),
+                    dup.samples,
                     dup.recent_rate.unwrap_or(0.0) * 100.0,
                     dup.usual_rate * 100.0
                 ),
@@ -489,18 +489,21 @@ fn outbox_trend(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) -> Tr
 }
 
 struct DuplicateCheck {
+    /// Samples in the recent window.
+    samples: usize,
     recent_duplicates: u64,
     recent_rate: Option<f64>,
     usual_rate: f64,
     alarming: bool,
 }
 
-/// Duplicates per delivery (new rows + duplicates) in the trend window, against the same rate
-/// over the older samples.
+/// Duplicates per delivery (new rows + duplicates) in the last `trend_samples` samples of every
+/// instance (each sample holds what its own instance counted), against the same rate over the
+/// older ones.
 fn duplicates(
     cfg: &HealthConfig,
     consumer: &str,
-    window: &[&Sample],
+    current: &Sample,
     previous: &[Sample],
 ) -> DuplicateCheck {
     let sum = |samples: &mut dyn Iterator<Item = &Sample>| {
@@ -508,10 +511,11 @@ fn duplicates(
             .flat_map(|s| s.consumers.iter().filter(|c| c.consumer == consumer))
             .fold((0u64, 0u64), |(d, r), c| (d + c.duplicates, r + c.received))
     };
-    let (recent_dup, recent_rcv) = sum(&mut window.iter().copied());
     let older = previous
         .len()
-        .saturating_sub(window.len().saturating_sub(1));
+        .saturating_sub(cfg.trend_samples.saturating_sub(1));
+    let recent = &previous[older..];
+    let (recent_dup, recent_rcv) = sum(&mut recent.iter().chain(std::iter::once(current)));
     let (usual_dup, usual_rcv) = sum(&mut previous[..older].iter());
     let rate = |d: u64, r: u64| (d + r > 0).then(|| d as f64 / (d + r) as f64);
     let recent_rate = rate(recent_dup, recent_rcv);
@@ -521,6 +525,7 @@ fn duplicates(
             r >= cfg.duplicate_rate_floor && r >= usual_rate * cfg.duplicate_rate_factor
         });
     DuplicateCheck {
+        samples: recent.len() + 1,
         recent_duplicates: recent_dup,
         recent_rate,
         usual_rate,
@@ -783,6 +788,24 @@ mod tests {
             (r.state, codes(&r)),
             (HealthState::Warning, vec!["DUPLICATE_RATE_HIGH"])
         );
+        // Samples taken by two instances in turn, 12% in the recent ones: each instance counted
+        // its own deliveries, so the rate is read over every instance's last samples (over this
+        // instance's last five, older samples at 1% would dilute it to 7.6%, under the factor).
+        let mut shared = usual.clone();
+        for (i, s) in shared.iter_mut().enumerate() {
+            s.instance = Some(if i % 2 == 0 { "a" } else { "b" }.into());
+            if i >= 16 {
+                s.consumers = vec![deliveries(88, 12)];
+            }
+        }
+        let mut now = sample(20, outbox(0, None, 0.0), vec![deliveries(88, 12)]);
+        now.instance = Some("a".into());
+        let r = assess(&cfg, &now, &shared);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["DUPLICATE_RATE_HIGH"])
+        );
+        assert!(r.reasons[0].message.contains("last 5 samples"));
 
         // A high rate that is usual for this consumer is not news.
         let always: Vec<_> = (0..20)

@@ -88,14 +88,14 @@ impl StatsSampler {
     /// [`Error::Config`] when `config` is invalid ([`StatsConfig::validate`]).
     pub fn new(pool: PgPool, config: StatsConfig) -> Result<Self> {
         config.validate()?;
-        Ok(Self::unchecked(pool, config))
+        Ok(Self::unchecked(pool, config, instance_name()))
     }
 
-    pub(crate) fn unchecked(pool: PgPool, config: StatsConfig) -> Self {
+    pub(crate) fn unchecked(pool: PgPool, config: StatsConfig, instance: String) -> Self {
         StatsSampler {
             pool,
             config,
-            instance: instance_name(),
+            instance,
             last_state: Mutex::new(None),
         }
     }
@@ -183,11 +183,13 @@ impl StatsSampler {
     }
 }
 
-fn instance_name() -> String {
-    static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// A name for a sampler's samples: readable (host and process), and unique by its random part,
+/// since the host is often unknown (`HOSTNAME` unset) and every container's process may be 1.
+/// The backlog's trend is judged over the samples of one name only.
+pub(crate) fn instance_name() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "local".into());
-    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{host}:{}:{n}", std::process::id())
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}:{}:{}", std::process::id(), &id[..8])
 }
 
 fn add_deltas(sample: &mut Sample, deltas: &m::Deltas) {
@@ -247,7 +249,9 @@ pub(crate) struct StatsActor {
 impl StatsActor {
     /// `config` should have been validated when the runtime was built; an invalid one is
     /// replaced by the defaults rather than stopping the runtime.
-    pub(crate) fn new(pool: PgPool, config: StatsConfig) -> Self {
+    /// `instance` names its samples; the supervisor keeps one name across restarts of this
+    /// actor, so that the trend goes on over them.
+    pub(crate) fn new(pool: PgPool, config: StatsConfig, instance: String) -> Self {
         let config = match config.validate() {
             Ok(()) => config,
             Err(e) => {
@@ -257,7 +261,7 @@ impl StatsActor {
         };
         StatsActor {
             interval: config.interval,
-            sampler: Arc::new(StatsSampler::unchecked(pool, config)),
+            sampler: Arc::new(StatsSampler::unchecked(pool, config, instance)),
             busy: false,
         }
     }

@@ -52,6 +52,8 @@ pub(crate) struct SupervisorActor {
     restarts: BTreeMap<String, u32>,
     /// Shutdown has begun: dead children stay dead.
     stopping: bool,
+    /// What the stats sampler's samples are named, the same across its restarts.
+    stats_instance: String,
     /// Retention, when configured.
     retention: Option<Rc<Retention>>,
     /// A retention run is in flight: the next tick does not start another.
@@ -85,6 +87,7 @@ impl SupervisorActor {
             stats: None,
             restarts: BTreeMap::new(),
             stopping: false,
+            stats_instance: crate::maintenance::stats::instance_name(),
             retention: None,
             retaining: false,
         }
@@ -204,7 +207,11 @@ impl SupervisorActor {
             if self.stats.is_some() {
                 self.restarted("stats");
             }
-            let stats = StatsActor::new(self.pool.clone(), self.config.stats.clone());
+            let stats = StatsActor::new(
+                self.pool.clone(),
+                self.config.stats.clone(),
+                self.stats_instance.clone(),
+            );
             self.stats = Some(stats.start());
         }
     }
