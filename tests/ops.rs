@@ -345,8 +345,8 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
 
 /// An expired event whose inbox row a batch holds locked (a handler hung on it, say) is left
 /// for a later run instead of being waited for: retention goes on with the other events, and
-/// takes that one once the lock is gone. Nor does it spin on it: a batch that can delete
-/// nothing ends the run for that table.
+/// takes that one once the lock is gone. The run moves past it: with one-row batches, the
+/// first of which finds only that event, the batches after it take the others.
 #[actix_rt::test]
 async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
     let db = TestDb::new().await;
@@ -373,20 +373,13 @@ async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
         )
         .await
         .unwrap();
-    // Event 2, the oldest, is all a one-row batch sees.
+    // Event 2, the oldest, is all the first one-row batch sees.
     let mut one = RetentionConfig::default();
     one.batch_size = 1;
     one.max_batches = 10;
-    let report = within(
-        WAIT,
-        Retention::new(db.pool.clone(), one).unwrap().run_once(),
-    )
-    .await
-    .unwrap();
-    assert_eq!((report.outbox_deleted, report.more_left), (0, false));
-    let retention = Retention::new(db.pool.clone(), RetentionConfig::default()).unwrap();
+    let retention = Retention::new(db.pool.clone(), one).unwrap();
     let report = within(WAIT, retention.run_once()).await.unwrap();
-    assert_eq!(report.outbox_deleted, 2);
+    assert_eq!((report.outbox_deleted, report.more_left), (2, false));
     let left = "SELECT count(*) AS n FROM outbox_events \
                 WHERE id = '00000000-0000-0000-0000-000000000002'";
     assert_eq!(db.count(left).await, 1);

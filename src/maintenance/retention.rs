@@ -130,16 +130,17 @@ impl Retention {
     async fn drain(&self, what: Expired, older_than: Duration) -> Result<(u64, bool)> {
         let batch = i64::from(self.config.batch_size);
         let mut deleted = 0u64;
+        let mut after = None;
         for _ in 0..self.config.max_batches {
             // A connection per batch: a long run does not pin one away from the runtime.
             let mut conn = self.pool.get().await?;
-            let expiry = stmt::delete_expired(&mut conn, what, older_than, batch).await?;
+            let expiry = stmt::delete_expired(&mut conn, what, older_than, batch, after).await?;
             deleted += expiry.deleted as u64;
-            // Fewer than a batch expired: none is left. None deleted: what is left is held
-            // (rows locked by batches), and only a later run can take it.
-            if expiry.seen < batch || expiry.deleted == 0 {
+            // Fewer than a batch expired: none is left (past the events left for later).
+            if expiry.seen < batch {
                 return Ok((deleted, false));
             }
+            after = expiry.after();
         }
         Ok((deleted, true))
     }

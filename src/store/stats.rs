@@ -277,8 +277,22 @@ pub(crate) struct Expiry {
     /// Expired rows the batch took (at most `batch`): fewer means none is left.
     #[diesel(sql_type = BigInt)]
     pub seen: i64,
+    /// Rows deleted: for the outbox, fewer than `seen` when some events were left for later.
     #[diesel(sql_type = BigInt)]
     pub deleted: i64,
+    /// The outbox only: where the next batch of this run starts, `(published_at, id)` of the
+    /// last row this one took, so that events left for later are not taken again and again.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<diesel::sql_types::Uuid>)]
+    pub last_id: Option<uuid::Uuid>,
+}
+
+impl Expiry {
+    /// The cursor for the next batch of the run.
+    pub fn after(&self) -> Option<(DateTime<Utc>, uuid::Uuid)> {
+        self.last_at.zip(self.last_id)
+    }
 }
 
 /// Deletes at most `batch` rows of `what` older than `older_than`, oldest first. Rows locked
@@ -287,11 +301,14 @@ pub(crate) struct Expiry {
 ///
 /// Expected plans: index scans of `outbox_events_published`, `inbox_events_processed` and
 /// `idempotency_keys_created`.
+/// For the outbox, `after` is the previous batch's [`Expiry::after`] in this run: the batch
+/// takes rows past it, in `(published_at, id)` order.
 pub(crate) async fn delete_expired(
     conn: &mut AsyncPgConnection,
     what: Expired,
     older_than: Duration,
     batch: i64,
+    after: Option<(DateTime<Utc>, uuid::Uuid)>,
 ) -> Result<Expiry> {
     let sql = match what {
         // The event's inbox rows that stay (dead letters, retries, rows not yet expired) are
@@ -302,9 +319,11 @@ pub(crate) async fn delete_expired(
         // for it would stall retention behind that handler.
         Expired::PublishedOutbox => {
             "WITH expired AS ( \
-                 SELECT id FROM outbox_events \
+                 SELECT id, published_at FROM outbox_events \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+                   AND published_at >= coalesce($3, '-infinity') \
+                   AND (published_at, id) > (coalesce($3, '-infinity'), coalesce($4, '00000000-0000-0000-0000-000000000000')) \
+                 ORDER BY published_at, id LIMIT $2 FOR UPDATE SKIP LOCKED), \
              locked AS ( \
                  SELECT id, event_id FROM inbox_events \
                  WHERE event_id IN (SELECT id FROM expired) AND NOT external \
@@ -316,8 +335,10 @@ pub(crate) async fn delete_expired(
              gone AS (SELECT id FROM expired WHERE id NOT IN (SELECT event_id FROM busy)), \
              kept AS (UPDATE inbox_events SET external = true \
                  WHERE id IN (SELECT id FROM locked WHERE event_id IN (SELECT id FROM gone))), \
-             deleted AS (DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted"
+             deleted AS (DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1), \
+             last AS (SELECT published_at, id FROM expired ORDER BY published_at DESC, id DESC LIMIT 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                    (SELECT published_at FROM last) AS last_at, (SELECT id FROM last) AS last_id"
         }
         Expired::ProcessedInbox => {
             "WITH expired AS ( \
@@ -325,7 +346,8 @@ pub(crate) async fn delete_expired(
                  WHERE status = 'PROCESSED' AND processed_at < now() - $1 * interval '1 millisecond' \
                  ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
              deleted AS (DELETE FROM inbox_events WHERE id IN (SELECT id FROM expired) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted"
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
         }
         Expired::IdempotencyKeys => {
             "WITH expired AS ( \
@@ -333,13 +355,21 @@ pub(crate) async fn delete_expired(
                  WHERE created_at < now() - $1 * interval '1 millisecond' \
                  ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
              deleted AS (DELETE FROM idempotency_keys WHERE key IN (SELECT key FROM expired) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted"
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
         }
     };
-    let expiry = diesel::sql_query(sql)
+    let query = diesel::sql_query(sql)
         .bind::<BigInt, _>(store::millis(older_than))
-        .bind::<BigInt, _>(batch)
-        .get_result(conn)
-        .await?;
+        .bind::<BigInt, _>(batch);
+    let expiry = if what == Expired::PublishedOutbox {
+        query
+            .bind::<Nullable<Timestamptz>, _>(after.map(|a| a.0))
+            .bind::<Nullable<diesel::sql_types::Uuid>, _>(after.map(|a| a.1))
+            .get_result(conn)
+            .await?
+    } else {
+        query.get_result(conn).await?
+    };
     Ok(expiry)
 }
