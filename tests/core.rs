@@ -582,6 +582,27 @@ async fn a_consumer_registered_on_another_instance_still_gets_inbox_rows() {
     db.finish(&[&rt_a, &rt_b]).await;
 }
 
+/// A poll interval of `Duration::MAX` ("never poll, wake-ups and LISTEN are enough") is a
+/// valid setting: the publisher derived its reaper's interval from it by a multiplication that
+/// overflowed, panicked at every start, and never published.
+#[actix_rt::test]
+async fn a_publisher_that_never_polls_still_publishes_on_wake_ups() {
+    let db = TestDb::new().await;
+    let mut config = fast_runtime();
+    config.poll_interval = Duration::MAX;
+    let rt = start_with(
+        db.pool.clone(),
+        config,
+        vec![(consumer("c1", 3), Behaviour::default())],
+    )
+    .await;
+    db.produce(5, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 5, WAIT).await, 5);
+    db.finish(&[&rt]).await;
+}
+
 #[actix_rt::test]
 async fn invalid_configuration_is_rejected_with_a_stable_code() {
     let db = TestDb::new().await;
@@ -605,6 +626,27 @@ async fn invalid_configuration_is_rejected_with_a_stable_code() {
     );
     let dup = start_twice(&db).await;
     assert_eq!(dup.code().as_str(), "CONFIG_INVALID");
+    // Retention and stats settings are checked at start too: an invalid one turned retention
+    // off, or the sampler to its defaults, with a log line at most.
+    let mut retention = actix_outbox::RetentionConfig::default();
+    retention.batch_size = 0;
+    let mut bad_retention = fast_runtime();
+    bad_retention.retention = Some(retention);
+    let mut bad_stats = fast_runtime();
+    bad_stats.stats.interval = Duration::from_micros(500);
+    for config in [bad_retention, bad_stats] {
+        let refused = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+            .config(config)
+            .start()
+            .await;
+        assert_eq!(
+            refused
+                .err()
+                .map(|e| e.code().as_str().to_owned())
+                .as_deref(),
+            Some("CONFIG_INVALID")
+        );
+    }
     assert_eq!(
         db.count("SELECT count(*) AS n FROM consumer_states").await,
         0,

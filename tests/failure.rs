@@ -753,6 +753,28 @@ async fn a_rate_limited_consumer_drains_a_backlog_at_its_rate() {
 /// connection — is terminated three times while events flow.
 /// Each broken batch rolls back and is claimed again, the listener reconnects, the pool
 /// replaces what it lost: every event is handled, and no effect happens twice.
+/// A rate-limited consumer pauses between batches (32 events at 1/s: half a minute). A
+/// graceful shutdown during the pause ends it: the shutdown finishes within its timeout with
+/// everything committed, instead of waiting out the pause and reporting that it did not.
+#[actix_rt::test]
+async fn a_shutdown_does_not_wait_out_a_rate_limit_pause() {
+    let db = TestDb::new().await;
+    db.produce(100, "o").await;
+    let mut config = fast_runtime();
+    config.shutdown_timeout = Duration::from_secs(10);
+    let cfg = consumer("c1", 3).batch_size(32).rate_limit(1.0);
+    let rt = start_with(db.pool.clone(), config, vec![(cfg, Behaviour::default())]).await;
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 32, WAIT).await, 32);
+    assert!(
+        rt.shutdown().await,
+        "the shutdown finished within its timeout"
+    );
+    assert_eq!(db.count(done).await, 32);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
+}
+
 #[actix_rt::test]
 async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
     let db = TestDb::new().await;

@@ -216,6 +216,38 @@ async fn a_rule_held_by_another_instance_is_skipped() {
     db.finish(&[&rt]).await;
 }
 
+/// A rule with a zero interval (it would run in a loop that starves every other actor) and two
+/// rules of one name (they would share one lock) are refused at start, before anything runs.
+#[actix_rt::test]
+async fn a_rule_with_a_zero_interval_or_a_name_used_twice_is_refused() {
+    let db = TestDb::new().await;
+    let slow = |interval| Slow {
+        interval,
+        sleep_ms: 0,
+        fail: false,
+    };
+    let zero = OutboxRuntime::builder(db.pool.clone())
+        .reconcile(slow(Duration::ZERO))
+        .start()
+        .await;
+    let twice = OutboxRuntime::builder(db.pool.clone())
+        .reconcile(slow(Duration::from_secs(60)))
+        .reconcile(slow(Duration::from_secs(60)))
+        .start()
+        .await;
+    for refused in [zero, twice] {
+        assert_eq!(
+            refused.err().map(|e| e.code()),
+            Some(actix_outbox::ErrorCode::CONFIG_INVALID)
+        );
+    }
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM reconcile_runs").await,
+        0
+    );
+    db.finish(&[]).await;
+}
+
 /// A rule whose search waits `sleep_ms` outside the database (as for a call to another
 /// service) and then, if `fail`, fails.
 struct Slow {

@@ -57,6 +57,10 @@ pub(crate) struct ConsumerActor {
     draining: Arc<AtomicBool>,
     /// Who waits for the running loops to end.
     drained: Vec<oneshot::Sender<()>>,
+    /// The one timer set for the soonest retry, and when it fires. One, not one per loop: a
+    /// consumer failing every event at hundreds of loops a second would otherwise hold a timer
+    /// per loop for as long as its retry delay (an hour, for `RetryAfter(1h)`).
+    retry_timer: Option<(tokio::time::Instant, SpawnHandle)>,
 }
 
 impl ConsumerActor {
@@ -74,6 +78,7 @@ impl ConsumerActor {
             backlog: false,
             draining: Arc::new(AtomicBool::new(false)),
             drained: Vec::new(),
+            retry_timer: None,
         }
     }
 
@@ -119,10 +124,26 @@ impl ConsumerActor {
     fn after_loop(&mut self, outcome: LoopOutcome, ctx: &mut Context<Self>) {
         if let Some(delay) = outcome.next_retry {
             // Wake when the soonest retry falls due instead of waiting for the next poll.
-            ctx.run_later(delay + std::time::Duration::from_millis(2), |act, ctx| {
-                act.want = true;
-                act.pump(ctx);
-            });
+            // At most a day ahead (the poll finds the row anyway), so the sum cannot overflow.
+            let delay = delay.min(std::time::Duration::from_secs(86_400))
+                + std::time::Duration::from_millis(2);
+            let due = tokio::time::Instant::now() + delay;
+            let sooner = match self.retry_timer {
+                Some((at, _)) if at <= due => false,
+                Some((_, handle)) => {
+                    ctx.cancel_future(handle);
+                    true
+                }
+                None => true,
+            };
+            if sooner {
+                let handle = ctx.run_later(delay, |act, ctx| {
+                    act.retry_timer = None;
+                    act.want = true;
+                    act.pump(ctx);
+                });
+                self.retry_timer = Some((due, handle));
+            }
         }
         if outcome.handler_lost {
             self.want = true;
@@ -164,9 +185,15 @@ async fn batch_loop(
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
             let share = rate / f64::from(cfg.concurrency);
-            let min = std::time::Duration::from_secs_f64(b.claimed as f64 / share);
-            if let Some(rest) = min.checked_sub(started.elapsed()) {
-                tokio::time::sleep(rest).await;
+            let min = std::time::Duration::try_from_secs_f64(b.claimed as f64 / share)
+                .unwrap_or(std::time::Duration::MAX);
+            let mut rest = min.saturating_sub(started.elapsed());
+            // In steps, so that a drain does not wait out the pause (a batch of 32 at one
+            // event a second pauses for half a minute).
+            while !rest.is_zero() && !draining.load(Ordering::Relaxed) {
+                let step = rest.min(std::time::Duration::from_millis(100));
+                tokio::time::sleep(step).await;
+                rest -= step;
             }
         }
         match batch {

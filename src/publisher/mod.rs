@@ -233,7 +233,7 @@ impl Actor for PublisherActor {
             // deployment moved to the in-process route) would otherwise hold their rows for
             // ever: the in-process claim takes only due rows. Returned to it here, never
             // dead-lettered.
-            Route::InProcess => (i32::MAX, self.poll_interval * 10),
+            Route::InProcess => (i32::MAX, self.poll_interval.saturating_mul(10)),
         };
         ctx.run_interval(every, move |act, ctx| {
             let pool = act.pool.clone();

@@ -13,7 +13,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use diesel::sql_types::{BigInt, Bool, Double, Integer, Text};
+use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel::QueryableByName;
 use diesel_async::{
     AnsiTransactionManager as Tm, AsyncPgConnection, RunQueryDsl, TransactionManager,
@@ -131,13 +131,13 @@ async fn builtin_check(pool: PgPool, window: Duration) -> Result<DriftReport> {
     let report = diesel::sql_query(
         "SELECT \
            (SELECT count(*) FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING') \
-              AND created_at < now() - $1 * interval '1 second') AS outbox_overdue, \
+              AND created_at < now() - $1 * interval '1 millisecond') AS outbox_overdue, \
            (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING') \
-              AND received_at < now() - $1 * interval '1 second') AS inbox_overdue, \
+              AND received_at < now() - $1 * interval '1 millisecond') AS inbox_overdue, \
            (SELECT count(*) FROM outbox_events WHERE status = 'DEAD_LETTER') + \
            (SELECT count(*) FROM inbox_events WHERE status = 'DEAD_LETTER') AS dead_letters",
     )
-    .bind::<Double, _>(window.as_secs_f64())
+    .bind::<BigInt, _>(crate::store::millis(window))
     .get_result(&mut conn)
     .await?;
     Ok(report)

@@ -126,7 +126,12 @@ impl RuntimeConfig {
                 "publish_gap must be shorter than poll_interval".into(),
             ));
         }
-        Ok(())
+        // Checked here, not only when used: an invalid one would otherwise turn retention off,
+        // or the stats sampler to its defaults, with no more than a log line.
+        if let Some(retention) = &self.retention {
+            retention.validate()?;
+        }
+        self.stats.validate()
     }
 }
 
@@ -212,6 +217,17 @@ impl OutboxBuilder {
         self.config.validate()?;
         if let Route::External(_, cfg) = &self.route {
             cfg.validate()?;
+        }
+        let mut rules = std::collections::HashSet::new();
+        for rule in &self.rules {
+            // A zero interval would run the rule in a loop that starves every other actor; two
+            // rules of one name would share one advisory lock and one history.
+            if rule.interval().is_zero() || !rules.insert(rule.name().to_owned()) {
+                return Err(Error::Config(format!(
+                    "reconcile rule {}: a zero interval, or a name used twice",
+                    rule.name()
+                )));
+            }
         }
         let mut names = std::collections::HashSet::new();
         for (cfg, _) in &self.consumers {
