@@ -181,7 +181,13 @@ impl Delivery {
             None => event.validate(&PayloadRules::default())?,
         }
         let conn = self.conn().await?;
-        crate::outbox::insert_validated(&conn, std::slice::from_ref(&event)).await?;
+        // With a notification, pipelined, that wakes the publishers (this instance's too) when
+        // the delivery's batch commits: a handler cannot wake them after that commit itself,
+        // and a chain of events would otherwise move one publisher poll per link.
+        futures_util::try_join!(
+            crate::outbox::insert_validated(&conn, std::slice::from_ref(&event)),
+            crate::store::outbox::notify(&conn, crate::runtime::OUTBOX_CHANNEL, ""),
+        )?;
         Ok(event.id)
     }
 
