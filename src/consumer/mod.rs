@@ -184,10 +184,11 @@ impl Delivery {
         // With a notification, pipelined, that wakes the publishers (this instance's too) when
         // the delivery's batch commits: a handler cannot wake them after that commit itself,
         // and a chain of events would otherwise move one publisher poll per link.
-        futures_util::try_join!(
+        futures_util::future::try_join(
             crate::outbox::insert_validated(&conn, std::slice::from_ref(&event)),
             crate::store::outbox::notify(&conn, crate::runtime::OUTBOX_CHANNEL, ""),
-        )?;
+        )
+        .await?;
         Ok(event.id)
     }
 

@@ -188,8 +188,9 @@ impl StatsSampler {
 /// The backlog's trend is judged over the samples of one name only.
 pub(crate) fn instance_name() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "local".into());
-    let id = uuid::Uuid::new_v4().simple().to_string();
-    format!("{host}:{}:{}", std::process::id(), &id[..8])
+    // A v7 id's last hex digits are random.
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    format!("{host}:{}:{}", std::process::id(), &id[24..])
 }
 
 fn add_deltas(sample: &mut Sample, deltas: &m::Deltas) {

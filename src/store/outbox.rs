@@ -247,7 +247,11 @@ pub(crate) async fn claim_and_fan_out(
 
 /// Sends one notification on `channel` (autocommit, or at the caller's commit when inside a
 /// transaction; PostgreSQL folds identical notifications of one transaction into one).
-pub(crate) async fn notify(mut conn: &AsyncPgConnection, channel: &str, payload: &str) -> Result<()> {
+pub(crate) async fn notify(
+    mut conn: &AsyncPgConnection,
+    channel: &str,
+    payload: &str,
+) -> Result<()> {
     Prepared(
         diesel::sql_query("SELECT pg_notify($1, $2)")
             .bind::<Text, _>(channel)
