@@ -147,7 +147,7 @@ pg_start_private() {
 }
 
 # Whether the server at URL $1 takes user postgres without a password and is 13 or later.
-# Without psql to ask, a listener is taken on trust.
+# Without psql to ask, a listener on 127.0.0.1:5432 (the only server asked) is taken on trust.
 pg_usable() {
     if command -v psql >/dev/null 2>&1; then
         [ "$(PGCONNECT_TIMEOUT=5 psql "$1" -X -w -Atqc "SELECT current_setting('server_version_num')::int >= 130000" 2>/dev/null)" = t ]

@@ -620,13 +620,12 @@ pub(crate) async fn run_batch(
                     // entry in flight lets go of it, so that the replay, which does not claim
                     // it, still finds all the entry's rows and deletes it.
                     let row = &group[0];
-                    if abandon(pool, Some(&back), cfg, row, &err).await {
+                    if let Some(failure) = abandon(pool, Some(&back), cfg, row, &err).await {
                         if let Some(entry) = entered.entry {
                             let _ = inbox::forget_in_flight(&back, entry, row.id).await;
                         }
+                        out.next_retry = next_retry(std::slice::from_ref(&failure), 0);
                     }
-                    let failure = decide(&cfg.retry, row, &err);
-                    out.next_retry = next_retry(std::slice::from_ref(&failure), 0);
                     out.failed += 1;
                 }
                 // The other rows (those handled before, rolled back with it, and those not yet
@@ -910,23 +909,20 @@ fn log_failure(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
 /// Records a failed attempt outside the abandoned transaction: on `conn`, the batch's own
 /// connection once its transaction has rolled back, or else on a fresh one. Fenced on the
 /// attempt count, so if another batch has meanwhile handled the row nothing changes. Returns
-/// whether the row is decided (marked now or before), as opposed to a mark that failed.
+/// the failure recorded when the row is decided (marked now or before), `None` when the mark
+/// failed.
 async fn abandon(
     pool: &PgPool,
     conn: Option<&AsyncPgConnection>,
     cfg: &ConsumerConfig,
     row: &InboxRow,
     err: &HandlerError,
-) -> bool {
+) -> Option<Failure> {
     log_failure(cfg, row, err);
-    mark_abandoned(
-        pool,
-        conn,
-        cfg.name.as_str(),
-        row.event_id,
-        decide(&cfg.retry, row, err),
-    )
-    .await
+    let failure = decide(&cfg.retry, row, err);
+    mark_abandoned(pool, conn, cfg.name.as_str(), row.event_id, &failure)
+        .await
+        .then_some(failure)
 }
 
 /// [`abandon`] for a row whose handler overran its timeout and keeps the connection, and with
@@ -944,7 +940,7 @@ fn abandon_kept(
     let failure = decide(&cfg.retry, row, err);
     let (pool, consumer, event_id) = (pool.clone(), cfg.name.as_str().to_owned(), row.event_id);
     actix_rt::spawn(async move {
-        let _ = mark_abandoned(&pool, None, &consumer, event_id, failure).await;
+        let _ = mark_abandoned(&pool, None, &consumer, event_id, &failure).await;
         drop(permit);
     });
 }
@@ -956,13 +952,14 @@ async fn mark_abandoned(
     conn: Option<&AsyncPgConnection>,
     consumer: &str,
     event_id: uuid::Uuid,
-    failure: Failure,
+    failure: &Failure,
 ) -> bool {
     let dead = failure.dead;
+    let failures = std::slice::from_ref(failure);
     let marked = match conn {
-        Some(conn) => inbox::mark_failed(conn, &[failure]).await,
+        Some(conn) => inbox::mark_failed(conn, failures).await,
         None => match pool.get().await {
-            Ok(conn) => inbox::mark_failed(&conn, &[failure]).await,
+            Ok(conn) => inbox::mark_failed(&conn, failures).await,
             Err(e) => Err(e.into()),
         },
     };

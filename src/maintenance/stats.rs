@@ -117,7 +117,7 @@ impl StatsSampler {
     pub async fn run_once(&self) -> Result<HealthReport> {
         let mut conn = self.pool.get().await?;
         let mut sample = store::stats::snapshot(&mut conn).await?;
-        sample.instance = Some(self.instance.to_string());
+        sample.instance = Some(self.instance.clone());
         let deltas = m::take_deltas();
         let stored = async {
             add_deltas(&mut sample, &deltas);
