@@ -36,6 +36,8 @@ impl ErrorCode {
     pub const DATABASE_ERROR: ErrorCode = ErrorCode::from_static("DATABASE_ERROR");
     /// No connection could be taken from the pool in time.
     pub const POOL_TIMEOUT: ErrorCode = ErrorCode::from_static("POOL_TIMEOUT");
+    /// A database round trip did not answer within its bound; its connection was closed.
+    pub const DATABASE_TIMEOUT: ErrorCode = ErrorCode::from_static("DATABASE_TIMEOUT");
     /// The library's migrations could not be applied.
     pub const MIGRATION_FAILED: ErrorCode = ErrorCode::from_static("MIGRATION_FAILED");
     /// The runtime was configured with invalid values.
@@ -100,6 +102,10 @@ pub enum Error {
     /// The runtime has stopped.
     #[error("the outbox runtime has stopped")]
     Stopped,
+    /// A database round trip got no answer within its bound (a dead network or server); the
+    /// connection was closed, and the work is retried on a fresh one.
+    #[error("the database did not answer within {0:?}")]
+    DatabaseTimeout(std::time::Duration),
 }
 
 impl Error {
@@ -114,6 +120,7 @@ impl Error {
             Error::Migration(_) => ErrorCode::MIGRATION_FAILED,
             Error::UnknownConsumer(_) => ErrorCode::CONSUMER_UNKNOWN,
             Error::Stopped => ErrorCode::RUNTIME_STOPPED,
+            Error::DatabaseTimeout(_) => ErrorCode::DATABASE_TIMEOUT,
         }
     }
 
@@ -121,7 +128,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Database(e) => is_transient_db_error(e),
-            Error::Pool(_) => true,
+            Error::Pool(_) | Error::DatabaseTimeout(_) => true,
             _ => false,
         }
     }

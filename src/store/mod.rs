@@ -110,6 +110,41 @@ pub(crate) fn millis(d: std::time::Duration) -> i64 {
 /// Sent pipelined just before the statements it guards, so it costs no round trip.
 pub(crate) const PLAN_GUARD: &str = include_str!("plan_guard.sql");
 
+/// How long the runtime waits for one database round trip (a claim, a mark, a commit) before
+/// it takes the connection for dead. TCP alone does not notice a peer that stopped answering
+/// while the path still accepts packets (a failover without RST, an expired NAT entry, a hung
+/// proxy), so every runtime statement is bounded in the client too.
+pub(crate) const DB_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Runs `fut` (database work on `conn`'s behalf) for at most `limit`. On time-out the
+/// connection is marked broken, so that the pool closes it rather than lending it out again:
+/// its session may still be waiting for an answer that never comes.
+pub(crate) async fn timed<T>(
+    limit: std::time::Duration,
+    fut: impl std::future::Future<Output = crate::Result<T>>,
+) -> std::result::Result<crate::Result<T>, TimedOut> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| TimedOut(limit))
+}
+
+/// A [`timed`] call that ran out of time; [`TimedOut::close`] marks its connection broken.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TimedOut(pub std::time::Duration);
+
+impl TimedOut {
+    /// Marks `conn` broken (the pool then closes it) and returns the error to report.
+    pub(crate) fn close(self, conn: &mut AsyncPgConnection) -> crate::Error {
+        poison(conn);
+        crate::Error::DatabaseTimeout(self.0)
+    }
+}
+
+/// Marks `conn` broken: the pool closes it when it is returned instead of lending it again.
+pub(crate) fn poison(conn: &mut AsyncPgConnection) {
+    AnsiTransactionManager::transaction_manager_status_mut(conn).set_in_error();
+}
+
 /// Tells the connection's transaction manager that a pipelined `BEGIN` is about to open a
 /// transaction, so that nested `transaction()` calls in handlers use savepoints. Called before
 /// the `BEGIN` is sent: if the pipeline fails or is dropped half-way, the connection still
