@@ -419,7 +419,7 @@ const SCHEMA: &str = "
 /// Every table a scenario writes, emptied so the next one starts on fresh tables.
 const RESET: &str =
     "TRUNCATE outbox_events, inbox_events, consumer_subscriptions, consumer_states, \
-     outbox_stats_samples, inbox_in_flight, bench_orders, bench_effects RESTART IDENTITY CASCADE";
+     outbox_stats_samples, bench_orders, bench_effects RESTART IDENTITY CASCADE";
 
 #[derive(QueryableByName)]
 struct Lsn {

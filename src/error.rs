@@ -124,6 +124,19 @@ impl Error {
         }
     }
 
+    /// Whether the connection the call ran on is gone (closed by the server, a broken
+    /// network), so that it must not be used again.
+    pub(crate) fn lost_connection(&self) -> bool {
+        use diesel::result::{DatabaseErrorKind as K, Error as D};
+        matches!(
+            self,
+            Error::Database(D::DatabaseError(
+                K::ClosedConnection | K::UnableToSendCommand,
+                _
+            ))
+        )
+    }
+
     /// Whether the same call may succeed if it is simply tried again.
     pub fn is_transient(&self) -> bool {
         match self {

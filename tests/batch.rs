@@ -95,40 +95,12 @@ async fn a_batch_that_hangs_is_narrowed_down_to_the_event_that_hangs() {
     .await;
 }
 
-/// Entries in flight that a dead process left behind are forgotten after a day (no batch lives
-/// that long) once none of their rows is waiting, by the next batch of any consumer; younger
-/// ones stay.
-#[actix_rt::test]
-async fn entries_in_flight_older_than_a_day_are_forgotten() {
-    let db = TestDb::new().await;
-    let mut conn = db.pool.get().await.unwrap();
-    diesel_async::SimpleAsyncConnection::batch_execute(
-        &mut *conn,
-        "INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids, entered_at)
-         VALUES ('gone', 900001, 900002, '{900001,900002}', now() - interval '25 hours'),
-                ('gone', 900003, 900003, '{900003}', now() - interval '1 hour');",
-    )
-    .await
-    .unwrap();
-    drop(conn);
-    db.produce_batched(10, 10, "o").await;
-    let rt = start_batch(&db, vec![(consumer("bulk", 3), Behaviour::default())]).await;
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
-    assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
-    let left = "SELECT count(*) AS n FROM inbox_in_flight WHERE consumer = 'gone'";
-    assert_eq!(
-        db.count(left).await,
-        1,
-        "the day-old entry is gone, the hour-old one stays"
-    );
-    db.finish(&[&rt]).await;
-}
-
 /// A consumer paused for over a day — as an operator pauses one whose events keep killing its
-/// process — still finds the entry its dead batch left, however many batches of other
-/// consumers ran meanwhile: the interrupted attempt is counted when it resumes.
+/// process — still has the lease its dead batch left settled, however many batches of other
+/// consumers ran meanwhile: the interrupted attempt is counted, and stays counted when it
+/// resumes.
 #[actix_rt::test]
-async fn a_day_old_entry_whose_row_still_waits_is_kept() {
+async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
     let db = TestDb::new().await;
     let slow_retry = RetryPolicy::fixed(3, Duration::from_secs(3600));
     let rt = start(
@@ -148,15 +120,16 @@ async fn a_day_old_entry_whose_row_still_waits_is_kept() {
     let d_done =
         "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'd' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(d_done, 1, WAIT).await, 1);
-    // A batch of c handed its row over alone, and the process died, a day ago.
+    // A batch of c leased its row alone, and the process died, a day ago.
     conn.batch_execute(
-        "INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids, alone, entered_at) \
-         SELECT 'c', id, id, ARRAY[id], id, now() - interval '25 hours' \
-         FROM inbox_events WHERE consumer = 'c'",
+        "UPDATE inbox_events SET status = 'PROCESSING', attempt_count = 1, locked_by = 'gone', \
+             lease_token = 42, \
+             locked_until = now() - interval '25 hours' \
+         WHERE consumer = 'c'",
     )
     .await
     .unwrap();
-    // d's batches run meanwhile, each deleting the day-old entries it may.
+    // d's batches run meanwhile.
     for i in 0..5 {
         db.produce(1, &format!("y{i}")).await;
         assert_eq!(db.wait_for(d_done, 2 + i, WAIT).await, 2 + i);

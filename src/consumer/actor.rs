@@ -1,16 +1,18 @@
-//! `ConsumerActor`: runs one consumer's batches. The mailbox carries wake-ups, not rows: the
+//! `ConsumerActor`: runs one consumer's batches and settles its expired leases. The mailbox carries wake-ups, not rows: the
 //! rows are always claimed from the database, so a wake-up lost to a full mailbox or a restart
 //! costs latency (until the next poll), never an event.
 
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::worker::{self, BatchOutcome, InFlight};
-use super::{ConsumerConfig, Delivery, DeliveryBatch};
+use super::batch::{self, BatchOutcome};
+use super::lend::Hung;
+use super::{reap, ConsumerConfig, Delivery, DeliveryBatch};
 use crate::runtime::{Drain, Stop, Wake};
 use crate::store::PgPool;
 
@@ -42,12 +44,18 @@ pub(crate) struct ConsumerActor {
     cfg: Arc<ConsumerConfig>,
     pool: PgPool,
     factory: HandlerFactory,
-    /// The live handler; replaced through `factory` once it is found disconnected.
-    handler: HandlerRef,
-    /// The connection recording rows in flight; shared with the loops.
-    rows_in_flight: InFlight,
+    /// The live handler; made (again) through `factory` when missing or found disconnected.
+    handler: Option<HandlerRef>,
+    /// Set while waiting to try the factory again after it panicked.
+    factory_backoff: Option<Duration>,
+    /// The wait after the factory's next panic.
+    factory_next: Duration,
+    /// This consumer's handlers parked past their timeout (see `lend.rs`).
+    hung: Hung,
     /// Batch loops running now; at most `cfg.concurrency`.
     in_flight: u32,
+    /// A reap of expired leases is running.
+    reaping: bool,
     /// A wake-up arrived that no running loop has answered yet: there may be due rows.
     want: bool,
     /// A running loop found a full batch: more rows are due than one loop takes at a time.
@@ -65,20 +73,59 @@ pub(crate) struct ConsumerActor {
 
 impl ConsumerActor {
     pub(crate) fn new(cfg: Arc<ConsumerConfig>, pool: PgPool, factory: HandlerFactory) -> Self {
-        let handler = factory();
-        let rows_in_flight = InFlight::new(cfg.concurrency);
+        let hung = Hung::new(cfg.concurrency);
         ConsumerActor {
             cfg,
             pool,
             factory,
-            handler,
-            rows_in_flight,
+            handler: None,
+            factory_backoff: None,
+            factory_next: Duration::from_millis(100),
+            hung,
             in_flight: 0,
+            reaping: false,
             want: true,
             backlog: false,
             draining: Arc::new(AtomicBool::new(false)),
             drained: Vec::new(),
             retry_timer: None,
+        }
+    }
+
+    /// The live handler, made through the factory if need be. A factory that panics is
+    /// contained here and tried again with a growing wait (up to 30 s), so that it costs this
+    /// consumer only, never the supervisor.
+    fn handler(&mut self, ctx: &mut Context<Self>) -> Option<HandlerRef> {
+        if let Some(h) = self.handler.as_ref().filter(|h| h.connected()) {
+            return Some(h.clone());
+        }
+        if self.handler.is_some() {
+            tracing::warn!(consumer = %self.cfg.name, "handler actor stopped; starting a new one");
+        }
+        if self.factory_backoff.is_some() {
+            return None; // waiting for the next try
+        }
+        let factory = self.factory.clone();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory())) {
+            Ok(h) => {
+                self.handler = Some(h.clone());
+                self.factory_next = Duration::from_millis(100);
+                Some(h)
+            }
+            Err(_) => {
+                let wait = self.factory_next.min(Duration::from_secs(30));
+                self.factory_next = (wait * 2).max(Duration::from_millis(100));
+                tracing::error!(consumer = %self.cfg.name, retry_in = ?wait,
+                    "the handler factory panicked; the consumer tries it again later");
+                self.handler = None;
+                self.factory_backoff = Some(wait);
+                ctx.run_later(wait, |act, ctx| {
+                    act.factory_backoff = None;
+                    act.want = true;
+                    act.pump(ctx);
+                });
+                None
+            }
         }
     }
 
@@ -95,29 +142,44 @@ impl ConsumerActor {
         if self.in_flight > 0 && !self.backlog {
             return;
         }
+        let Some(handler) = self.handler(ctx) else {
+            return;
+        };
         self.want = false;
         self.backlog = false;
-        if !self.handler.connected() {
-            tracing::warn!(consumer = %self.cfg.name, "handler actor stopped; starting a new one");
-            self.handler = (self.factory)();
-        }
         // A loop that finds a full batch asks for another (up to `concurrency`).
         self.in_flight += 1;
-        let (pool, cfg, handler) = (self.pool.clone(), self.cfg.clone(), self.handler.clone());
+        let (pool, cfg, hung) = (self.pool.clone(), self.cfg.clone(), self.hung.clone());
         let draining = self.draining.clone();
         let me = ctx.address().recipient();
-        let rows = self.rows_in_flight.clone();
-        let run = async move {
-            let out = batch_loop(&pool, &cfg, &handler, &rows, &draining, &me).await;
-            // Idle or stopping: no next batch will delete the finished batches' entries.
-            if let Err(e) = rows.flush(&pool).await {
-                tracing::debug!(consumer = %cfg.name, error = %e, "could not delete entries of finished batches");
-            }
-            out
-        };
+        let run = async move { batch_loop(&pool, &cfg, &handler, &hung, &draining, &me).await };
         ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
             act.in_flight -= 1;
             act.after_loop(outcome, ctx);
+        }));
+    }
+
+    /// Settles this consumer's expired leases, left by loops that died (anywhere). One reap
+    /// at a time, on each poll.
+    fn reap(&mut self, ctx: &mut Context<Self>) {
+        if self.reaping {
+            return;
+        }
+        self.reaping = true;
+        let (pool, cfg) = (self.pool.clone(), self.cfg.clone());
+        let run = async move { reap::reap(&pool, &cfg).await };
+        ctx.spawn(run.into_actor(self).map(|reaped, act, ctx| {
+            act.reaping = false;
+            match reaped {
+                Ok(0) => {}
+                Ok(_) => {
+                    act.want = true;
+                    act.pump(ctx);
+                }
+                Err(e) => {
+                    tracing::warn!(consumer = %act.cfg.name, error = %e, code = %e.code(), "could not settle expired leases");
+                }
+            }
         }));
     }
 
@@ -125,8 +187,7 @@ impl ConsumerActor {
         if let Some(delay) = outcome.next_retry {
             // Wake when the soonest retry falls due instead of waiting for the next poll.
             // At most a day ahead (the poll finds the row anyway), so the sum cannot overflow.
-            let delay = delay.min(std::time::Duration::from_secs(86_400))
-                + std::time::Duration::from_millis(2);
+            let delay = delay.min(Duration::from_secs(86_400)) + Duration::from_millis(2);
             let due = tokio::time::Instant::now() + delay;
             let sooner = match self.retry_timer {
                 Some((at, _)) if at <= due => false,
@@ -159,7 +220,7 @@ impl ConsumerActor {
 
 #[derive(Debug, Default)]
 struct LoopOutcome {
-    next_retry: Option<std::time::Duration>,
+    next_retry: Option<Duration>,
     handler_lost: bool,
 }
 
@@ -169,29 +230,25 @@ async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
-    in_flight: &InFlight,
+    hung: &Hung,
     draining: &AtomicBool,
     me: &Recipient<Backlog>,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
-    // Whether the next batch runs alone in the process (it hands over rows that an entry in
-    // flight left behind).
-    let mut exclusive = false;
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = worker::run_batch(pool, cfg, handler, in_flight, exclusive).await;
-        exclusive = batch.as_ref().is_ok_and(|b| b.exclusive);
+        let batch = batch::run_batch(pool, cfg, handler, hung).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
             let share = rate / f64::from(cfg.concurrency);
-            let min = std::time::Duration::try_from_secs_f64(b.claimed as f64 / share)
-                .unwrap_or(std::time::Duration::MAX);
+            let min =
+                Duration::try_from_secs_f64(b.claimed as f64 / share).unwrap_or(Duration::MAX);
             let mut rest = min.saturating_sub(started.elapsed());
             // In steps, so that a drain does not wait out the pause (a batch of 32 at one
             // event a second pauses for half a minute).
             while !rest.is_zero() && !draining.load(Ordering::Relaxed) {
-                let step = rest.min(std::time::Duration::from_millis(100));
+                let step = rest.min(Duration::from_millis(100));
                 tokio::time::sleep(step).await;
                 rest -= step;
             }
@@ -201,31 +258,30 @@ async fn batch_loop(
                 claimed,
                 next_retry,
                 handler_lost,
-                abandoned,
-                rolled_back,
+                alone,
                 ..
             }) => {
                 out.next_retry = match (out.next_retry, next_retry) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
-                if rolled_back && !handler_lost {
-                    // Claim again at once: the rows' entry in flight makes the batch that gets
-                    // them safe. A lost handler is replaced first.
-                    continue;
-                }
                 if handler_lost {
                     out.handler_lost = true;
                     return out;
                 }
-                if claimed < cfg.batch_size as usize && !abandoned {
+                if alone {
+                    // Rows claimed alone come one per batch: claim the next at once.
+                    continue;
+                }
+                if claimed < cfg.batch_size as usize {
                     return out;
                 }
                 // A full batch: more rows are probably due; let another loop help.
                 let _ = me.try_send(Backlog);
             }
             Err(e) => {
-                // The database is unreachable or a statement failed; the poll tries again.
+                // The database is unreachable or a statement failed; the poll tries again. The
+                // batch's lease, if it had one, is left to expire: the reaper settles it.
                 tracing::warn!(consumer = %cfg.name, error = %e, code = %e.code(), "inbox batch failed");
                 return out;
             }
@@ -241,6 +297,7 @@ impl Actor for ConsumerActor {
         ctx.set_mailbox_capacity(self.cfg.mailbox_capacity);
         ctx.run_interval(self.cfg.poll_interval, |act, ctx| {
             act.want = true;
+            act.reap(ctx);
             act.pump(ctx);
         });
         self.pump(ctx);

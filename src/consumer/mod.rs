@@ -1,551 +1,91 @@
 //! Consumers: the [`Delivery`] message a consumer actor handles (or [`DeliveryBatch`], several
-//! at once), the [`HandlerError`] it returns, its [`ConsumerConfig`], and the actors that feed
+//! at once), the [`HandlerError`] it returns, its [`ConsumerConfig`], and the engine that feeds
 //! it.
 //!
 //! A consumer is an ordinary actix actor implementing `Handler<Delivery>` or
 //! `Handler<DeliveryBatch>`. Each delivery carries the open inbox transaction: the handler's
 //! writes through [`Delivery::conn`] and the inbox row's PROCESSED mark commit together, so a
 //! redelivered event never repeats an effect.
+//!
+//! # The engine, by file
+//!
+//! | file | owns |
+//! |---|---|
+//! | `actor.rs` | the consumer actor: batch loops (up to `concurrency`), wake-ups, retry timer, drain, the reaper's tick, the handler factory |
+//! | `batch.rs` | one batch: lease rows, hand them over in one transaction, settle them with its commit |
+//! | `lend.rs` | lending the connection to the handler; parking the connections of handlers hung past their timeout |
+//! | `reap.rs` | settling the leases that loops which died left behind |
+//! | `decide.rs` | the pure decisions: retry or dead letter, who is charged, whether a call fits in the lease |
+//! | `delivery.rs`, `handler_error.rs`, `config.rs`, `retry.rs` | the public types |
+//!
+//! # One invariant
+//!
+//! *A row is PROCESSING only under a lease, every attempt is counted when its lease is taken,
+//! and every change out of PROCESSING is fenced on that lease.* The claim commits the lease
+//! (and the attempt) before any handler runs; the effects commit later, with the marks, in a
+//! transaction of their own. So the database alone says which rows each loop holds, on every
+//! instance, through any crash: there is no in-flight record beside it, no process-wide lock,
+//! and no state that a restart of the process or of PostgreSQL loses.
+//!
+//! # Deaths, and who is charged
+//!
+//! A loop that dies settles nothing: its process was killed, its handler crashed the database
+//! backend (PostgreSQL then restarts every session), or its connection stopped answering. Its
+//! lease expires ([`ConsumerConfig::lease`]) and the consumer's reaper, on any instance,
+//! settles it:
+//! - a lease on **one** row charges that row: it is retried by the policy, and dead-lettered
+//!   (`INBOX_ATTEMPT_INTERRUPTED`) once its attempts are used up;
+//! - a lease on **several** rows charges none for sure. Each keeps the attempt as a
+//!   *suspicion* and is claimed on its own from then on (`alone`), where a death has one cause.
+//!   The suspicion is refunded when the row's next attempt ends any other way, and stands if
+//!   it dies alone again.
+//!
+//! So an event that kills its process or its server every time causes at most `max_attempts`
+//! deaths before it is dead-lettered, and the events leased with it end with only the
+//! attempts they used themselves. A batch never runs past its lease while its process lives
+//! (it stops handing rows over in time, `decide::fits`), so only the dead are reaped.
+//!
+//! # Hung handlers
+//!
+//! A handler that overruns [`ConsumerConfig::handler_timeout`] and gives the connection back
+//! is a failure like any other. One that keeps the connection takes the batch's transaction:
+//! its row is charged, the batch's other rows are given back unspent, and the connection is
+//! parked until the handler lets go. A consumer parks at most `concurrency` such connections;
+//! past that its loops wait, with a warning, the `outbox_consumer_stalled` gauge at 1 and
+//! `outbox_consumer_hung_handlers` at its count. So a consumer holds at most
+//! `2 × concurrency` connections however its handlers hang, and nothing else waits for it.
+
+/// Runs a database call on `conn` within [`DB_TIMEOUT`](crate::store::DB_TIMEOUT). On time-out,
+/// or when the connection turns out closed, it is marked broken, so that the pool closes it
+/// instead of lending it out again.
+macro_rules! bounded {
+    ($conn:expr, $f:expr) => {
+        match crate::store::timed(crate::store::DB_TIMEOUT, $f).await {
+            Ok(Err(e)) if e.lost_connection() => {
+                crate::store::poison(&mut *$conn);
+                Err(e)
+            }
+            Ok(r) => r,
+            Err(t) => Err(t.close(&mut *$conn)),
+        }
+    };
+}
 
 pub(crate) mod actor;
+mod batch;
+mod config;
+pub(crate) mod decide;
+mod delivery;
+mod handler_error;
+mod lend;
+mod log;
+mod reap;
 pub(crate) mod registry;
 pub(crate) mod retry;
-pub(crate) mod worker;
 
-use std::ops::{Deref, DerefMut};
-use std::sync::Arc;
-use std::time::Duration;
-
-use actix::Message;
-use chrono::{DateTime, Utc};
-use diesel_async::AsyncPgConnection;
-use serde::de::DeserializeOwned;
-use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
-
+pub use config::ConsumerConfig;
+pub use delivery::{Delivery, DeliveryBatch, TxConn};
+pub use handler_error::HandlerError;
 pub use retry::RetryPolicy;
 
-use crate::error::{Error, ErrorCode};
-use crate::event::{ConsumerName, Event, EventId, EventRegistry, NewEvent, PayloadRules};
-use crate::store::inbox::InboxRow;
-use crate::store::OwnedConn;
-
-/// One event delivered to one consumer, with the transaction its effect must be written in.
-///
-/// The handler returns `Ok(())` to have the event marked PROCESSED in that transaction, or a
-/// [`HandlerError`] to have its writes rolled back (a savepoint) and the event retried or
-/// dead-lettered by the consumer's [`RetryPolicy`].
-pub struct Delivery {
-    pub(crate) row: InboxRow,
-    pub(crate) consumer: ConsumerName,
-    /// The connection is lent, not given: the runtime takes it back when the handler returns,
-    /// so a handler that keeps a clone of the delivery cannot write outside the transaction.
-    pub(crate) slot: Arc<Mutex<Option<OwnedConn>>>,
-    /// Alive while the handler keeps the delivery: how the runtime knows that a handler that
-    /// overran its timeout may still run.
-    pub(crate) _ticket: Option<Arc<worker::Ticket>>,
-    /// The runtime's event registry, which [`Delivery::enqueue`] validates follow-ups with.
-    pub(crate) events: Option<Arc<EventRegistry>>,
-}
-
-impl Message for Delivery {
-    type Result = Result<(), HandlerError>;
-}
-
-impl std::fmt::Debug for Delivery {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Delivery")
-            .field("consumer", &self.consumer)
-            .field("event_id", &self.row.event_id)
-            .field("event_type", &self.row.event_type)
-            .field("attempt", &self.attempt())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Delivery {
-    /// The event's id, the same in every delivery of it.
-    pub fn event_id(&self) -> EventId {
-        EventId::from_uuid(self.row.event_id)
-    }
-    /// The event type, e.g. `ORDER_STATUS_CHANGED`.
-    pub fn event_type(&self) -> &str {
-        &self.row.event_type
-    }
-    /// The payload's schema version.
-    pub fn event_version(&self) -> i32 {
-        self.row.event_version
-    }
-    /// The aggregate type, e.g. `order`.
-    pub fn aggregate_type(&self) -> &str {
-        &self.row.aggregate_type
-    }
-    /// The aggregate id.
-    pub fn aggregate_id(&self) -> &str {
-        &self.row.aggregate_id
-    }
-    /// The aggregate's version after the change, if the producer set one.
-    pub fn aggregate_version(&self) -> Option<i64> {
-        self.row.aggregate_version
-    }
-    /// The raw payload.
-    pub fn payload(&self) -> &serde_json::Value {
-        &self.row.payload
-    }
-    /// The event metadata (trace context and the like).
-    pub fn metadata(&self) -> &serde_json::Value {
-        &self.row.metadata
-    }
-    /// The correlation id shared by everything one request caused.
-    pub fn correlation_id(&self) -> &str {
-        &self.row.correlation_id
-    }
-    /// What caused this event, if known.
-    pub fn causation_id(&self) -> Option<&str> {
-        self.row.causation_id.as_deref()
-    }
-    /// When the producer's transaction wrote the event.
-    pub fn created_at(&self) -> DateTime<Utc> {
-        self.row.event_created_at
-    }
-    /// This attempt's number, starting at 1.
-    pub fn attempt(&self) -> u32 {
-        (self.row.attempt_count + 1).max(1) as u32
-    }
-    /// The consumer this delivery is for.
-    pub fn consumer(&self) -> &ConsumerName {
-        &self.consumer
-    }
-
-    /// Decodes the payload. A payload that does not fit `T` is a permanent
-    /// `EVENT_SCHEMA_INVALID` failure: retrying cannot make it fit.
-    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
-        serde_json::from_value(self.row.payload.clone()).map_err(|e| {
-            HandlerError::permanent(
-                ErrorCode::EVENT_SCHEMA_INVALID,
-                format!("{} payload does not decode: {e}", self.row.event_type),
-            )
-        })
-    }
-
-    /// Decodes the payload as the typed event `E`, checking type and version first. After the
-    /// runtime's upcasting a registered type always arrives at its current version.
-    ///
-    /// # Errors
-    /// A permanent [`HandlerError`]: `EVENT_SCHEMA_INVALID` for another type or a payload that
-    /// does not decode, `EVENT_VERSION_UNSUPPORTED` for an older version. A newer version is
-    /// `EVENT_VERSION_UNSUPPORTED` too, but retried: during a rolling deploy an instance of the
-    /// newer build may handle it.
-    pub fn event<E: Event>(&self) -> Result<E, HandlerError> {
-        if self.row.event_type != E::TYPE {
-            return Err(HandlerError::permanent(
-                ErrorCode::EVENT_SCHEMA_INVALID,
-                format!(
-                    "delivered {}, the handler reads {}",
-                    self.row.event_type,
-                    E::TYPE
-                ),
-            ));
-        }
-        if self.row.event_version != E::VERSION {
-            let message = format!(
-                "{} v{} delivered, the handler reads v{}",
-                E::TYPE,
-                self.row.event_version,
-                E::VERSION
-            );
-            let code = ErrorCode::EVENT_VERSION_UNSUPPORTED;
-            return Err(if self.row.event_version > E::VERSION {
-                HandlerError::Retry { code, message }
-            } else {
-                HandlerError::permanent(code, message)
-            });
-        }
-        self.decode()
-    }
-
-    /// Enqueues `event` as caused by this delivery — same correlation id, this event's id as
-    /// causation id — in the delivery's transaction, so it commits with the inbox mark. With
-    /// an [`EventRegistry`] given to the runtime
-    /// ([`OutboxBuilder::events`](crate::OutboxBuilder::events)), an event of a type it
-    /// registers is validated as [`EventRegistry::enqueue`] would (version and payload), and
-    /// any other with the registry's payload rules.
-    ///
-    /// # Errors
-    /// As [`enqueue`](crate::enqueue) or [`EventRegistry::enqueue`], as a [`HandlerError`]: an
-    /// invalid event is a permanent failure with its code.
-    pub async fn enqueue(&self, event: NewEvent) -> Result<EventId, HandlerError> {
-        let event = self.follow_up(event);
-        // Before taking the connection: an invalid event needs none.
-        match &self.events {
-            Some(registry) => registry.validate_follow_up(&event)?,
-            None => event.validate(&PayloadRules::default())?,
-        }
-        let conn = self.conn().await?;
-        // With a notification, pipelined, that wakes the publishers (this instance's too) when
-        // the delivery's batch commits: a handler cannot wake them after that commit itself,
-        // and a chain of events would otherwise move one publisher poll per link.
-        futures_util::future::try_join(
-            crate::outbox::insert_validated(&conn, std::slice::from_ref(&event)),
-            crate::store::outbox::notify(&conn, crate::runtime::OUTBOX_CHANNEL, ""),
-        )
-        .await?;
-        Ok(event.id)
-    }
-
-    /// An event caused by this one: same correlation id, this event's id as causation id.
-    /// Enqueue it on [`Delivery::conn`] so it commits with the inbox mark.
-    pub fn follow_up(&self, event: NewEvent) -> NewEvent {
-        event
-            .correlation_id(self.row.correlation_id.clone())
-            .causation_id(self.row.event_id.to_string())
-    }
-
-    /// The inbox transaction's connection. Hold at most one at a time and drop it before the
-    /// handler returns.
-    ///
-    /// # Errors
-    /// A retryable [`HandlerError`] if the delivery has already finished (the handler kept the
-    /// delivery past its return).
-    pub async fn conn(&self) -> Result<TxConn, HandlerError> {
-        lend(&self.slot).await
-    }
-}
-
-/// Locks a delivery's connection slot for the handler.
-async fn lend(slot: &Arc<Mutex<Option<OwnedConn>>>) -> Result<TxConn, HandlerError> {
-    let guard: OwnedMutexGuard<Option<OwnedConn>> = slot.clone().lock_owned().await;
-    OwnedMutexGuard::try_map(guard, |slot| slot.as_mut())
-        .map(TxConn)
-        .map_err(|_| HandlerError::retry("the delivery has finished; its transaction is gone"))
-}
-
-/// Several events for one batch consumer, delivered in one call with the transaction they are
-/// all marked in. Registered with
-/// [`OutboxBuilder::batch_consumer`](crate::OutboxBuilder::batch_consumer).
-///
-/// Why: a handler that writes one row per event pays a round trip per event, and at a few
-/// thousand events per second that round trip is most of a consumer's cost. Given the whole
-/// batch, it can write every effect in one statement (`INSERT … SELECT … FROM unnest(…)`).
-///
-/// `Ok(())` marks every event of the batch PROCESSED in the batch's transaction. An error
-/// (or a panic, or a timeout: [`ConsumerConfig::handler_timeout`] applies to the whole call)
-/// rolls back the batch's writes and, for a batch of several events, counts no attempt; the
-/// runtime then hands those rows over again one per call, each in a savepoint, so that the
-/// failure is recorded against the event that causes it and the other events still commit. A
-/// one-event batch that fails is counted at once, like any delivery. A batch is never empty; each
-/// [`Delivery`] in it has the usual accessors, and [`Delivery::conn`] and
-/// [`Delivery::enqueue`] work on the batch's transaction too.
-///
-/// ```no_run
-/// use actix::prelude::*;
-/// use actix_outbox::{DeliveryBatch, HandlerError, Prepared};
-/// use diesel::sql_types::{Array, Text};
-/// use diesel_async::RunQueryDsl;
-///
-/// struct Ledger;
-/// impl Actor for Ledger {
-///     type Context = Context<Self>;
-/// }
-/// impl Handler<DeliveryBatch> for Ledger {
-///     type Result = ResponseFuture<Result<(), HandlerError>>;
-///     fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
-///         let orders: Vec<String> =
-///             b.deliveries().iter().map(|d| d.aggregate_id().to_owned()).collect();
-///         Box::pin(async move {
-///             let mut conn = b.conn().await?; // the batch's inbox transaction
-///             Prepared(
-///                 diesel::sql_query("INSERT INTO ledger (order_id) SELECT unnest($1::text[])")
-///                     .bind::<Array<Text>, _>(&orders),
-///             )
-///             .execute(&mut *conn)
-///             .await?; // commits with every event's PROCESSED mark
-///             Ok(())
-///         })
-///     }
-/// }
-/// // OutboxRuntime::builder(pool).batch_consumer(ConsumerConfig::new("ledger")?
-/// //     .subscribe("ORDER_PLACED").batch_size(500), || Ledger)
-/// ```
-pub struct DeliveryBatch {
-    pub(crate) deliveries: Vec<Delivery>,
-    pub(crate) slot: Arc<Mutex<Option<OwnedConn>>>,
-}
-
-impl Message for DeliveryBatch {
-    type Result = Result<(), HandlerError>;
-}
-
-impl std::fmt::Debug for DeliveryBatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(&self.deliveries).finish()
-    }
-}
-
-impl DeliveryBatch {
-    /// The events, in claim order.
-    pub fn deliveries(&self) -> &[Delivery] {
-        &self.deliveries
-    }
-    /// How many events the batch holds (at least one).
-    pub fn len(&self) -> usize {
-        self.deliveries.len()
-    }
-    /// Always false: a batch holds at least one event.
-    pub fn is_empty(&self) -> bool {
-        self.deliveries.is_empty()
-    }
-    /// The batch transaction's connection, as [`Delivery::conn`].
-    ///
-    /// # Errors
-    /// A retryable [`HandlerError`] if the batch has already finished.
-    pub async fn conn(&self) -> Result<TxConn, HandlerError> {
-        lend(&self.slot).await
-    }
-}
-
-/// The connection of a delivery's open transaction; derefs to [`AsyncPgConnection`].
-pub struct TxConn(OwnedMappedMutexGuard<Option<OwnedConn>, OwnedConn>);
-
-impl Deref for TxConn {
-    type Target = AsyncPgConnection;
-    fn deref(&self) -> &AsyncPgConnection {
-        &self.0
-    }
-}
-
-impl DerefMut for TxConn {
-    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
-        &mut self.0
-    }
-}
-
-/// Why a handler did not process an event. Classification is by variant, never by message.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum HandlerError {
-    /// May succeed later: retried after the policy's backoff.
-    #[error("{code}: {message}")]
-    Retry {
-        /// Stored as `error_code`.
-        code: ErrorCode,
-        /// Stored as `last_error`.
-        message: String,
-    },
-    /// May succeed after `after` (e.g. a rate limit said so); still counts as an attempt.
-    #[error("{code}: {message} (retry after {after:?})")]
-    RetryAfter {
-        /// The earliest time to try again, from now.
-        after: Duration,
-        /// Stored as `error_code`.
-        code: ErrorCode,
-        /// Stored as `last_error`.
-        message: String,
-    },
-    /// Cannot succeed: dead-lettered at once with its code.
-    #[error("{code}: {message}")]
-    Permanent {
-        /// Stored as `error_code`.
-        code: ErrorCode,
-        /// Stored as `last_error`.
-        message: String,
-    },
-}
-
-impl HandlerError {
-    /// A retryable failure with code `INBOX_CONSUMER_FAILED`.
-    pub fn retry(message: impl Into<String>) -> Self {
-        HandlerError::Retry {
-            code: ErrorCode::INBOX_CONSUMER_FAILED,
-            message: message.into(),
-        }
-    }
-    /// A retryable failure not to be retried before `after`.
-    pub fn retry_after(after: Duration, message: impl Into<String>) -> Self {
-        HandlerError::RetryAfter {
-            after,
-            code: ErrorCode::INBOX_CONSUMER_FAILED,
-            message: message.into(),
-        }
-    }
-    /// A permanent failure with a stable `code`.
-    pub fn permanent(code: ErrorCode, message: impl Into<String>) -> Self {
-        HandlerError::Permanent {
-            code,
-            message: message.into(),
-        }
-    }
-    /// The stable code stored with the failed row.
-    pub fn code(&self) -> &ErrorCode {
-        match self {
-            HandlerError::Retry { code, .. }
-            | HandlerError::RetryAfter { code, .. }
-            | HandlerError::Permanent { code, .. } => code,
-        }
-    }
-    /// The message stored as `last_error`.
-    pub fn message(&self) -> &str {
-        match self {
-            HandlerError::Retry { message, .. }
-            | HandlerError::RetryAfter { message, .. }
-            | HandlerError::Permanent { message, .. } => message,
-        }
-    }
-}
-
-/// Database errors inside a handler are retried: the savepoint undoes the partial writes, and
-/// the attempt limit bounds a statement that can never succeed.
-impl From<diesel::result::Error> for HandlerError {
-    /// Retried with `DATABASE_ERROR`, as an [`Error::Database`] is.
-    fn from(e: diesel::result::Error) -> Self {
-        HandlerError::Retry {
-            code: ErrorCode::DATABASE_ERROR,
-            message: format!("database: {e}"),
-        }
-    }
-}
-
-impl From<Error> for HandlerError {
-    /// Database and pool errors are retried, like [`diesel::result::Error`]s, whichever way
-    /// they reached the handler; errors that no retry can fix (an invalid follow-up event)
-    /// are permanent with their code.
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(_) | Error::Pool(_) => HandlerError::Retry {
-                code: e.code(),
-                message: e.to_string(),
-            },
-            _ => HandlerError::Permanent {
-                code: e.code(),
-                message: e.to_string(),
-            },
-        }
-    }
-}
-
-/// How one consumer is run. Build with [`ConsumerConfig::new`] and the setters.
-#[derive(Debug, Clone)]
-pub struct ConsumerConfig {
-    pub(crate) name: ConsumerName,
-    pub(crate) event_types: Vec<String>,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) batch_size: u32,
-    pub(crate) concurrency: u32,
-    pub(crate) mailbox_capacity: usize,
-    pub(crate) handler_timeout: Duration,
-    pub(crate) poll_interval: Duration,
-    pub(crate) skip_stale: bool,
-    pub(crate) rate_limit: Option<f64>,
-    /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
-    pub(crate) events: Option<Arc<EventRegistry>>,
-}
-
-impl ConsumerConfig {
-    /// A consumer called `name` with the defaults: [`RetryPolicy::default`], batches of 32
-    /// rows per transaction, one batch at a time, a mailbox of 64, a 30 s handler timeout and
-    /// a 1 s poll for rows the mailbox never announced.
-    ///
-    /// # Errors
-    /// [`Error::Config`] for an invalid name.
-    pub fn new(name: &str) -> crate::Result<Self> {
-        Ok(ConsumerConfig {
-            name: ConsumerName::new(name)?,
-            event_types: Vec::new(),
-            retry: RetryPolicy::default(),
-            batch_size: 32,
-            concurrency: 1,
-            mailbox_capacity: 64,
-            handler_timeout: Duration::from_secs(30),
-            poll_interval: Duration::from_secs(1),
-            skip_stale: false,
-            rate_limit: None,
-            events: None,
-        })
-    }
-    /// Subscribes to an event type.
-    pub fn subscribe(mut self, event_type: &str) -> Self {
-        if !self.event_types.iter().any(|t| t == event_type) {
-            self.event_types.push(event_type.to_owned());
-        }
-        self
-    }
-    /// The retry policy for this consumer only.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.retry = policy;
-        self
-    }
-    /// Inbox rows claimed per transaction: for a [`Delivery`] handler, each handled in one
-    /// call; for a [`DeliveryBatch`] handler, the most one call gets.
-    pub fn batch_size(mut self, n: u32) -> Self {
-        self.batch_size = n;
-        self
-    }
-    /// Batches in flight at once, each on its own connection. Extra batches start only for a
-    /// backlog (a batch came back full); rows that trickle in while a batch runs wait for that
-    /// loop's next batch and share its transaction, which is cheaper than a transaction each.
-    /// For slow handlers (a remote call per row) that should run side by side, keep
-    /// `batch_size` small so that batches fill.
-    pub fn concurrency(mut self, n: u32) -> Self {
-        self.concurrency = n;
-        self
-    }
-    /// Capacity of the consumer's wake-up mailbox.
-    pub fn mailbox_capacity(mut self, n: usize) -> Self {
-        self.mailbox_capacity = n;
-        self
-    }
-    /// How long one handler call may take before it counts as a failure (for a batch consumer,
-    /// one call handles a whole batch).
-    pub fn handler_timeout(mut self, d: Duration) -> Self {
-        self.handler_timeout = d;
-        self
-    }
-    /// How often the inbox is polled without a wake-up.
-    pub fn poll_interval(mut self, d: Duration) -> Self {
-        self.poll_interval = d;
-        self
-    }
-    /// Handles at most `per_second` events per second on this instance (split evenly over the
-    /// concurrent batches), so that a backlog drains without a storm on what the handler calls.
-    /// Default: unlimited.
-    pub fn rate_limit(mut self, per_second: f64) -> Self {
-        self.rate_limit = Some(per_second);
-        self
-    }
-    /// Stale-event detection: per aggregate, the last applied aggregate version is recorded in
-    /// the delivery's transaction, and an event whose aggregate version is below it is
-    /// recorded as PROCESSED with `EVENT_STALE` without calling the handler. An event at the
-    /// same version is applied: the events one change emits share its version. For consumers
-    /// that project state (a late `SENT` must not overwrite `DELIVERED`); leave it off for
-    /// consumers that must see every event, such as counters. Default off.
-    pub fn skip_stale(mut self, on: bool) -> Self {
-        self.skip_stale = on;
-        self
-    }
-    /// The consumer's name.
-    pub fn name(&self) -> &ConsumerName {
-        &self.name
-    }
-
-    pub(crate) fn validate(&self) -> crate::Result<()> {
-        let bad = |why: &str| Err(Error::Config(format!("consumer {}: {why}", self.name)));
-        if self.event_types.is_empty() {
-            return bad("subscribes to no event type");
-        }
-        if self.batch_size == 0 || self.batch_size > 10_000 {
-            return bad("batch_size must be within 1..=10000");
-        }
-        if self.concurrency == 0 || self.concurrency > 256 {
-            return bad("concurrency must be within 1..=256");
-        }
-        if self.mailbox_capacity == 0 {
-            return bad("mailbox_capacity must be at least 1");
-        }
-        if self.rate_limit.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
-            return bad("rate_limit must be a positive number of events per second");
-        }
-        if self.handler_timeout.is_zero() || self.poll_interval.is_zero() {
-            return bad("handler_timeout and poll_interval must be positive");
-        }
-        self.retry.validate()
-    }
-}
+pub(crate) use batch::upcast;

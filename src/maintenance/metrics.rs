@@ -49,6 +49,10 @@ pub(crate) const INBOX_OLDEST_DUE_AGE: &str = "inbox_oldest_due_age_seconds";
 /// 1 while the consumer's pause switch is on (gauge).
 pub(crate) const INBOX_PAUSED: &str = "inbox_paused";
 /// Event created → processed by the consumer (histogram, seconds).
+/// Gauge per consumer: handlers that overran their timeout and still hold a connection.
+pub(crate) const CONSUMER_HUNG_HANDLERS: &str = "outbox_consumer_hung_handlers";
+/// Gauge per consumer: 1 while its loops wait for a hung handler to let go.
+pub(crate) const CONSUMER_STALLED: &str = "outbox_consumer_stalled";
 pub(crate) const INBOX_DELIVERY_LATENCY: &str = "inbox_delivery_latency_seconds";
 
 /// Bucket bounds for [`INBOX_DELIVERY_LATENCY`]: from a poke-driven delivery (milliseconds) to
@@ -168,6 +172,19 @@ pub(crate) fn delivery_latency(consumer: &str, seconds: f64) {
     metrics::histogram!(INBOX_DELIVERY_LATENCY, "consumer" => consumer.to_owned()).record(seconds);
 }
 
+/// Handlers of `consumer` holding a connection past their timeout, now.
+pub(crate) fn consumer_hung(consumer: &str, n: usize) {
+    metrics::gauge!(CONSUMER_HUNG_HANDLERS, "consumer" => consumer.to_owned()).set(n as f64);
+}
+/// Whether `consumer`'s loops wait for a hung handler to let go.
+pub(crate) fn consumer_stalled(consumer: &str, stalled: bool) {
+    metrics::gauge!(CONSUMER_STALLED, "consumer" => consumer.to_owned()).set(if stalled {
+        1.0
+    } else {
+        0.0
+    });
+}
+
 /// Registers help texts with the installed recorder. Harmless to call more than once.
 pub(crate) fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -192,6 +209,14 @@ pub(crate) fn describe() {
         "Outbox events leased by an external publisher"
     );
     describe_gauge!(OUTBOX_DEAD_LETTER, "Outbox events that need an operator");
+    describe_gauge!(
+        CONSUMER_HUNG_HANDLERS,
+        "Handlers that overran their timeout and still hold a connection (at most the consumer's concurrency)"
+    );
+    describe_gauge!(
+        CONSUMER_STALLED,
+        "1 while the consumer waits for one of its hung handlers to let go of its connection"
+    );
     describe_gauge!(
         OUTBOX_OLDEST_PENDING_AGE,
         Unit::Seconds,

@@ -1,4 +1,6 @@
-//! Inbox statements: consumer registration, the per-consumer claim and the marks.
+//! Inbox statements: consumer registration, the per-consumer lease (claim, settle, expired
+//! leases) and the stale-event check. `RECEIVED|RETRY_PENDING → PROCESSING (lease) →
+//! PROCESSED | RETRY_PENDING | DEAD_LETTER`, or back unhandled; see the migration `inbox_lease`.
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{
@@ -37,8 +39,15 @@ pub(crate) struct InboxRow {
     pub causation_id: Option<String>,
     #[diesel(sql_type = Timestamptz)]
     pub event_created_at: DateTime<Utc>,
+    /// Attempts before this one (the claim counted this one already).
     #[diesel(sql_type = Integer)]
     pub attempt_count: i32,
+    /// The claim's lease, which every mark of the row is fenced on.
+    #[diesel(sql_type = BigInt)]
+    pub lease_token: i64,
+    /// Claimed on its own (see the migration `inbox_lease`).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub alone: bool,
 }
 
 impl InboxRow {
@@ -114,288 +123,401 @@ pub(crate) async fn remove_subscription(
     Ok(r.known.then_some(r.removed > 0))
 }
 
-/// Opens the batch's transaction and locks up to `limit` due rows of `consumer` in it, both in
-/// one round trip (`BEGIN` and the claim are pipelined). Rows locked by another instance are
-/// skipped, never waited for; a paused consumer claims nothing.
-///
-/// The connection's transaction manager counts the transaction from before `BEGIN` is sent,
-/// so an error return hands back a connection that the pool will close (rolling the
-/// transaction back) rather than reuse.
-pub(crate) async fn begin_and_claim(
+/// Leases up to `limit` due rows of `consumer` for `lease_ms` to this process, counting their
+/// attempts, and commits (`inbox_claim.sql`, in a transaction of its own behind the
+/// [`PLAN_GUARD`](store::PLAN_GUARD), pipelined: one round trip). Rows another claim holds are
+/// skipped, never waited for; a paused consumer claims nothing. Every row returned has lease
+/// `token`, which the caller makes ([`new_token`]) so that it knows it even when the answer
+/// is lost.
+pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     limit: i64,
+    lease_ms: i64,
+    token: i64,
 ) -> Result<Vec<InboxRow>> {
+    let process = store::process_id();
     store::entered_transaction(conn)?;
-    let c: &AsyncPgConnection = conn;
-    let (begun, rows) =
-        futures_util::future::join(store::run(c, "BEGIN"), claim_due(c, consumer, limit)).await;
-    begun?;
-    rows
+    let (b, g, rows, committed) = {
+        let mut c: &AsyncPgConnection = conn;
+        let claim = Prepared(
+            diesel::sql_query(include_str!("inbox_claim.sql"))
+                .bind::<Text, _>(consumer)
+                .bind::<BigInt, _>(limit)
+                .bind::<BigInt, _>(lease_ms)
+                .bind::<Text, _>(process)
+                .bind::<BigInt, _>(token),
+        );
+        futures_util::future::join4(
+            store::run(c, "BEGIN"),
+            store::run(c, store::PLAN_GUARD),
+            claim.load::<InboxRow>(&mut c),
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    b?;
+    g?;
+    let rows = rows?;
+    committed?;
+    store::left_transaction(conn)?;
+    Ok(rows)
 }
 
-async fn claim_due(
-    mut conn: &AsyncPgConnection,
-    consumer: &str,
-    limit: i64,
+/// A new lease token: 63 bits of a UUIDv7 (a millisecond clock and random bits), unique for
+/// every purpose a lease has. Made by the claimer, not the database, so that a claim whose
+/// answer never came can still be expired by its token.
+pub(crate) fn new_token() -> i64 {
+    (uuid::Uuid::now_v7().as_u128() as u64 & i64::MAX as u64) as i64
+}
+
+/// The rows of lease `token` among `ids` that it still holds, as [`claim`] returned them, for
+/// a batch that hands them over again one per call (their payloads went to the first call).
+pub(crate) async fn reload(
+    conn: &mut AsyncPgConnection,
+    ids: &[i64],
+    token: i64,
 ) -> Result<Vec<InboxRow>> {
     let rows = Prepared(
-        diesel::sql_query(include_str!("inbox_claim.sql"))
-            .bind::<Text, _>(consumer)
-            .bind::<BigInt, _>(limit),
+        diesel::sql_query(
+            "SELECT id, event_id, event_type, event_version, aggregate_type, aggregate_id, \
+                 aggregate_version, payload, metadata, correlation_id, causation_id, \
+                 event_created_at, attempt_count - 1 AS attempt_count, \
+                 lease_token, alone \
+             FROM inbox_events WHERE id = ANY($1) AND lease_token = $2 AND status = 'PROCESSING' \
+             ORDER BY next_attempt_at, id",
+        )
+        .bind::<Array<BigInt>, _>(ids)
+        .bind::<BigInt, _>(token),
     )
-    .load(&mut conn)
+    .load(conn)
     .await?;
     Ok(rows)
 }
 
-/// An entry of `inbox_in_flight` that may hold some of a batch's rows.
-#[derive(Debug, QueryableByName)]
-pub(crate) struct InFlightEntry {
-    #[diesel(sql_type = BigInt)]
-    pub id: i64,
-    #[diesel(sql_type = Array<BigInt>)]
-    pub inbox_ids: Vec<i64>,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    pub alone: Option<i64>,
+/// How one leased row is settled. Each is one of the inbox's state changes out of PROCESSING.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Settle {
+    /// The handler succeeded: PROCESSED, in the transaction of its effect.
+    Processed,
+    /// Not applied, the consumer being at this later aggregate version: PROCESSED with
+    /// `EVENT_STALE`.
+    Stale(i64),
+    /// The attempt failed (it was counted at claim): RETRY_PENDING after the delay, or
+    /// DEAD_LETTER.
+    Failed(Failure),
+    /// Given back unhandled, its attempt refunded: due again at once.
+    Release,
+    /// Given back unhandled and refunded, to be claimed on its own from now on: it was in a
+    /// call that overran its timeout with other rows, so which one hung is unknown.
+    Isolate,
+    /// Its process died holding it alone: the attempt (counted at claim) stands, and so do the
+    /// deaths it was suspected of: `attempts` is its count from now on.
+    Died { failure: Failure, attempts: i32 },
+    /// Its process died holding it and other rows: refunded, suspected, and claimed alone
+    /// from then on, after `delay_ms`. See [`settle_expired`](crate::consumer::decide::settle_expired).
+    Suspect { delay_ms: i64 },
 }
 
-/// Enters a batch's rows `ids` in `inbox_in_flight` (autocommit, on the consumer's in-flight
-/// connection), deletes the entries `done` (of this consumer's committed batches) and any
-/// entry older than a day none of whose rows is still waiting (no batch lives that long; an
-/// entry left behind has served its purpose once its rows were claimed again and decided, but
-/// a consumer paused or stopped for over a day still needs it when it comes back), and returns the new entry's id with the other
-/// entries whose id range meets the batch's. The caller holds the rows' locks, so no live
-/// batch can own an entry holding one of them.
-pub(crate) async fn enter_in_flight(
-    mut conn: &AsyncPgConnection,
-    consumer: &str,
-    ids: &[i64],
-    done: &[i64],
-) -> Result<(i64, Vec<InFlightEntry>)> {
-    #[derive(QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = BigInt)]
-        entry: i64,
-        #[diesel(sql_type = Nullable<BigInt>)]
-        id: Option<i64>,
-        #[diesel(sql_type = Nullable<Array<BigInt>>)]
-        inbox_ids: Option<Vec<i64>>,
-        #[diesel(sql_type = Nullable<BigInt>)]
-        alone: Option<i64>,
-    }
-    let lo = ids.iter().copied().min().unwrap_or_default();
-    let hi = ids.iter().copied().max().unwrap_or_default();
-    let rows: Vec<Row> = Prepared(
-        diesel::sql_query(
-            "WITH gone AS (DELETE FROM inbox_in_flight f \
-                           WHERE id = ANY($3) OR (entered_at < now() - interval '1 day' \
-                               AND NOT EXISTS (SELECT 1 FROM inbox_events i \
-                                   WHERE i.id = ANY (f.inbox_ids) \
-                                     AND i.status IN ('RECEIVED', 'RETRY_PENDING')))), \
-                  entered AS (INSERT INTO inbox_in_flight (consumer, lo, hi, inbox_ids) \
-                              VALUES ($1, $4, $5, $2) RETURNING id) \
-             SELECT e.id AS entry, f.id, f.inbox_ids, f.alone FROM entered e \
-             LEFT JOIN inbox_in_flight f ON f.consumer = $1 AND f.lo <= $5 AND f.hi >= $4 \
-                 AND f.id <> ALL ($3)",
-        )
-        .bind::<Text, _>(consumer)
-        .bind::<Array<BigInt>, _>(ids)
-        .bind::<Array<BigInt>, _>(done)
-        .bind::<BigInt, _>(lo)
-        .bind::<BigInt, _>(hi),
-    )
-    .load(&mut conn)
-    .await?;
-    let entry = rows.as_slice().first().map(|r| r.entry).unwrap_or_default();
-    let others = rows
-        .into_iter()
-        .filter_map(|r| {
-            Some(InFlightEntry {
-                id: r.id?,
-                inbox_ids: r.inbox_ids?,
-                alone: r.alone,
-            })
-        })
-        .collect();
-    Ok((entry, others))
-}
-
-/// Records the row the batch `entries` is handing over on its own now: `Some(row)` just before
-/// its handler is called (should the process die then, that row alone is to blame: no other
-/// handler runs in the process meanwhile), `None` as soon as the call returns.
-pub(crate) async fn set_alone(
-    mut conn: &AsyncPgConnection,
-    entries: &[i64],
-    row: Option<i64>,
-) -> Result<()> {
-    Prepared(
-        diesel::sql_query("UPDATE inbox_in_flight SET alone = $2 WHERE id = ANY($1)")
-            .bind::<Array<BigInt>, _>(entries)
-            .bind::<Nullable<BigInt>, _>(row),
-    )
-    .execute(&mut conn)
-    .await?;
-    Ok(())
-}
-
-/// Removes `row` from the entry `entry`, or the entry if it held that row only: the row's
-/// attempt is recorded, so the entry no longer needs to hold it, and the batch that claims the
-/// entry's other rows again then finds them all and deletes it.
-pub(crate) async fn forget_in_flight(
-    mut conn: &AsyncPgConnection,
-    entry: i64,
-    row: i64,
-) -> Result<()> {
-    Prepared(
-        diesel::sql_query(
-            "WITH gone AS (DELETE FROM inbox_in_flight \
-                           WHERE id = $1 AND inbox_ids <@ ARRAY[$2]::int8[] RETURNING id) \
-             UPDATE inbox_in_flight SET inbox_ids = array_remove(inbox_ids, $2) \
-             WHERE id = $1 AND NOT EXISTS (SELECT FROM gone)",
-        )
-        .bind::<BigInt, _>(entry)
-        .bind::<BigInt, _>(row),
-    )
-    .execute(&mut conn)
-    .await?;
-    Ok(())
-}
-
-/// Deletes entries from `inbox_in_flight`.
-pub(crate) async fn leave_in_flight(mut conn: &AsyncPgConnection, entries: &[i64]) -> Result<()> {
-    Prepared(
-        diesel::sql_query("DELETE FROM inbox_in_flight WHERE id = ANY($1)")
-            .bind::<Array<BigInt>, _>(entries),
-    )
-    .execute(&mut conn)
-    .await?;
-    Ok(())
-}
-
-/// Marks the batch's outcomes and commits it, in one round trip: the marks and `COMMIT` are
-/// pipelined, after the [`PLAN_GUARD`](store::PLAN_GUARD) (no handler code runs after it).
-/// The transaction is only counted as closed when every mark and the commit succeeded;
-/// otherwise the connection is left for the pool to close, and PostgreSQL rolls back whatever
-/// the commit did not make durable.
-pub(crate) async fn mark_and_commit(
-    conn: &mut AsyncPgConnection,
-    processed: &[i64],
-    stale: &[(i64, i64)],
-    failures: &[Failure],
-    counted: &[i64],
-) -> Result<()> {
-    let ((g, p, s), (f, a, committed)) = {
-        let c: &AsyncPgConnection = conn;
-        futures_util::future::join(
-            futures_util::future::join3(
-                store::run(c, store::PLAN_GUARD),
-                mark_processed(c, processed),
-                mark_stale(c, stale),
-            ),
-            futures_util::future::join3(
-                mark_failed(c, failures),
-                forget_alone(c, counted),
-                store::run(c, "COMMIT"),
-            ),
-        )
-        .await
-    };
-    g?;
-    p?;
-    s?;
-    f?;
-    a?;
-    committed?;
-    store::left_transaction(conn)
-}
-
-/// Clears the `alone` row of the entries in flight `counted`, in the transaction that records
-/// their interrupted attempts, so that each such attempt is counted exactly once: both commit,
-/// or neither does.
-async fn forget_alone(mut conn: &AsyncPgConnection, counted: &[i64]) -> Result<()> {
-    if counted.is_empty() {
-        return Ok(());
-    }
-    Prepared(
-        diesel::sql_query("UPDATE inbox_in_flight SET alone = NULL WHERE id = ANY($1)")
-            .bind::<Array<BigInt>, _>(counted),
-    )
-    .execute(&mut conn)
-    .await?;
-    Ok(())
-}
-
-/// Marks rows PROCESSED inside the transaction that holds the handlers' effects.
-async fn mark_processed(mut conn: &AsyncPgConnection, ids: &[i64]) -> Result<()> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    Prepared(diesel::sql_query(
-        "UPDATE inbox_events SET status = 'PROCESSED', attempt_count = attempt_count + 1, \
-             processed_at = clock_timestamp(), updated_at = now(), last_error = NULL, error_code = NULL \
-         WHERE id = ANY($1)",
-    )
-    .bind::<Array<BigInt>, _>(ids))
-    .execute(&mut conn)
-    .await?;
-    Ok(())
-}
-
-/// A failed attempt of one row, as decided by the consumer's retry policy.
+/// A failed attempt, as decided by the consumer's retry policy.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Failure {
-    pub id: i64,
-    /// `attempt_count` as claimed; the mark only applies if nobody moved the row since.
-    pub attempts_before: i32,
     pub dead: bool,
     pub delay_ms: i64,
     pub code: String,
     pub message: String,
 }
 
-/// Records failed attempts: the counter goes up by one, and the row becomes RETRY_PENDING at
-/// `clock_timestamp() + delay` (the database clock at the mark, not at the batch's start, so a
-/// row failing late in a long batch still waits its full backoff) or DEAD_LETTER. Fenced on the attempt count seen at claim,
-/// so a mark made outside the claiming transaction cannot overwrite a newer outcome.
-pub(crate) async fn mark_failed(
-    mut conn: &AsyncPgConnection,
-    failures: &[Failure],
+/// One row's settlement, fenced on the lease that holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Outcome {
+    pub id: i64,
+    pub token: i64,
+    pub settle: Settle,
+}
+
+/// Settles `outcomes` inside the open transaction that holds their effects and commits it, in
+/// one round trip: the [`PLAN_GUARD`](store::PLAN_GUARD), the marks and `COMMIT` are
+/// pipelined. Should any row no longer be held by its lease, the marks raise an error, so the
+/// `COMMIT` rolls the effects back instead of committing them beside another delivery's; so
+/// does a transaction a handler left failed. An error with the `COMMIT` answered leaves the
+/// connection outside any transaction; one without, inside, for the pool to close.
+pub(crate) async fn settle_and_commit(
+    conn: &mut AsyncPgConnection,
+    outcomes: &[Outcome],
+) -> Result<()> {
+    let (g, s, committed) = {
+        let c: &AsyncPgConnection = conn;
+        futures_util::future::join3(
+            store::run(c, store::PLAN_GUARD),
+            settle(c, outcomes, true),
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    // Once `COMMIT` is answered the transaction is over either way: in a transaction that a
+    // statement failed, PostgreSQL takes it as `ROLLBACK`. The connection is then reusable.
+    committed?;
+    store::left_transaction(conn)?;
+    g?;
+    s?;
+    Ok(())
+}
+
+/// Settles `outcomes` in a transaction of their own (pipelined, one round trip). A row its
+/// lease no longer holds is left as it is. Returns how many rows changed.
+pub(crate) async fn settle_now(
+    conn: &mut AsyncPgConnection,
+    outcomes: &[Outcome],
 ) -> Result<usize> {
-    if failures.is_empty() {
+    if outcomes.is_empty() {
         return Ok(0);
     }
-    let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
-    let attempts: Vec<i32> = failures.iter().map(|f| f.attempts_before).collect();
-    let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
-    let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
-    let codes: Vec<String> = failures.iter().map(|f| truncate(&f.code, 200)).collect();
-    let messages: Vec<String> = failures
-        .iter()
-        .map(|f| truncate(&f.message, 2000))
-        .collect();
-    let n = Prepared(
+    store::entered_transaction(conn)?;
+    let (b, g, s, committed) = {
+        let c: &AsyncPgConnection = conn;
+        futures_util::future::join4(
+            store::run(c, "BEGIN"),
+            store::run(c, store::PLAN_GUARD),
+            settle(c, outcomes, false),
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    b?;
+    g?;
+    let n = s?;
+    committed?;
+    store::left_transaction(conn)?;
+    Ok(n)
+}
+
+/// The one statement that moves leased rows out of PROCESSING. Fenced on each row's lease
+/// token: a row whose lease was settled by someone else (the reaper, after the lease expired)
+/// is not touched. With `check`, a row not touched raises `AO001` (`inbox_lease_held`).
+async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool) -> Result<usize> {
+    if outcomes.is_empty() {
+        return Ok(0);
+    }
+    #[derive(QueryableByName)]
+    struct Held {
+        #[diesel(sql_type = BigInt)]
+        held: i64,
+    }
+    let mut ids = Vec::with_capacity(outcomes.len());
+    let mut tokens = Vec::with_capacity(outcomes.len());
+    let mut kinds = Vec::with_capacity(outcomes.len());
+    let mut numbers = Vec::with_capacity(outcomes.len());
+    let mut codes: Vec<Option<String>> = Vec::with_capacity(outcomes.len());
+    let mut messages: Vec<Option<String>> = Vec::with_capacity(outcomes.len());
+    let mut attempts = Vec::with_capacity(outcomes.len());
+    for o in outcomes {
+        ids.push(o.id);
+        attempts.push(match &o.settle {
+            Settle::Died { attempts, .. } => *attempts,
+            _ => 0,
+        });
+        tokens.push(o.token);
+        let (kind, n, code, message) = match &o.settle {
+            Settle::Processed => ("processed", 0, None, None),
+            Settle::Stale(v) => ("stale", *v, None, None),
+            Settle::Failed(f) => (
+                if f.dead { "dead" } else { "retry" },
+                f.delay_ms,
+                Some(truncate(&f.code, 200)),
+                Some(truncate(&f.message, 2000)),
+            ),
+            Settle::Died { failure: f, .. } => (
+                if f.dead { "died_dead" } else { "died_retry" },
+                f.delay_ms,
+                Some(truncate(&f.code, 200)),
+                Some(truncate(&f.message, 2000)),
+            ),
+            Settle::Release => ("release", 0, None, None),
+            Settle::Isolate => ("isolate", 0, None, None),
+            Settle::Suspect { delay_ms } => ("suspect", *delay_ms, None, None),
+        };
+        kinds.push(kind);
+        numbers.push(n);
+        codes.push(code);
+        messages.push(message);
+    }
+    let expected = check.then_some(outcomes.len() as i64);
+    let r: Held = Prepared(
         diesel::sql_query(
-            "UPDATE inbox_events i \
-         SET attempt_count = i.attempt_count + 1, \
-             status = CASE WHEN f.dead THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
-             next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
-             error_code = f.code, last_error = f.message, updated_at = now() \
-         FROM unnest($1::int8[], $2::int4[], $3::bool[], $4::int8[], $5::text[], $6::text[]) \
-             AS f(id, attempts, dead, delay_ms, code, message) \
-         WHERE i.id = f.id AND i.attempt_count = f.attempts \
-           AND i.status IN ('RECEIVED', 'RETRY_PENDING')",
+            "WITH o AS ( \
+                 SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int8[], \
+                     $5::text[], $6::text[], $8::int4[]) \
+                     AS o(id, token, kind, n, code, message, attempts) \
+             ), settled AS ( \
+                 UPDATE inbox_events i SET \
+                     status = CASE \
+                         WHEN o.kind IN ('processed', 'stale') THEN 'PROCESSED' \
+                         WHEN o.kind IN ('dead', 'died_dead') THEN 'DEAD_LETTER' \
+                         WHEN o.kind IN ('retry', 'died_retry') THEN 'RETRY_PENDING' \
+                         WHEN i.attempt_count > 1 THEN 'RETRY_PENDING' \
+                         ELSE 'RECEIVED' END, \
+                     attempt_count = CASE WHEN o.kind IN ('release', 'isolate', 'suspect') \
+                         THEN greatest(i.attempt_count - 1, 0) \
+                         WHEN o.kind IN ('died_retry', 'died_dead') THEN o.attempts \
+                         ELSE i.attempt_count END, \
+                     suspicions = CASE WHEN o.kind = 'suspect' THEN i.suspicions + 1 \
+                         WHEN o.kind IN ('release', 'isolate') THEN i.suspicions ELSE 0 END, \
+                     alone = i.alone OR o.kind IN ('isolate', 'suspect'), \
+                     processed_at = CASE WHEN o.kind IN ('processed', 'stale') \
+                         THEN clock_timestamp() ELSE i.processed_at END, \
+                     next_attempt_at = CASE \
+                         WHEN o.kind IN ('retry', 'died_retry', 'suspect') \
+                             THEN clock_timestamp() + o.n * interval '1 millisecond' \
+                         WHEN o.kind IN ('release', 'isolate') THEN now() \
+                         ELSE i.next_attempt_at END, \
+                     error_code = CASE \
+                         WHEN o.kind = 'processed' THEN NULL \
+                         WHEN o.kind = 'stale' THEN 'EVENT_STALE' \
+                         WHEN o.kind = 'suspect' THEN 'INBOX_ATTEMPT_INTERRUPTED' \
+                         WHEN o.kind IN ('release', 'isolate') THEN i.error_code \
+                         ELSE o.code END, \
+                     last_error = CASE \
+                         WHEN o.kind = 'processed' THEN NULL \
+                         WHEN o.kind = 'stale' \
+                             THEN 'stale: the consumer already applied aggregate version ' || o.n \
+                         WHEN o.kind = 'suspect' THEN 'its process died holding it and ' \
+                             || (i.held - 1) || ' other events: not counted; handled alone \
+                             from now on' \
+                         WHEN o.kind IN ('release', 'isolate') THEN i.last_error \
+                         ELSE o.message END, \
+                     held = NULL, lease_token = NULL, locked_until = NULL, updated_at = now() \
+                 FROM o WHERE i.id = o.id AND i.lease_token = o.token AND i.status = 'PROCESSING' \
+                 RETURNING 1 \
+             ) \
+             SELECT inbox_lease_held((SELECT count(*) FROM settled), $7) AS held",
         )
         .bind::<Array<BigInt>, _>(ids)
-        .bind::<Array<Integer>, _>(attempts)
-        .bind::<Array<diesel::sql_types::Bool>, _>(dead)
-        .bind::<Array<BigInt>, _>(delays)
-        .bind::<Array<Text>, _>(codes)
-        .bind::<Array<Text>, _>(messages),
+        .bind::<Array<BigInt>, _>(tokens)
+        .bind::<Array<Text>, _>(kinds)
+        .bind::<Array<BigInt>, _>(numbers)
+        .bind::<Array<Nullable<Text>>, _>(codes)
+        .bind::<Array<Nullable<Text>>, _>(messages)
+        .bind::<Nullable<BigInt>, _>(expected)
+        .bind::<Array<Integer>, _>(attempts),
     )
-    .execute(&mut conn)
+    .get_result(&mut conn)
+    .await?;
+    Ok(r.held as usize)
+}
+
+/// One row of `consumer` held by a process that was judged dead ([`judge_dead`]).
+#[derive(Debug, Clone, QueryableByName)]
+pub(crate) struct ExpiredRow {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = BigInt)]
+    pub lease_token: i64,
+    #[diesel(sql_type = SqlUuid)]
+    pub event_id: uuid::Uuid,
+    /// Attempts before the one its process died in.
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+    /// How many rows its process held when it was judged.
+    #[diesel(sql_type = Integer)]
+    pub held: i32,
+    /// Deaths with other rows it was in flight at since its last outcome.
+    #[diesel(sql_type = Integer)]
+    pub suspicions: i32,
+}
+
+/// Judges the processes that hold an expired lease of `consumer`: a process is judged once
+/// every lease it holds has expired (it is dead), or once one has been expired for
+/// `patience_ms` more (a live process would have settled it by then: it is stuck). Every row
+/// it holds with an expired lease, of any consumer, gets `held`, how many rows it holds: one
+/// statement for all of them, so that settling one consumer's rows never makes another's look
+/// held alone.
+pub(crate) async fn judge_dead(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    patience_ms: i64,
+) -> Result<usize> {
+    let n = Prepared(
+        diesel::sql_query(
+            "WITH dead AS ( \
+                 SELECT locked_by, count(*)::int4 AS n FROM inbox_events \
+                 WHERE status = 'PROCESSING' AND locked_by IN ( \
+                     SELECT DISTINCT locked_by FROM inbox_events \
+                     WHERE status = 'PROCESSING' AND consumer = $1 AND held IS NULL \
+                       AND locked_until < now()) \
+                 GROUP BY locked_by \
+                 HAVING max(locked_until) < now() \
+                     OR min(locked_until) < now() - $2 * interval '1 millisecond' \
+             ) \
+             UPDATE inbox_events i SET held = d.n FROM dead d \
+             WHERE i.status = 'PROCESSING' AND i.locked_by = d.locked_by AND i.held IS NULL \
+               AND i.locked_until < now()",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<BigInt, _>(patience_ms),
+    )
+    .execute(conn)
     .await?;
     Ok(n)
+}
+
+/// Makes lease `token` look expired for `patience_ms` already, so that the next reap judges it
+/// at once: its loop failed while its process lives (a broken connection, a crashed backend)
+/// and settles nothing itself, since its own handler may be what broke it.
+pub(crate) async fn expire(
+    conn: &mut AsyncPgConnection,
+    token: i64,
+    patience_ms: i64,
+) -> Result<()> {
+    Prepared(
+        diesel::sql_query(
+            "UPDATE inbox_events SET locked_until = now() - ($2 + 1) * interval '1 millisecond' \
+             WHERE lease_token = $1 AND status = 'PROCESSING'",
+        )
+        .bind::<BigInt, _>(token)
+        .bind::<BigInt, _>(patience_ms),
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Extends lease `token` to `lease_ms` from now: its rows' handler still runs past its
+/// timeout, in a process that lives.
+pub(crate) async fn extend(conn: &mut AsyncPgConnection, token: i64, lease_ms: i64) -> Result<()> {
+    Prepared(
+        diesel::sql_query(
+            "UPDATE inbox_events SET locked_until = now() + $2 * interval '1 millisecond' \
+             WHERE lease_token = $1 AND status = 'PROCESSING'",
+        )
+        .bind::<BigInt, _>(token)
+        .bind::<BigInt, _>(lease_ms),
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The rows of `consumer` that a judged process held, up to `limit`.
+pub(crate) async fn judged(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    limit: i64,
+) -> Result<Vec<ExpiredRow>> {
+    let rows = Prepared(
+        diesel::sql_query(
+            "SELECT id, lease_token, event_id, attempt_count - 1 AS attempt_count, held, \
+                 suspicions \
+             FROM inbox_events \
+             WHERE status = 'PROCESSING' AND consumer = $1 AND held IS NOT NULL \
+             ORDER BY id LIMIT $2",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<BigInt, _>(limit),
+    )
+    .load(conn)
+    .await?;
+    Ok(rows)
 }
 
 /// `s` as a `text` value PostgreSQL accepts: at most `max` characters (then `…`), and without
@@ -543,27 +665,4 @@ pub(crate) async fn advance_version(
         (true, 1) => Advance::Applied,
         (true, _) => Advance::Stale(r.current.unwrap_or(version)),
     })
-}
-
-/// Marks stale rows: PROCESSED (nothing is left to do) but with `EVENT_STALE` and the version
-/// the consumer was already at, so they stay visible and countable.
-async fn mark_stale(mut conn: &AsyncPgConnection, stale: &[(i64, i64)]) -> Result<()> {
-    if stale.is_empty() {
-        return Ok(());
-    }
-    let ids: Vec<i64> = stale.iter().map(|s| s.0).collect();
-    let current: Vec<i64> = stale.iter().map(|s| s.1).collect();
-    Prepared(
-        diesel::sql_query(
-            "UPDATE inbox_events i SET status = 'PROCESSED', attempt_count = i.attempt_count + 1, \
-             processed_at = clock_timestamp(), updated_at = now(), error_code = 'EVENT_STALE', \
-             last_error = 'stale: the consumer already applied aggregate version ' || s.current \
-         FROM unnest($1::int8[], $2::int8[]) AS s(id, current) WHERE i.id = s.id",
-        )
-        .bind::<Array<BigInt>, _>(ids)
-        .bind::<Array<BigInt>, _>(current),
-    )
-    .execute(&mut conn)
-    .await?;
-    Ok(())
 }

@@ -140,6 +140,16 @@ impl TimedOut {
     }
 }
 
+/// This process, as leases name it (`locked_by`): its pid and a random part, so that a
+/// restarted process with the same pid is another. Fixed for the life of the process: a death
+/// ends every lease of the process at once, whichever runtime took it.
+pub(crate) fn process_id() -> &'static str {
+    static ID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!("{}-{}", std::process::id(), uuid::Uuid::now_v7().simple())
+    });
+    &ID
+}
+
 /// Marks `conn` broken: the pool closes it when it is returned instead of lending it again.
 pub(crate) fn poison(conn: &mut AsyncPgConnection) {
     AnsiTransactionManager::transaction_manager_status_mut(conn).set_in_error();

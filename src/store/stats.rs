@@ -96,7 +96,9 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
     let rows: Vec<ConsumerRow> = diesel::sql_query(
         "SELECT s.consumer, s.paused, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status IN ('RECEIVED', 'RETRY_PENDING')) AS backlog, \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING')) + \
+           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status = 'PROCESSING') AS backlog, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'RETRY_PENDING') AS retrying, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \

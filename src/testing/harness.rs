@@ -3,7 +3,7 @@
 //! (retry timing, pause, handler supervision, fan-out) are tested fast and deterministically.
 //!
 //! It models the outbox and inbox state machines of `store/outbox.rs` and `store/inbox.rs` in
-//! memory and reuses the runtime's decisions (`worker::decide`, `worker::upcast`, the
+//! memory and reuses the runtime's decisions (`consumer::decide`, `consumer::upcast`, the
 //! [`RetryPolicy`](crate::RetryPolicy) math) instead of copying them. Its limits: handlers get
 //! no database connection, transactions are not modelled (a failed attempt's in-memory side
 //! effects stay), consumers and rows are driven one at a time. `tests/harness.rs` runs one
@@ -19,7 +19,8 @@ use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::Mutex;
 
 use crate::consumer::actor::HandlerRef;
-use crate::consumer::worker::{decide, handler_timed_out, upcast, HANDLER_LOST};
+use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
+use crate::consumer::upcast;
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::{ConsumerName, EventId, EventRegistry, NewEvent, PayloadRules};
@@ -510,6 +511,8 @@ impl Harness {
                     causation_id: e.causation_id.clone(),
                     event_created_at: entry.created_at,
                     attempt_count: 0,
+                    lease_token: 0,
+                    alone: false,
                 };
                 self.next_inbox_id += 1;
                 self.inbox.push(InboxEntry {
@@ -772,7 +775,7 @@ impl Harness {
         }
     }
 
-    /// One row through the steps of `worker::run_batch`: upcast, stale check, handler, mark.
+    /// One row through the steps of `consumer::batch`: upcast, stale check, handler, mark.
     /// With `commit` false the attempt's marks are dropped, as a rolled-back transaction's are.
     async fn attempt(&mut self, c: usize, i: usize, commit: bool) -> Outcome {
         let cfg = self.consumers[c].cfg.clone();
@@ -816,7 +819,6 @@ impl Harness {
             row: row.clone(),
             consumer: cfg.name.clone(),
             slot: slot.clone(),
-            _ticket: None,
             events: cfg.events.clone(),
         };
         let handler = self.consumers[c].handler.clone();
@@ -831,7 +833,7 @@ impl Harness {
             }
         };
         outcome.handler_ran = true;
-        // The same errors as `worker::run_batch` makes: they are stored.
+        // The same errors as `consumer::batch` makes: they are stored.
         let result = match sent {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => {
@@ -877,11 +879,12 @@ impl Harness {
         ));
     }
 
-    /// `store::inbox::mark_failed`, fenced the same way on the attempt count seen at claim.
+    /// `Settle::Failed` of `store::inbox::settle`; the harness has one attempt in flight at a
+    /// time, so it needs no lease to fence on.
     fn mark_failed(&mut self, i: usize, f: Failure) {
         let now = self.now;
         let e = &mut self.inbox[i];
-        if e.row.id != f.id || e.row.attempt_count != f.attempts_before || !e.status.claimable() {
+        if !e.status.claimable() {
             return;
         }
         e.row.attempt_count += 1;

@@ -1,0 +1,157 @@
+//! [`ConsumerConfig`]: how one consumer is run.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::RetryPolicy;
+use crate::error::Error;
+use crate::event::{ConsumerName, EventRegistry};
+
+/// How one consumer is run. Build with [`ConsumerConfig::new`] and the setters.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    pub(crate) name: ConsumerName,
+    pub(crate) event_types: Vec<String>,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) batch_size: u32,
+    pub(crate) concurrency: u32,
+    pub(crate) mailbox_capacity: usize,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) poll_interval: Duration,
+    pub(crate) skip_stale: bool,
+    pub(crate) rate_limit: Option<f64>,
+    pub(crate) lease: Option<Duration>,
+    /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
+    pub(crate) events: Option<Arc<EventRegistry>>,
+}
+
+impl ConsumerConfig {
+    /// A consumer called `name` with the defaults: [`RetryPolicy::default`], batches of 32
+    /// rows per transaction, one batch at a time, a mailbox of 64, a 30 s handler timeout and
+    /// a 1 s poll for rows the mailbox never announced.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid name.
+    pub fn new(name: &str) -> crate::Result<Self> {
+        Ok(ConsumerConfig {
+            name: ConsumerName::new(name)?,
+            event_types: Vec::new(),
+            retry: RetryPolicy::default(),
+            batch_size: 32,
+            concurrency: 1,
+            mailbox_capacity: 64,
+            handler_timeout: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            skip_stale: false,
+            rate_limit: None,
+            lease: None,
+            events: None,
+        })
+    }
+    /// Subscribes to an event type.
+    pub fn subscribe(mut self, event_type: &str) -> Self {
+        if !self.event_types.iter().any(|t| t == event_type) {
+            self.event_types.push(event_type.to_owned());
+        }
+        self
+    }
+    /// The retry policy for this consumer only.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+    /// Inbox rows claimed per transaction: for a [`Delivery`] handler, each handled in one
+    /// call; for a [`DeliveryBatch`] handler, the most one call gets.
+    pub fn batch_size(mut self, n: u32) -> Self {
+        self.batch_size = n;
+        self
+    }
+    /// Batches in flight at once, each on its own connection. Extra batches start only for a
+    /// backlog (a batch came back full); rows that trickle in while a batch runs wait for that
+    /// loop's next batch and share its transaction, which is cheaper than a transaction each.
+    /// For slow handlers (a remote call per row) that should run side by side, keep
+    /// `batch_size` small so that batches fill.
+    pub fn concurrency(mut self, n: u32) -> Self {
+        self.concurrency = n;
+        self
+    }
+    /// Capacity of the consumer's wake-up mailbox.
+    pub fn mailbox_capacity(mut self, n: usize) -> Self {
+        self.mailbox_capacity = n;
+        self
+    }
+    /// How long one handler call may take before it counts as a failure (for a batch consumer,
+    /// one call handles a whole batch).
+    pub fn handler_timeout(mut self, d: Duration) -> Self {
+        self.handler_timeout = d;
+        self
+    }
+    /// How long a claimed batch is reserved for the loop that claimed it. A batch stops
+    /// handing rows over in time to settle within it; a lease that expires is one whose loop
+    /// died (its process, its database session or its connection), and the consumer's reaper
+    /// then settles its rows (see the module docs of `consumer` for who is charged). Longer
+    /// means fewer rows per batch never at risk, shorter means a death is noticed sooner.
+    /// Default: twice the handler timeout, at least 10 s. At least twice the handler timeout.
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = Some(d);
+        self
+    }
+    /// The lease in force: [`ConsumerConfig::lease`] or its default.
+    pub(crate) fn lease_period(&self) -> Duration {
+        self.lease.unwrap_or_else(|| {
+            (self.handler_timeout.saturating_mul(2)).max(Duration::from_secs(10))
+        })
+    }
+    /// How often the inbox is polled without a wake-up.
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+    /// Handles at most `per_second` events per second on this instance (split evenly over the
+    /// concurrent batches), so that a backlog drains without a storm on what the handler calls.
+    /// Default: unlimited.
+    pub fn rate_limit(mut self, per_second: f64) -> Self {
+        self.rate_limit = Some(per_second);
+        self
+    }
+    /// Stale-event detection: per aggregate, the last applied aggregate version is recorded in
+    /// the delivery's transaction, and an event whose aggregate version is below it is
+    /// recorded as PROCESSED with `EVENT_STALE` without calling the handler. An event at the
+    /// same version is applied: the events one change emits share its version. For consumers
+    /// that project state (a late `SENT` must not overwrite `DELIVERED`); leave it off for
+    /// consumers that must see every event, such as counters. Default off.
+    pub fn skip_stale(mut self, on: bool) -> Self {
+        self.skip_stale = on;
+        self
+    }
+    /// The consumer's name.
+    pub fn name(&self) -> &ConsumerName {
+        &self.name
+    }
+
+    pub(crate) fn validate(&self) -> crate::Result<()> {
+        let bad = |why: &str| Err(Error::Config(format!("consumer {}: {why}", self.name)));
+        if self.event_types.is_empty() {
+            return bad("subscribes to no event type");
+        }
+        if self.batch_size == 0 || self.batch_size > 10_000 {
+            return bad("batch_size must be within 1..=10000");
+        }
+        if self.concurrency == 0 || self.concurrency > 256 {
+            return bad("concurrency must be within 1..=256");
+        }
+        if self.mailbox_capacity == 0 {
+            return bad("mailbox_capacity must be at least 1");
+        }
+        if self.rate_limit.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+            return bad("rate_limit must be a positive number of events per second");
+        }
+        if self.handler_timeout.is_zero() || self.poll_interval.is_zero() {
+            return bad("handler_timeout and poll_interval must be positive");
+        }
+        if self.lease_period() < self.handler_timeout.saturating_mul(2) {
+            return bad("lease must be at least twice handler_timeout");
+        }
+        self.retry.validate()
+    }
+}

@@ -1,0 +1,212 @@
+//! Lending the batch's connection to the handler, and taking it back.
+//!
+//! A handler gets the connection through its [`Delivery`]s, for one call bounded by
+//! [`ConsumerConfig::handler_timeout`]. One that overruns may still hold it (a lock wait, a
+//! stuck downstream call): its connection and its transaction are then lost to the batch. Such
+//! a connection is *parked* ([`Hung::park`]) until the handler lets go, and each consumer parks
+//! at most `concurrency` of them. Past that its loops wait before they take another connection,
+//! and say so: a consumer whose handlers hang holds at most `2 × concurrency` connections (one
+//! per batch loop, one per parked handler), and no other consumer, the publisher or the admin
+//! API waits for it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
+use tokio::sync::{Mutex, Semaphore};
+
+use super::actor::HandlerRef;
+use super::decide::{handler_timed_out, HANDLER_LOST};
+use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
+use crate::store::inbox::{self, InboxRow, Outcome};
+use crate::store::{OwnedConn, PgPool};
+
+/// A delivery's connection slot: the handler locks it to use the connection; the batch takes
+/// the connection back out when the call is over.
+pub(crate) type Slot = Arc<Mutex<Option<OwnedConn>>>;
+
+/// How a call to the handler went.
+pub(crate) struct Call {
+    pub result: Result<(), HandlerError>,
+    /// The handler actor died during the call and must be replaced.
+    pub lost: bool,
+    /// The call overran the handler's timeout.
+    pub timed_out: bool,
+    /// The handler still holds a delivery (or the connection) after the call: it may still
+    /// run.
+    pub held: bool,
+    /// The connection, back at the depth it was lent at; `None` if the handler still holds it
+    /// (or left a transaction of its own open): it is then parked with `slot`.
+    pub conn: Option<OwnedConn>,
+    pub slot: Slot,
+}
+
+/// Lends `conn` to the handler for `rows` (one row unless the handler takes batches), moving
+/// their payloads into the deliveries, and takes it back. `depth` is the transaction depth the
+/// connection is lent at (the batch's transaction, plus a row's savepoint).
+pub(crate) async fn hand_over(
+    cfg: &ConsumerConfig,
+    handler: &HandlerRef,
+    conn: OwnedConn,
+    rows: &mut [InboxRow],
+    depth: u32,
+) -> Call {
+    let slot: Slot = Arc::new(Mutex::new(Some(conn)));
+    let deliveries: Vec<Delivery> = rows
+        .iter_mut()
+        .map(|row| {
+            super::log::started(cfg, row);
+            // The payload and metadata move into the delivery instead of being copied; what
+            // stays behind (ids, attempt, aggregate) is all the marks and logs need.
+            let mut handed = row.clone_without_payload();
+            handed.payload = std::mem::take(&mut row.payload);
+            handed.metadata = std::mem::take(&mut row.metadata);
+            Delivery {
+                row: handed,
+                consumer: cfg.name.clone(),
+                slot: slot.clone(),
+                events: cfg.events.clone(),
+            }
+        })
+        .collect();
+    let sent = match handler {
+        HandlerRef::One(h) => {
+            let d = deliveries.into_iter().next().expect("one row per call");
+            tokio::time::timeout(cfg.handler_timeout, h.send(d)).await
+        }
+        HandlerRef::Batch(h) => {
+            let batch = DeliveryBatch {
+                deliveries,
+                slot: slot.clone(),
+            };
+            tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
+        }
+    };
+    let (mut lost, timed_out) = (false, sent.is_err());
+    let result = match sent {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => {
+            // A panic in `handle` kills the actor; one inside a returned future only kills
+            // that future's task. Either way this call failed; only a dead actor needs
+            // replacing.
+            lost = !handler.connected();
+            Err(HandlerError::retry(HANDLER_LOST))
+        }
+        Err(_) => Err(handler_timed_out(cfg)),
+    };
+    let taken = slot.try_lock().ok().and_then(|mut g| g.take());
+    let conn = taken.and_then(|mut c| (depth_of(&mut c) == Some(depth)).then_some(c));
+    let held = Arc::strong_count(&slot) > 1;
+    Call {
+        result,
+        lost,
+        timed_out,
+        held,
+        conn,
+        slot,
+    }
+}
+
+fn depth_of(conn: &mut OwnedConn) -> Option<u32> {
+    Tm::transaction_manager_status_mut(&mut **conn)
+        .transaction_depth()
+        .ok()
+        .flatten()
+        .map(|d| d.get())
+}
+
+/// The consumer's handlers that overran their timeout holding a connection. Per consumer
+/// (never shared with another consumer or runtime), with `concurrency` places.
+#[derive(Clone)]
+pub(crate) struct Hung {
+    places: Arc<Semaphore>,
+    parked: Arc<AtomicUsize>,
+}
+
+impl Hung {
+    pub(crate) fn new(concurrency: u32) -> Self {
+        Hung {
+            places: Arc::new(Semaphore::new(concurrency as usize)),
+            parked: Arc::default(),
+        }
+    }
+
+    /// How many handlers hold a parked connection now.
+    pub(crate) fn parked(&self) -> usize {
+        self.parked.load(Ordering::Relaxed)
+    }
+
+    /// Parks the call whose handler overran its timeout and still runs (it holds a delivery
+    /// or the connection). Its rows stay leased while it runs, so that should it kill the
+    /// process they are counted among what the process held. A task waits for the handler to
+    /// let go, drops the connection if it got it (still inside the batch's transaction: the
+    /// pool closes it, PostgreSQL rolls back), then settles the rows with `outcomes`. Waits for
+    /// a place first when the consumer's are all taken: the consumer then stalls, alone, until
+    /// one of its handlers lets go.
+    pub(crate) async fn park(
+        &self,
+        cfg: &ConsumerConfig,
+        pool: &PgPool,
+        slot: Slot,
+        outcomes: Vec<Outcome>,
+    ) {
+        let place = match self.places.clone().try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                tracing::warn!(
+                    consumer = %cfg.name, hung = self.parked(),
+                    "every place for a hung handler is taken: the consumer waits until one of \
+                     its handlers lets go"
+                );
+                super::log::waiting_for_hung(cfg, true);
+                let place = self
+                    .places
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the semaphore is never closed");
+                super::log::waiting_for_hung(cfg, false);
+                place
+            }
+        };
+        let parked = self.parked.clone();
+        parked.fetch_add(1, Ordering::Relaxed);
+        super::log::hung(cfg, self.parked());
+        let (consumer, pool) = (cfg.name.clone(), pool.clone());
+        let lease = cfg.lease_period();
+        let token = outcomes.first().map(|o| o.token);
+        actix_rt::spawn(async move {
+            // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile
+            // its rows' lease is kept alive: the process lives, and the rows are judged only
+            // if it dies.
+            let mut renewed = tokio::time::Instant::now();
+            while Arc::strong_count(&slot) > 1 {
+                tokio::time::sleep(LET_GO_POLL).await;
+                if let (Some(token), true) = (token, renewed.elapsed() >= lease / 3) {
+                    renewed = tokio::time::Instant::now();
+                    let lease_ms = crate::store::millis(lease);
+                    if let Ok(mut conn) = pool.get().await {
+                        let _ = bounded!(conn, inbox::extend(&mut conn, token, lease_ms));
+                    }
+                }
+            }
+            drop(slot.lock().await.take());
+            drop(slot);
+            let left = parked.fetch_sub(1, Ordering::Relaxed) - 1;
+            crate::maintenance::metrics::consumer_hung(consumer.as_str(), left);
+            drop(place);
+            tracing::info!(consumer = %consumer, hung = left, "a hung handler let go");
+            let settled = match pool.get().await {
+                Ok(mut conn) => bounded!(conn, inbox::settle_now(&mut conn, &outcomes)),
+                Err(e) => Err(e.into()),
+            };
+            if let Err(e) = settled {
+                // The rows stay leased; the reaper settles them once their lease expires.
+                tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
+            }
+        });
+    }
+}
+
+/// How often a parked call looks whether its handler has let go.
+const LET_GO_POLL: std::time::Duration = std::time::Duration::from_millis(50);
