@@ -17,11 +17,14 @@ use crate::consumer::actor::{HandlerFactory, HandlerRef};
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
-use crate::maintenance::{RetentionConfig, StatsConfig};
+use crate::maintenance::{Retention, RetentionConfig, StatsConfig};
 use crate::publisher::{ExternalConfig, Route, Transport};
 use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
 use crate::store::{self, PgPool};
-use supervisor::{ConsumerSlot, GetStatus, ReconcileNow, Shutdown, SupervisorActor};
+use supervisor::{
+    until_stopped, ConsumerSlot, GetStatus, Ready, ReconcileNow, Shutdown, StopAll,
+    SupervisorActor, STOP_WAIT,
+};
 
 /// There may be work: claim now instead of at the next poll.
 #[derive(Message, Debug, Clone, Copy)]
@@ -206,13 +209,22 @@ impl OutboxBuilder {
         self
     }
 
-    /// Records the consumers' subscriptions in the database and starts the actors. Must be
-    /// called inside an actix system (`#[actix_web::main]`, `#[actix_rt::main]`). The library's
-    /// tables must exist: run [`migrate`](crate::migrate) first.
+    /// Records the consumers' subscriptions in the database and starts the actors; returns once
+    /// every actor has started. Must be called inside an actix system (`#[actix_web::main]`,
+    /// `#[actix_rt::main]`). The library's tables must exist: run [`migrate`](crate::migrate)
+    /// first.
+    ///
+    /// Everything that can be checked is checked before the first actor starts; should a start
+    /// still fail once actors exist, they are stopped (and gone) before the error is returned.
+    /// Either way, an error leaves nothing behind in the actix system.
     ///
     /// # Errors
     /// [`Error::Config`] for invalid or duplicate settings; [`Error::Database`] or
-    /// [`Error::Pool`] when the subscriptions cannot be written.
+    /// [`Error::Pool`] when the subscriptions cannot be written; [`Error::Stopped`] when an
+    /// actor of the runtime stopped before the start finished.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it resolves stops whatever it had started.
     pub async fn start(self) -> Result<OutboxRuntime> {
         self.config.validate()?;
         if let Route::External(_, cfg) = &self.route {
@@ -229,6 +241,11 @@ impl OutboxBuilder {
                 )));
             }
         }
+        // Built here, not by the supervisor: it can fail, and nothing has started yet.
+        let retention = match &self.config.retention {
+            Some(cfg) => Some(Rc::new(Retention::new(self.pool.clone(), cfg.clone())?)),
+            None => None,
+        };
         let mut names = std::collections::HashSet::new();
         for (cfg, _) in &self.consumers {
             cfg.validate()?;
@@ -265,11 +282,43 @@ impl OutboxBuilder {
                 }
             })
             .collect();
-        let supervisor =
-            SupervisorActor::new(self.pool, self.config, slots, self.rules, self.route).start();
-        Ok(OutboxRuntime {
-            handle: OutboxHandle { supervisor },
-        })
+        let supervisor = SupervisorActor::new(
+            self.pool,
+            self.config,
+            slots,
+            self.rules,
+            self.route,
+            retention,
+        )
+        .start();
+        let mut started = Starting(Some(supervisor.clone()));
+        // An actor runs `started` at its first poll. Returning before every actor has had it
+        // would leave the application's next error (its own start-up failing after this one)
+        // to drop the system with actors that never ran: actix then polls them once as it
+        // drops them, outside the runtime, and the timers their `started` sets panic.
+        if supervisor.send(Ready).await.unwrap_or(false) {
+            started.0 = None;
+            return Ok(OutboxRuntime {
+                handle: OutboxHandle { supervisor },
+            });
+        }
+        tracing::error!("an actor of the outbox runtime stopped while the runtime started");
+        started.0 = None;
+        let _ = supervisor.send(StopAll).await;
+        until_stopped(|| supervisor.connected(), STOP_WAIT).await;
+        Err(Error::Stopped)
+    }
+}
+
+/// A supervisor whose start has not finished: if `start`'s future is dropped, it stops
+/// everything it had started instead of leaving a runtime nobody can shut down.
+struct Starting(Option<Addr<SupervisorActor>>);
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(supervisor) = self.0.take() {
+            supervisor.do_send(StopAll);
+        }
     }
 }
 
@@ -329,14 +378,21 @@ impl OutboxRuntime {
             .map_err(|_| Error::Stopped)
     }
 
-    /// Graceful shutdown: the publisher stops claiming, consumers finish the batches in flight
-    /// (within [`RuntimeConfig::shutdown_timeout`]), then every actor stops. Batches still
-    /// running at the deadline roll back and are delivered again after the next start. Calling
-    /// it again after the runtime has stopped does nothing.
+    /// Graceful shutdown: the publisher and every consumer stop claiming at once, then finish
+    /// the work in flight side by side, each within [`RuntimeConfig::shutdown_timeout`] (a
+    /// publisher stuck on a hung broker does not take the consumers' time), then every actor
+    /// stops. Work still running at the deadline is cut off: a consumer's batch rolls back and
+    /// is delivered again after the next start; an external publish in flight keeps its lease
+    /// until it expires, and is published again then. Resolves once every actor has stopped,
+    /// so the actix system can be dropped right after. Calling it again after the runtime has
+    /// stopped does nothing.
     ///
     /// Returns whether everything in flight finished before the deadline.
     pub async fn shutdown(&self) -> bool {
-        self.handle.supervisor.send(Shutdown).await.unwrap_or(true)
+        let supervisor = &self.handle.supervisor;
+        let finished = supervisor.send(Shutdown).await.unwrap_or(true);
+        until_stopped(|| supervisor.connected(), STOP_WAIT).await;
+        finished
     }
 
     /// Fault injection for tests: stops (or panics) one of the runtime's actors, as a crash

@@ -5,14 +5,22 @@
 //! interval and rebuilds any that closed, for whatever reason. Messages in a dead actor's
 //! mailbox are lost, which costs nothing: every piece of work is a row in the database, found
 //! again by the new actor's first claim.
+//!
+//! It also owns the lifecycle's two edges. At start it answers [`Ready`] only once every child
+//! has run its `started`: actix runs `started` at an actor's first poll, and if the system is
+//! dropped before that poll (the application returned an error right after `start`), actix
+//! polls the actor once as it drops it, outside the tokio runtime, where the timers `started`
+//! sets panic. At the end ([`Shutdown`], [`StopAll`]) it stops every child and waits until each
+//! has stopped, for the same reason.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use futures_util::future::join_all;
+use futures_util::future::{join_all, LocalBoxFuture};
 
 use super::listener::{Heard, ListenerActor};
 use super::{Drain, RuntimeConfig, RuntimeStatus, Stop, Wake};
@@ -26,6 +34,11 @@ use crate::reconciler::{
     DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow,
 };
 use crate::store::PgPool;
+
+/// How long stopping waits for the children to be gone after telling them to stop. An actor
+/// stops at its next poll (nothing in this crate delays its `stopping`), so this is a bound for
+/// a busy thread, not a wait anyone should see.
+pub(crate) const STOP_WAIT: Duration = Duration::from_secs(1);
 
 pub(crate) struct ConsumerSlot {
     pub cfg: Arc<ConsumerConfig>,
@@ -72,6 +85,7 @@ impl SupervisorActor {
         consumers: Vec<ConsumerSlot>,
         rules: Vec<Rc<dyn ReconcileRule>>,
         route: Route,
+        retention: Option<Rc<Retention>>,
     ) -> Self {
         SupervisorActor {
             pool,
@@ -88,7 +102,7 @@ impl SupervisorActor {
             restarts: BTreeMap::new(),
             stopping: false,
             stats_instance: crate::maintenance::stats::instance_name(),
-            retention: None,
+            retention,
             retaining: false,
         }
     }
@@ -241,17 +255,18 @@ impl Actor for SupervisorActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            // This first poll is actix dropping the actor (with its system) before it ever ran:
+            // outside the runtime, starting children and timers would panic. Nothing started.
+            self.stopping = true;
+            ctx.stop();
+            return;
+        }
         self.ensure_children();
         self.ensure_listener(ctx);
-        // Validated by the builder; each run is bounded and its deletes are short transactions,
-        // so it runs here rather than in an actor of its own. The first run is at start: a
-        // process restarted more often than the interval would otherwise never run one.
-        self.retention = self
-            .config
-            .retention
-            .clone()
-            .and_then(|cfg| Retention::new(self.pool.clone(), cfg).ok())
-            .map(Rc::new);
+        // Built and validated by the builder; each run is bounded and its deletes are short
+        // transactions, so it runs here rather than in an actor of its own. The first run is at
+        // start: a process restarted more often than the interval would otherwise never run one.
         if self.retention.is_some() {
             self.run_retention(ctx);
             ctx.run_interval(self.config.retention_interval, |act, ctx| {
@@ -376,55 +391,179 @@ impl Handler<StopChild> for SupervisorActor {
     }
 }
 
-/// Graceful shutdown: stop claiming, let in-flight batches finish within the deadline, stop.
+/// A child's answer to a message whose reply carries nothing.
+type Reply = LocalBoxFuture<'static, Result<(), MailboxError>>;
+
+/// Answered by every child, once it has started (an actor runs `started` before it reads its
+/// mailbox), so [`Ready`] can tell that all of them have.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Ping;
+
+/// Implemented here for each child type, since only the supervisor asks.
+macro_rules! answers_ping {
+    ($($actor:ty),* $(,)?) => {$(
+        impl Handler<Ping> for $actor {
+            type Result = ();
+            fn handle(&mut self, _: Ping, _: &mut Context<Self>) {}
+        }
+    )*};
+}
+
+answers_ping!(
+    ConsumerRegistry,
+    ConsumerActor,
+    PublisherActor,
+    ReconcilerActor,
+    StatsActor,
+    ListenerActor,
+);
+
+/// Resolves once every child has started: true, or false if one of them stopped first.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub(crate) struct Ready;
+
+impl Handler<Ready> for SupervisorActor {
+    type Result = ResponseFuture<bool>;
+    fn handle(&mut self, _: Ready, _: &mut Context<Self>) -> Self::Result {
+        let mut pings: Vec<Reply> = Vec::new();
+        for slot in &self.consumers {
+            if let Some(a) = &slot.addr {
+                pings.push(Box::pin(a.send(Ping)));
+            }
+        }
+        if let Some(a) = &self.registry {
+            pings.push(Box::pin(a.send(Ping)));
+        }
+        if let Some(a) = &self.publisher {
+            pings.push(Box::pin(a.send(Ping)));
+        }
+        if let Some(a) = &self.reconciler {
+            pings.push(Box::pin(a.send(Ping)));
+        }
+        if let Some(a) = &self.stats {
+            pings.push(Box::pin(a.send(Ping)));
+        }
+        if let Some(a) = &self.listener {
+            pings.push(Box::pin(a.send(Ping)));
+        }
+        // Nothing started (see `started`): not ready.
+        let started = self.registry.is_some();
+        Box::pin(async move { started && join_all(pings).await.iter().all(Result::is_ok) })
+    }
+}
+
+impl SupervisorActor {
+    /// Tells every child to stop; the future resolves once all of them have stopped (or after
+    /// [`STOP_WAIT`]), with whether they all did. Dead children stay dead from here on.
+    ///
+    /// Stopping an actor ends its in-flight futures: a batch cut off here rolls back (its
+    /// connection is dropped mid-transaction) and is claimed again later.
+    fn stop_children(&mut self) -> impl Future<Output = bool> + 'static {
+        self.stopping = true;
+        let mut alive: Vec<Box<dyn Fn() -> bool>> = Vec::new();
+        for slot in &self.consumers {
+            stop(slot.addr.as_ref(), &mut alive);
+        }
+        stop(self.publisher.as_ref(), &mut alive);
+        stop(self.registry.as_ref(), &mut alive);
+        stop(self.reconciler.as_ref(), &mut alive);
+        stop(self.stats.as_ref(), &mut alive);
+        // The listener's connection is its own, not the pool's: stopping it closes that
+        // connection, so no LISTEN outlives the runtime.
+        stop(self.listener.as_ref(), &mut alive);
+        until_stopped(move || alive.iter().any(|a| a()), STOP_WAIT)
+    }
+}
+
+/// Sends `Stop` to `addr`, if any, and adds to `alive` a check of whether it is still running.
+fn stop<A>(addr: Option<&Addr<A>>, alive: &mut Vec<Box<dyn Fn() -> bool>>)
+where
+    A: Actor<Context = Context<A>> + Handler<Stop>,
+{
+    if let Some(a) = addr {
+        a.do_send(Stop { panic: false });
+        let a = a.clone();
+        // An address reports disconnected once its actor's mailbox is gone, that is once the
+        // actor has stopped and been dropped.
+        alive.push(Box::new(move || a.connected()));
+    }
+}
+
+/// Waits until `alive` says no, checking every millisecond, for at most `limit`; returns
+/// whether it said no in time.
+pub(crate) async fn until_stopped(alive: impl Fn() -> bool, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while alive() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    true
+}
+
+/// Stop every child and then the supervisor, now, with nothing drained: for a start that
+/// failed half-way.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct StopAll;
+
+impl Handler<StopAll> for SupervisorActor {
+    type Result = ResponseActFuture<Self, ()>;
+    fn handle(&mut self, _: StopAll, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(
+            self.stop_children()
+                .into_actor(self)
+                .map(|_, _, ctx| ctx.stop()),
+        )
+    }
+}
+
+/// Graceful shutdown: stop claiming everywhere, let the work in flight finish within the
+/// deadline, stop.
 #[derive(Message)]
 #[rtype(result = "bool")]
 pub(crate) struct Shutdown;
 
 impl Handler<Shutdown> for SupervisorActor {
-    /// Whether every in-flight batch finished before the deadline.
+    /// Whether every drain finished before the deadline.
     type Result = ResponseActFuture<Self, bool>;
     fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
         self.stopping = true;
-        let publisher = self.publisher.clone();
-        let consumers: Vec<_> = self
-            .consumers
-            .iter()
-            .filter_map(|s| s.addr.clone())
-            .collect();
-        let deadline = self.config.shutdown_timeout;
-        let drain = async move {
-            // Publisher first, so no new inbox rows appear while consumers finish.
-            if let Some(p) = publisher {
-                let _ = p.send(Drain).await;
+        // Every `Drain` is queued here, before any is awaited (`send` puts the message in the
+        // mailbox at once): the publisher and every consumer stop claiming together, and
+        // nobody starts new work while another drains.
+        let mut drains: Vec<Reply> = Vec::new();
+        if let Some(p) = &self.publisher {
+            drains.push(Box::pin(p.send(Drain)));
+        }
+        for slot in &self.consumers {
+            if let Some(c) = &slot.addr {
+                drains.push(Box::pin(c.send(Drain)));
             }
-            join_all(consumers.iter().map(|c| c.send(Drain))).await;
+        }
+        let timeout = self.config.shutdown_timeout;
+        // Then they drain side by side, each bounded by the same deadline: a publisher stuck
+        // on a hung broker costs the consumers none of their time, nor one consumer another.
+        // A drain that misses the deadline is cut off by the stop below.
+        let drained = async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            let each = drains
+                .into_iter()
+                .map(|d| async move { tokio::time::timeout_at(deadline, d).await.is_ok() });
+            join_all(each).await.into_iter().all(|finished| finished)
         };
         Box::pin(
-            async move { tokio::time::timeout(deadline, drain).await.is_ok() }
+            drained
                 .into_actor(self)
-                .map(|finished, act, ctx| {
-                    // Stopping an actor ends its in-flight futures; a batch cut off here rolls
-                    // back (its connection is dropped mid-transaction) and is claimed again later.
-                    for slot in &act.consumers {
-                        if let Some(a) = &slot.addr {
-                            a.do_send(Stop { panic: false });
-                        }
-                    }
-                    for a in act.publisher.iter() {
-                        a.do_send(Stop { panic: false });
-                    }
-                    for a in act.registry.iter() {
-                        a.do_send(Stop { panic: false });
-                    }
-                    for a in act.reconciler.iter() {
-                        a.do_send(Stop { panic: false });
-                    }
-                    // The listener's connection is its own, not the pool's: stopping it closes
-                    // that connection, so no LISTEN outlives the runtime.
-                    for a in act.listener.iter() {
-                        a.do_send(Stop { panic: false });
-                    }
+                .then(|finished, act, _| {
+                    act.stop_children()
+                        .into_actor(act)
+                        .map(move |_, _, _| finished)
+                })
+                .map(|finished, _, ctx| {
                     ctx.stop();
                     finished
                 }),
