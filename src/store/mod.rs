@@ -1,8 +1,10 @@
 //! The database seam: the SQL of the delivery state machines (ARCHITECTURE §4) lives in this
 //! folder, so they can be read in one place. (The reconciler's advisory lock and drift query,
-//! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users see only [`PgPool`].
+//! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users
+//! see only [`PgPool`], the pool builders and [`ConnectionConfig`].
 
 pub(crate) mod admin;
+mod connection;
 pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;
@@ -17,6 +19,8 @@ use diesel::QueryResult;
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+pub use connection::ConnectionConfig;
+
 /// The connection pool the runtime and the application share.
 pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
 
@@ -24,17 +28,37 @@ pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
 pub(crate) type OwnedConn =
     bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>;
 
-/// Builds a pool for `database_url` with `max_size` connections; a convenience for
-/// applications that do not configure bb8 themselves. Connections are not tested on
-/// check-out (bb8's default costs a round trip each time); build your own pool the same way.
+/// Builds a pool for `database_url` with `max_size` connections and the default
+/// [`ConnectionConfig`]; a convenience for applications that do not configure bb8 themselves.
+///
+/// # Errors
+/// [`Error::Pool`](crate::Error::Pool) if the pool cannot be built.
 pub async fn connect(database_url: &str, max_size: u32) -> crate::Result<PgPool> {
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+    connect_with(database_url, max_size, &ConnectionConfig::default()).await
+}
+
+/// [`connect`] with network settings of your own.
+///
+/// Connections are not tested on check-out (bb8's default costs a round trip each time): a
+/// connection that died while idle fails its first statement instead, and the caller retries.
+/// Keepalive closes such a connection within `keepalive_idle + keepalive_retries ×
+/// keepalive_interval` of the fault, so few are handed out.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for invalid settings,
+/// [`Error::Pool`](crate::Error::Pool) if the pool cannot be built.
+pub async fn connect_with(
+    database_url: &str,
+    max_size: u32,
+    config: &ConnectionConfig,
+) -> crate::Result<PgPool> {
+    config.validate()?;
     bb8::Pool::builder()
         .max_size(max_size)
-        // A `SELECT 1` per check-out is a round trip per batch and per claim; a broken
-        // connection fails its first statement instead, and the caller retries.
+        // A `SELECT 1` per check-out is a round trip per batch and per claim.
         .test_on_check_out(false)
-        .build(manager)
+        .connection_timeout(config.acquire_timeout)
+        .build(config.manager(database_url))
         .await
         .map_err(|e| crate::Error::Pool(e.to_string()))
 }
