@@ -327,3 +327,58 @@ async fn debug_dump(db: &TestDb) {
         for r in rows { eprintln!("  {}", r.r); }
     }
 }
+
+#[derive(diesel::QueryableByName)]
+struct Settings {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    idle: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    keepalive: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    user_timeout: String,
+}
+
+async fn settings(pool: &actix_outbox::PgPool) -> (String, String, String) {
+    use diesel_async::RunQueryDsl;
+    let mut conn = pool.get().await.unwrap();
+    let s: Settings = diesel::sql_query(
+        "SELECT current_setting('idle_in_transaction_session_timeout') AS idle, \
+                current_setting('tcp_keepalives_idle') AS keepalive, \
+                current_setting('tcp_user_timeout') AS user_timeout",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    (s.idle, s.keepalive, s.user_timeout)
+}
+
+/// A pool's connections get the server-side settings, except where the server has a value of
+/// its own (here one set on the database), which a DBA chose on purpose.
+#[actix_rt::test]
+async fn connections_get_the_server_side_settings_the_server_does_not_set_itself() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let pool = actix_outbox::connect_with(&db.url, 2, &network())
+        .await
+        .unwrap();
+    assert_eq!(
+        settings(&pool).await,
+        ("5s".to_owned(), "10".to_owned(), "20000".to_owned())
+    );
+    db.pool
+        .get()
+        .await
+        .unwrap()
+        .batch_execute(&format!(
+            "ALTER DATABASE {} SET idle_in_transaction_session_timeout = '7min'",
+            db.name
+        ))
+        .await
+        .unwrap();
+    let pool = actix_outbox::connect_with(&db.url, 2, &network())
+        .await
+        .unwrap();
+    assert_eq!(settings(&pool).await.0, "7min");
+    drop(pool);
+    db.finish(&[]).await;
+}
