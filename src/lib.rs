@@ -171,4 +171,4 @@ pub use runtime::Fault;
 pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};
 pub use store::migrate::{migrate, MIGRATIONS};
 pub use store::timeline::TimelineEntry;
-pub use store::{connect, PgPool, Prepared};
+pub use store::{connect, connect_with, ConnectionConfig, PgPool, Prepared};

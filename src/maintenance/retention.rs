@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::store::stats::{self as stmt, Expired};
-use crate::store::PgPool;
+use crate::store::{self, PgPool};
 
 /// What retention keeps. Every field has a documented default. An age over a century counts
 /// as a century: `Duration::MAX` keeps rows for ever in practice, and is not an error.
@@ -94,7 +94,8 @@ impl Retention {
     /// Deletes expired rows, table by table, in batches, and returns how many.
     ///
     /// # Errors
-    /// [`Error::Database`] or [`Error::Pool`]; batches already committed stay deleted.
+    /// [`Error::Database`] or [`Error::Pool`]; [`Error::DatabaseTimeout`] when a batch got no
+    /// answer in time (its connection is then closed). Batches already committed stay deleted.
     ///
     /// # Cancel safety
     /// Dropping the future stops after the batch in flight, which commits or rolls back whole.
@@ -127,6 +128,13 @@ impl Retention {
         Ok(report)
     }
 
+    /// How long one delete batch may take before its connection is taken for dead: the
+    /// runtime's bound for a round trip, plus a millisecond per row, since a large batch does
+    /// real work (index entries, the inbox rows it unmarks).
+    fn batch_timeout(&self) -> Duration {
+        store::DB_TIMEOUT + Duration::from_millis(u64::from(self.config.batch_size))
+    }
+
     async fn drain(&self, what: Expired, older_than: Duration) -> Result<(u64, bool)> {
         let batch = i64::from(self.config.batch_size);
         let mut deleted = 0u64;
@@ -134,7 +142,10 @@ impl Retention {
         for _ in 0..self.config.max_batches {
             // A connection per batch: a long run does not pin one away from the runtime.
             let mut conn = self.pool.get().await?;
-            let expiry = stmt::delete_expired(&mut conn, what, older_than, batch, after).await?;
+            let expiry = store::bounded(&mut conn, self.batch_timeout(), async |c| {
+                stmt::delete_expired(c, what, older_than, batch, after).await
+            })
+            .await?;
             deleted += expiry.deleted as u64;
             // Fewer than a batch expired: none is left (past the events left for later).
             if expiry.seen < batch {

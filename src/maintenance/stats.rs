@@ -108,36 +108,47 @@ impl StatsSampler {
     /// previous run (of any sampler in this process) are stored with this sample.
     ///
     /// # Errors
-    /// [`Error::Database`] or [`Error::Pool`]; the increments taken are then put back for the
-    /// next run.
+    /// [`Error::Database`] or [`Error::Pool`], or [`Error::DatabaseTimeout`] when a round trip
+    /// got no answer in time (its connection is then closed); the increments taken are then put
+    /// back for the next run.
     ///
     /// # Cancel safety
     /// Dropping the future loses at most the increments of this run from the stored samples
     /// (the metric counters themselves are unaffected).
     pub async fn run_once(&self) -> Result<HealthReport> {
         let mut conn = self.pool.get().await?;
-        let mut sample = store::stats::snapshot(&mut conn).await?;
+        // Each round trip is bounded, so that a connection cut mid-run cannot keep the sampler
+        // busy (and skipping every tick) for ever.
+        let mut sample = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
+            store::stats::snapshot(c).await
+        })
+        .await?;
         sample.instance = Some(self.instance.clone());
         let deltas = m::take_deltas();
         let stored = async {
             add_deltas(&mut sample, &deltas);
-            let previous: Vec<Sample> =
-                store::stats::recent_samples(&mut conn, self.config.history, HISTORY_LIMIT)
-                    .await?
-                    .into_iter()
-                    // A row this version cannot read (written by a newer one) is skipped.
-                    .filter_map(|v| serde_json::from_value(v).ok())
-                    .collect();
+            let history = self.config.history;
+            let previous: Vec<Sample> = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
+                store::stats::recent_samples(c, history, HISTORY_LIMIT).await
+            })
+            .await?
+            .into_iter()
+            // A row this version cannot read (written by a newer one) is skipped.
+            .filter_map(|v| serde_json::from_value(v).ok())
+            .collect();
             let report = health::assess(&self.config.health, &sample, &previous);
             let sample_json = serde_json::to_value(&sample).unwrap_or_default();
             let report_json = serde_json::to_value(&report).unwrap_or_default();
-            store::stats::insert_sample(
-                &mut conn,
-                &self.instance,
-                self.config.interval,
-                &sample_json,
-                &report_json,
-            )
+            store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
+                store::stats::insert_sample(
+                    c,
+                    &self.instance,
+                    self.config.interval,
+                    &sample_json,
+                    &report_json,
+                )
+                .await
+            })
             .await?;
             Ok::<_, Error>(report)
         }
@@ -153,7 +164,11 @@ impl StatsSampler {
             .config
             .history
             .saturating_add(self.config.interval.saturating_mul(2));
-        if let Err(e) = store::stats::prune_samples(&mut conn, keep, PRUNE_BATCH).await {
+        let pruned = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
+            store::stats::prune_samples(c, keep, PRUNE_BATCH).await
+        })
+        .await;
+        if let Err(e) = pruned {
             // The sample is stored; old ones go at the next run.
             tracing::warn!(error = %e, code = %e.code(), "pruning old stats samples failed");
         }

@@ -7,7 +7,7 @@ use super::transport::{ExternalConfig, OutboxEvent, Transport, TransportError};
 use crate::error::{ErrorCode, Result};
 use crate::maintenance::metrics;
 use crate::store::lease::{self, LeasedRow};
-use crate::store::PgPool;
+use crate::store::{self, PgPool};
 use futures_util::future::join_all;
 
 /// Leases and publishes one batch. Returns whether more rows are probably due: the batch was
@@ -20,7 +20,18 @@ pub(crate) async fn publish_batch(
     let lease_ms = crate::store::millis(cfg.lease);
     let rows = {
         let mut conn = pool.get().await?;
-        lease::claim_leased(&mut conn, &cfg.owner, i64::from(cfg.batch_size), lease_ms).await?
+        let limit = i64::from(cfg.batch_size);
+        // On time-out the claim may have committed: its rows are then PROCESSING under a lease
+        // nobody will mark, and the reaper returns them once it expires.
+        let claimed = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
+            lease::claim_leased(c, &cfg.owner, limit, lease_ms).await
+        })
+        .await;
+        if claimed.as_ref().is_err_and(timed_out) {
+            drop(conn);
+            store::sweep_idle(pool).await;
+        }
+        claimed?
     };
     let more = rows.len() == cfg.batch_size as usize || rows.iter().any(|r| r.alone);
     // Concurrently, so a whole batch finishes within one publish timeout and so within the
@@ -31,10 +42,17 @@ pub(crate) async fn publish_batch(
             .map(|row| publish_one(pool, transport, cfg, row)),
     )
     .await;
+    if results.iter().any(|r| r.as_ref().is_err_and(timed_out)) {
+        store::sweep_idle(pool).await;
+    }
     for r in results {
         r?;
     }
     Ok(more)
+}
+
+fn timed_out(e: &crate::Error) -> bool {
+    matches!(e, crate::Error::DatabaseTimeout(_))
 }
 
 async fn publish_one(
@@ -58,8 +76,11 @@ async fn publish_one(
         )),
     };
     let mut conn = pool.get().await?;
-    let marked = match &failure {
-        None => lease::mark_published(&mut conn, event.id.as_uuid(), token).await?,
+    // Bounded: a mark that never returns would keep the claim loop, and so the publisher, busy
+    // for ever. A mark that timed out is left to the lease: once it expires the reaper returns
+    // the row, and it is published again (a duplicate the inbox absorbs).
+    let marked = store::bounded(&mut conn, store::DB_TIMEOUT, async |conn| match &failure {
+        None => lease::mark_published(conn, event.id.as_uuid(), token).await,
         Some((err, timed_out)) => {
             let (dead, delay, code) = decide(cfg, &event, err, *timed_out);
             tracing::warn!(name: "outbox.publish.failed", event_id = %event.id, event_type = %event.event_type,
@@ -67,7 +88,7 @@ async fn publish_one(
                 attempt = event.attempt, error_code = %code, error = %err, dead, "outbox.publish.failed");
             let delay_ms = crate::consumer::retry::delay_ms(delay);
             lease::mark_failed(
-                &mut conn,
+                conn,
                 event.id.as_uuid(),
                 token,
                 dead,
@@ -75,9 +96,10 @@ async fn publish_one(
                 code.as_str(),
                 &err.to_string(),
             )
-            .await?
+            .await
         }
-    };
+    })
+    .await?;
     // Counted once the mark is made: a publish whose lease was lost is made again by the row's
     // next owner, which counts it then.
     if !marked {

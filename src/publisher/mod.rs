@@ -188,7 +188,19 @@ async fn claim_in_process(
         }
     };
     let notify = notify_as.map(|me| (INBOX_CHANNEL, me));
-    let fan_out = store::outbox::claim_and_fan_out(&mut conn, limit, notify).await;
+    let claim = store::outbox::claim_and_fan_out(&mut conn, limit, notify);
+    let fan_out = match store::timed(store::DB_TIMEOUT, claim).await {
+        Ok(fan_out) => fan_out,
+        Err(t) => {
+            // The claim may have committed, or not: either way its rows are safe (PUBLISHED
+            // with their inbox rows, or still due), and the consumers' polls find any rows
+            // whose wake-up is lost here.
+            let e = t.close(&mut conn);
+            drop(conn);
+            store::sweep_idle(pool).await;
+            Err(e)
+        }
+    };
     match fan_out {
         Ok(f) => {
             metrics::outbox_published(f.published as u64);
@@ -239,7 +251,12 @@ impl Actor for PublisherActor {
             let pool = act.pool.clone();
             let reap = async move {
                 let reaped = match pool.get().await {
-                    Ok(mut conn) => lease::reap_expired(&mut conn, max_attempts, 100).await,
+                    Ok(mut conn) => {
+                        store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
+                            lease::reap_expired(c, max_attempts, 100).await
+                        })
+                        .await
+                    }
                     Err(e) => Err(e.into()),
                 };
                 match reaped {

@@ -1,8 +1,10 @@
 //! The database seam: the SQL of the delivery state machines (ARCHITECTURE §4) lives in this
 //! folder, so they can be read in one place. (The reconciler's advisory lock and drift query,
-//! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users see only [`PgPool`].
+//! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users
+//! see only [`PgPool`], the pool builders and [`ConnectionConfig`].
 
 pub(crate) mod admin;
+mod connection;
 pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;
@@ -15,7 +17,12 @@ use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::QueryResult;
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
+
+pub use connection::ConnectionConfig;
 
 /// The connection pool the runtime and the application share.
 pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
@@ -24,17 +31,39 @@ pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
 pub(crate) type OwnedConn =
     bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>;
 
-/// Builds a pool for `database_url` with `max_size` connections; a convenience for
-/// applications that do not configure bb8 themselves. Connections are not tested on
-/// check-out (bb8's default costs a round trip each time); build your own pool the same way.
+/// Builds a pool for `database_url` with `max_size` connections and the default
+/// [`ConnectionConfig`]; a convenience for applications that do not configure bb8 themselves.
+///
+/// # Errors
+/// [`Error::Pool`](crate::Error::Pool) if the pool cannot be built.
 pub async fn connect(database_url: &str, max_size: u32) -> crate::Result<PgPool> {
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+    connect_with(database_url, max_size, &ConnectionConfig::default()).await
+}
+
+/// [`connect`] with network settings of your own.
+///
+/// Connections are not tested on check-out (bb8's default costs a round trip each time): a
+/// connection that died while idle fails its first statement instead, and the caller retries.
+/// Keepalive closes such a connection within `keepalive_idle + keepalive_retries ×
+/// keepalive_interval` of the fault, so few are handed out; one that still looks alive but
+/// answers nothing costs the runtime one bounded round trip, after which it checks the pool's
+/// other idle connections.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for invalid settings,
+/// [`Error::Pool`](crate::Error::Pool) if the pool cannot be built.
+pub async fn connect_with(
+    database_url: &str,
+    max_size: u32,
+    config: &ConnectionConfig,
+) -> crate::Result<PgPool> {
+    config.validate()?;
     bb8::Pool::builder()
         .max_size(max_size)
-        // A `SELECT 1` per check-out is a round trip per batch and per claim; a broken
-        // connection fails its first statement instead, and the caller retries.
+        // A `SELECT 1` per check-out is a round trip per batch and per claim.
         .test_on_check_out(false)
-        .build(manager)
+        .connection_timeout(config.acquire_timeout)
+        .build(config.manager(database_url))
         .await
         .map_err(|e| crate::Error::Pool(e.to_string()))
 }
@@ -153,6 +182,76 @@ pub(crate) fn process_id() -> &'static str {
 /// Marks `conn` broken: the pool closes it when it is returned instead of lending it again.
 pub(crate) fn poison(conn: &mut AsyncPgConnection) {
     AnsiTransactionManager::transaction_manager_status_mut(conn).set_in_error();
+}
+
+/// Runs `work` on `conn` for at most `limit`; on time-out `conn` is marked broken and the
+/// result is [`Error::DatabaseTimeout`](crate::Error::DatabaseTimeout). [`timed`] and
+/// [`TimedOut::close`] in one, for work that only needs the connection.
+pub(crate) async fn bounded<T>(
+    conn: &mut AsyncPgConnection,
+    limit: std::time::Duration,
+    work: impl AsyncFnOnce(&mut AsyncPgConnection) -> crate::Result<T>,
+) -> crate::Result<T> {
+    match timed(limit, work(conn)).await {
+        Ok(done) => done,
+        Err(t) => Err(t.close(conn)),
+    }
+}
+
+/// How long [`sweep_idle`] waits for an idle connection to answer. Short: a connection closed
+/// by mistake costs one reconnect, while every dead one left in the pool costs the next
+/// borrower a whole [`DB_TIMEOUT`].
+pub(crate) const SWEEP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Checks every connection idle in `pool` with a bounded `SELECT 1`, all at once, and closes
+/// those that do not answer within [`SWEEP_TIMEOUT`]. Returns how many it closed.
+///
+/// Why: when one round trip ran out of time, the fault that caused it (a hung proxy, a path
+/// that swallows packets) has most likely cut the pool's idle connections too, and TCP cannot
+/// tell while the path still acknowledges packets. Without this, each of them would be found
+/// out one borrower and one [`DB_TIMEOUT`] at a time. A live connection answers in
+/// milliseconds and goes straight back to the pool.
+pub(crate) async fn sweep_idle(pool: &PgPool) -> usize {
+    let mut idle = Vec::new();
+    // Only connections that are idle now: once none is, `get` would wait or open a new one.
+    // Polled once, so it can never wait here.
+    while pool.state().idle_connections > 0 {
+        use futures_util::FutureExt;
+        match pool.get_owned().now_or_never() {
+            Some(Ok(conn)) => idle.push(conn),
+            _ => break,
+        }
+    }
+    let checks = idle.into_iter().map(|mut conn| async move {
+        let ping = timed(SWEEP_TIMEOUT, async {
+            conn.batch_execute("SELECT 1").await?;
+            Ok(())
+        })
+        .await;
+        match ping {
+            Ok(Ok(())) => false,
+            Ok(Err(_)) => {
+                poison(&mut conn);
+                true
+            }
+            Err(t) => {
+                let _ = t.close(&mut conn);
+                true
+            }
+        }
+    });
+    let closed = futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .filter(|closed| *closed)
+        .count();
+    if closed > 0 {
+        tracing::warn!(
+            closed,
+            "idle connections did not answer after a database time-out; closed"
+        );
+    }
+    closed
 }
 
 /// Tells the connection's transaction manager that a pipelined `BEGIN` is about to open a
