@@ -294,6 +294,12 @@ impl Actor for ConsumerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        // Polled only while actix drops a system that never ran it (a start-up that failed):
+        // there is no runtime for timers then, and nothing to do.
+        if tokio::runtime::Handle::try_current().is_err() {
+            ctx.stop();
+            return;
+        }
         ctx.set_mailbox_capacity(self.cfg.mailbox_capacity);
         ctx.run_interval(self.cfg.poll_interval, |act, ctx| {
             act.want = true;

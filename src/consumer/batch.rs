@@ -94,10 +94,14 @@ pub(crate) async fn run_batch(
         .map(|o| BatchOutcome { alone, ..o });
     // Settled, or left to the reaper on purpose.
     unsettled.rows.clear();
-    if out.is_err() {
+    if let Err(e) = &out {
         // The batch failed (its connection broke, its backend crashed, a statement timed out)
         // with rows still leased. It settles nothing itself: its own handler may have caused
         // the failure.
+        if matches!(e, crate::Error::DatabaseTimeout(_)) {
+            // What silenced this connection has most likely silenced the idle ones too.
+            store::sweep_idle(pool).await;
+        }
         expire(pool, cfg, token).await;
     }
     out
@@ -211,11 +215,11 @@ impl Batch<'_> {
                     decided.extend(charged);
                     back
                 }
-                PassEnd::Kept(slot, outcomes, parked) => {
+                PassEnd::Kept(slot, backend, outcomes, parked) => {
                     decided.extend(outcomes);
                     // The place first: a consumer holds at most `concurrency` parked handlers
                     // beside its loops' own connections.
-                    hung.park(cfg, pool, slot, parked).await;
+                    hung.park(cfg, pool, slot, backend, parked).await;
                     let mut conn = pool.get_owned().await?;
                     bounded!(conn, inbox::settle_now(&mut conn, &decided))?;
                     record(cfg, &[], &decided, &mut out);
@@ -249,7 +253,8 @@ enum PassEnd {
     Again(OwnedConn, Vec<Outcome>),
     /// The handler overran and still runs: settle the first outcomes at once on another
     /// connection, the second (the call's rows) once the handler lets go.
-    Kept(lend::Slot, Vec<Outcome>, Vec<Outcome>),
+    /// `i32`: the database session of the handler's transaction.
+    Kept(lend::Slot, i32, Vec<Outcome>, Vec<Outcome>),
 }
 
 struct Pass<'a> {
@@ -384,7 +389,8 @@ impl Pass<'_> {
                 now.extend(rows.map(|r| to(&r, Settle::Release)));
                 // A connection that came back mid-transaction is dropped: the pool closes it.
                 drop(call.conn);
-                return Ok(PassEnd::Kept(call.slot, now, parked));
+                let backend = group[0].backend;
+                return Ok(PassEnd::Kept(call.slot, backend, now, parked));
             }
             let mut back = call.conn.expect("the connection came back");
             let end = match (&call.result, call.lost) {

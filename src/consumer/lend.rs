@@ -18,6 +18,7 @@ use tokio::sync::{Mutex, Semaphore};
 use super::actor::HandlerRef;
 use super::decide::{handler_timed_out, HANDLER_LOST};
 use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
+use crate::event::ConsumerName;
 use crate::store::inbox::{self, InboxRow, Outcome};
 use crate::store::{OwnedConn, PgPool};
 
@@ -148,6 +149,7 @@ impl Hung {
         cfg: &ConsumerConfig,
         pool: &PgPool,
         slot: Slot,
+        backend: i32,
         outcomes: Vec<Outcome>,
     ) {
         let place = match self.places.clone().try_acquire_owned() {
@@ -176,18 +178,29 @@ impl Hung {
         let lease = cfg.lease_period();
         let token = outcomes.first().map(|o| o.token);
         actix_rt::spawn(async move {
-            // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile
-            // its rows' lease is kept alive: the process lives, and the rows are judged only
-            // if it dies.
+            // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile its
+            // rows stay leased, renewed: the process lives, and should the handler kill it,
+            // they are counted among what it held. Should the handler's database session end
+            // first (a server-side timeout, on a dead network say), its transaction can never
+            // commit: the rows are settled then, and only the connection and the place stay
+            // with the handler.
             let mut renewed = tokio::time::Instant::now();
+            let mut outcomes = Some(outcomes);
             while Arc::strong_count(&slot) > 1 {
                 tokio::time::sleep(LET_GO_POLL).await;
-                if let (Some(token), true) = (token, renewed.elapsed() >= lease / 3) {
-                    renewed = tokio::time::Instant::now();
+                if outcomes.is_none() || renewed.elapsed() < lease / 3 {
+                    continue;
+                }
+                renewed = tokio::time::Instant::now();
+                let Ok(mut conn) = pool.get().await else {
+                    continue;
+                };
+                if let Ok(false) = bounded!(conn, inbox::session_alive(&mut conn, backend)) {
+                    drop(conn);
+                    settle(&pool, &consumer, outcomes.take().unwrap_or_default()).await;
+                } else if let Some(token) = token {
                     let lease_ms = crate::store::millis(lease);
-                    if let Ok(mut conn) = pool.get().await {
-                        let _ = bounded!(conn, inbox::extend(&mut conn, token, lease_ms));
-                    }
+                    let _ = bounded!(conn, inbox::extend(&mut conn, token, lease_ms));
                 }
             }
             drop(slot.lock().await.take());
@@ -196,15 +209,22 @@ impl Hung {
             crate::maintenance::metrics::consumer_hung(consumer.as_str(), left);
             drop(place);
             tracing::info!(consumer = %consumer, hung = left, "a hung handler let go");
-            let settled = match pool.get().await {
-                Ok(mut conn) => bounded!(conn, inbox::settle_now(&mut conn, &outcomes)),
-                Err(e) => Err(e.into()),
-            };
-            if let Err(e) = settled {
-                // The rows stay leased; the reaper settles them once their lease expires.
-                tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
+            if let Some(outcomes) = outcomes {
+                settle(&pool, &consumer, outcomes).await;
             }
         });
+    }
+}
+
+/// Settles a parked call's rows. On failure they stay leased, and the reaper settles them
+/// once their lease expires.
+async fn settle(pool: &PgPool, consumer: &ConsumerName, outcomes: Vec<Outcome>) {
+    let settled = match pool.get().await {
+        Ok(mut conn) => bounded!(conn, inbox::settle_now(&mut conn, &outcomes)),
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = settled {
+        tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
     }
 }
 

@@ -235,6 +235,12 @@ impl Actor for PublisherActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        // Polled only while actix drops a system that never ran it (a start-up that failed):
+        // there is no runtime for timers then, and nothing to do.
+        if tokio::runtime::Handle::try_current().is_err() {
+            ctx.stop();
+            return;
+        }
         ctx.run_interval(self.poll_interval, |act, ctx| act.run(ctx));
         let (max_attempts, every) = match &self.route {
             Route::External(_, cfg) => (

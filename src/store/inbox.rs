@@ -48,6 +48,9 @@ pub(crate) struct InboxRow {
     /// Claimed on its own (see the migration `inbox_lease`).
     #[diesel(sql_type = diesel::sql_types::Bool)]
     pub alone: bool,
+    /// The database session (backend pid) the row was claimed on, which its handler writes in.
+    #[diesel(sql_type = Integer)]
+    pub backend: i32,
 }
 
 impl InboxRow {
@@ -183,7 +186,7 @@ pub(crate) async fn reload(
             "SELECT id, event_id, event_type, event_version, aggregate_type, aggregate_id, \
                  aggregate_version, payload, metadata, correlation_id, causation_id, \
                  event_created_at, attempt_count - 1 AS attempt_count, \
-                 lease_token, alone \
+                 lease_token, alone, pg_backend_pid() AS backend \
              FROM inbox_events WHERE id = ANY($1) AND lease_token = $2 AND status = 'PROCESSING' \
              ORDER BY next_attempt_at, id",
         )
@@ -496,6 +499,23 @@ pub(crate) async fn extend(conn: &mut AsyncPgConnection, token: i64, lease_ms: i
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// Whether database session `backend` still exists. A handler's transaction whose session is
+/// gone (ended by `idle_in_transaction_session_timeout`, a crash, an operator) can never commit.
+pub(crate) async fn session_alive(conn: &mut AsyncPgConnection, backend: i32) -> Result<bool> {
+    #[derive(QueryableByName)]
+    struct Alive {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        alive: bool,
+    }
+    let r: Alive = Prepared(
+        diesel::sql_query("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1) AS alive")
+            .bind::<Integer, _>(backend),
+    )
+    .get_result(conn)
+    .await?;
+    Ok(r.alive)
 }
 
 /// The rows of `consumer` that a judged process held, up to `limit`.

@@ -48,8 +48,9 @@ WITH paused AS (
     WHERE i.id = ANY (ARRAY(SELECT id FROM one UNION ALL SELECT id FROM due))
     RETURNING i.*
 )
--- In claim order; `attempt_count` as before this attempt.
+-- In claim order; `attempt_count` as before this attempt; `backend`, the session the rows'
+-- handlers will write in.
 SELECT id, event_id, event_type, event_version, aggregate_type, aggregate_id,
     aggregate_version, payload, metadata, correlation_id, causation_id, event_created_at,
-    attempt_count - 1 AS attempt_count, lease_token, alone
+    attempt_count - 1 AS attempt_count, lease_token, alone, pg_backend_pid() AS backend
 FROM claimed ORDER BY next_attempt_at, id

@@ -513,6 +513,7 @@ impl Harness {
                     attempt_count: 0,
                     lease_token: 0,
                     alone: false,
+                    backend: 0,
                 };
                 self.next_inbox_id += 1;
                 self.inbox.push(InboxEntry {
