@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use actix_outbox::{
     enqueue, enqueue_many, enqueue_with, ConsumerConfig, Delivery, DeliveryBatch, HandlerError,
-    NewEvent, OutboxHandle, OutboxRuntime, PgPool, Prepared, RuntimeConfig,
+    NewEvent, OutboxHandle, OutboxRuntime, PgPool, Prepared, RetryPolicy, RuntimeConfig,
 };
 use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;

@@ -866,3 +866,46 @@ async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
     );
     db.finish(&[&rt]).await;
 }
+
+/// A handler factory that panics is contained in its consumer: the supervisor and the other
+/// consumer go on, and the factory is tried again (with a growing wait) until it builds a
+/// handler, which then processes every event once.
+#[actix_rt::test]
+async fn a_panicking_handler_factory_is_retried_and_stops_nothing_else() {
+    let db = TestDb::new().await;
+    db.produce(20, "o").await;
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let made = calls.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(consumer("flaky", 3), move || {
+            if made.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 3 {
+                panic!("fault injection: the factory cannot build its handler yet");
+            }
+            Recorder {
+                name: "flaky".into(),
+                behaviour: Behaviour::default(),
+            }
+        })
+        .consumer(consumer("steady", 3), || Recorder {
+            name: "steady".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .expect("a factory's panic is not a start-up failure");
+    for c in ["steady", "flaky"] {
+        let done = format!(
+            "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{c}' \
+             AND status = 'PROCESSED' AND attempt_count = 1"
+        );
+        assert_eq!(db.wait_for(&done, 20, WAIT).await, 20, "{c}");
+    }
+    assert!(
+        calls.load(std::sync::atomic::Ordering::Relaxed) >= 4,
+        "the factory was tried again after its panics"
+    );
+    assert!(rt.status().await.is_ok(), "the supervisor still answers");
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[&rt]).await;
+}

@@ -45,6 +45,7 @@ const OUTBOX_STATUSES: &[&str] = &[
 ];
 const INBOX_STATUSES: &[&str] = &[
     "RECEIVED",
+    "PROCESSING",
     "PROCESSED",
     "RETRY_PENDING",
     "DEAD_LETTER",

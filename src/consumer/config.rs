@@ -60,8 +60,8 @@ impl ConsumerConfig {
         self.retry = policy;
         self
     }
-    /// Inbox rows claimed per transaction: for a [`Delivery`] handler, each handled in one
-    /// call; for a [`DeliveryBatch`] handler, the most one call gets.
+    /// Inbox rows claimed per transaction: for a [`Delivery`](super::Delivery) handler, each handled in one
+    /// call; for a [`DeliveryBatch`](super::DeliveryBatch) handler, the most one call gets.
     pub fn batch_size(mut self, n: u32) -> Self {
         self.batch_size = n;
         self

@@ -20,8 +20,8 @@ use crate::store::OwnedConn;
 /// One event delivered to one consumer, with the transaction its effect must be written in.
 ///
 /// The handler returns `Ok(())` to have the event marked PROCESSED in that transaction, or a
-/// [`HandlerError`] to have its writes rolled back (a savepoint) and the event retried or
-/// dead-lettered by the consumer's [`RetryPolicy`].
+/// [`HandlerError`] to have its writes rolled back and the event retried or dead-lettered by
+/// the consumer's [`RetryPolicy`](super::RetryPolicy).
 pub struct Delivery {
     pub(crate) row: InboxRow,
     pub(crate) consumer: ConsumerName,
@@ -213,11 +213,13 @@ async fn lend(slot: &Slot) -> Result<TxConn, HandlerError> {
 /// batch, it can write every effect in one statement (`INSERT … SELECT … FROM unnest(…)`).
 ///
 /// `Ok(())` marks every event of the batch PROCESSED in the batch's transaction. An error
-/// (or a panic, or a timeout: [`ConsumerConfig::handler_timeout`] applies to the whole call)
-/// rolls back the batch's writes and, for a batch of several events, counts no attempt; the
-/// runtime then hands those rows over again one per call, each in a savepoint, so that the
-/// failure is recorded against the event that causes it and the other events still commit. A
-/// one-event batch that fails is counted at once, like any delivery. A batch is never empty; each
+/// rolls back the batch's writes and, for a batch of several events, charges none of them: the
+/// runtime hands those events over again one per call (a batch of one), each in a savepoint,
+/// so that the failure is recorded against the event that causes it and the other events
+/// still commit. A panic, or a timeout ([`ConsumerConfig::handler_timeout`](super::ConsumerConfig::handler_timeout)
+/// applies to the whole call) with the connection kept, charges none either: each event is
+/// then handed over alone in a batch of its own. A one-event batch that fails is charged at
+/// once, like any delivery. A batch is never empty; each
 /// [`Delivery`] in it has the usual accessors, and [`Delivery::conn`] and
 /// [`Delivery::enqueue`] work on the batch's transaction too.
 ///

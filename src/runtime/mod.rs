@@ -330,13 +330,12 @@ pub struct OutboxRuntime {
 impl OutboxRuntime {
     /// Starts building a runtime on `pool`. The pool should allow at least
     /// 4 + Σ consumer concurrency connections (the publisher and its lease reaper, the
-    /// reconciler, the stats sampler, and one per consumer batch). A handler that overruns its
-    /// timeout keeping its connection holds it, and the mark of its attempt waits on another,
-    /// until it lets go: at most one such handler per batch loop, so Σ 2 × concurrency more
-    /// while handlers hang. Give it a pool of its own rather than the application's. Outside
-    /// the pool, through the pool's manager, the runtime opens one connection held in `LISTEN`
-    /// (see [`RuntimeConfig::listen`]) and, per consumer, one on which it records the rows its
-    /// batches have in flight.
+    /// reconciler, the stats sampler, and one per consumer batch loop), and Σ concurrency more
+    /// for handlers that overrun their timeout keeping their connection: each consumer parks
+    /// at most `concurrency` of them and then waits, so this bound holds however they hang.
+    /// Give it a pool of its own rather than the application's. Outside the pool, through the
+    /// pool's manager, the runtime opens one connection held in `LISTEN` (see
+    /// [`RuntimeConfig::listen`]).
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,
