@@ -6,12 +6,13 @@
 //!     cargo bench --bench delivery -- [--scenario NAME[,NAME…]] [--json FILE] [--quick]
 //! ```
 //!
-//! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history` (all, in that order, by
-//! default). `--quick` puts 500,000 rows instead of 5,000,000 under `history`. Tuning flags for
-//! experiments: `--events N`, `--consumer-batch N`, `--concurrency N`, `--publish-batch N`,
-//! `--listen on|off`, `--publish-gap-us N`. `--handler batch` registers the consumers as batch
-//! consumers (`OutboxBuilder::batch_consumer`), which write a whole batch's effect rows in one
-//! statement; the default, `--handler each`, writes one effect row per handler call.
+//! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history`, `noisy-neighbour`
+//! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
+//! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
+//! N`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
+//! registers the consumers as batch consumers (`OutboxBuilder::batch_consumer`), which write a
+//! whole batch's effect rows in one statement; the default, `--handler each`, writes one
+//! effect row per handler call.
 //! `--producer statement` (the default) writes each one-event business transaction as one
 //! `enqueue_with` statement; `--producer transaction` as `BEGIN`, the business insert
 //! pipelined with `enqueue`, and `COMMIT`.
@@ -27,7 +28,8 @@
 //!   clock, in a slot per event (the event's number travels in its payload). A latency can be
 //!   slightly negative when the publisher sees the commit before the producer does.
 //! - "Done" is the peers' rule: every handler has started (seen in-process) and no inbox row
-//!   is left RECEIVED or RETRY_PENDING (polled every 5 ms). An effect commits with its inbox
+//!   is left RECEIVED, RETRY_PENDING or PROCESSING (leased to a batch whose handlers run or
+//!   whose marks have not committed yet; polled every 5 ms). An effect commits with its inbox
 //!   row's PROCESSED mark, so that is "last effect committed".
 //! - WAL bytes are the server-wide `pg_current_wal_lsn()` difference over the scenario divided
 //!   by the events, as the peers measure it: anything else the server writes meanwhile counts
@@ -43,6 +45,15 @@
 //!   first on an empty table, then with N PUBLISHED rows (one `INSERT … SELECT
 //!   generate_series`, then `VACUUM ANALYZE`). Timing an idle runtime's publish cycles would
 //!   add the actor hops and the pool check-out to the figure and hide what the table size does.
+//! - `noisy-neighbour` asks what an always-failing consumer costs a healthy one beside it: a
+//!   backlog of `--events` (written as `drain` writes it, runtime stopped) is drained by the
+//!   healthy consumer alone, then again with a second consumer subscribed to the same event
+//!   type whose handler always returns `HandlerError::retry` (`RetryPolicy::fixed(1000,
+//!   200 ms)`: it is still failing when the drain ends) and writes nothing. Both on one runtime,
+//!   then on two `OutboxRuntime`s on the same database in this process, each with its own pool
+//!   and running every consumer (as two instances would). The healthy consumer's drain time
+//!   (from the runtimes' start to its "done") is timed; the ratio is with the neighbour / alone
+//!   (1.0 = no cost). Each of the four drains starts on fresh tables.
 //! - Peak RSS is this process's `VmHWM`, reset through `/proc/self/clear_refs` before each
 //!   scenario (if the kernel refuses, it is the peak since the start and says so).
 
@@ -70,7 +81,15 @@ type Res<T> = Result<T, BoxError>;
 const EVENT_TYPE: &str = "ORDER_PLACED";
 /// Longest wait for one scenario's deliveries before it is reported incomplete.
 const SCENARIO_LIMIT: Duration = Duration::from_secs(300);
-const ALL: &[&str] = &["drain", "single", "batched", "paced", "fanout", "history"];
+const ALL: &[&str] = &[
+    "drain",
+    "single",
+    "batched",
+    "paced",
+    "fanout",
+    "history",
+    "noisy-neighbour",
+];
 
 // ------------------------------------------------------------------------------- options
 
@@ -761,7 +780,8 @@ async fn start_runtime(ctx: &Ctx, track: &Arc<Track>, names: &[String]) -> Res<O
 }
 
 /// Waits until every consumer's handlers have all started and its inbox has nothing left to
-/// do; returns when each consumer got there (in the track's clock), `None` past the deadline.
+/// do or in flight; returns when each consumer got there (in the track's clock), `None` past
+/// the deadline.
 async fn wait_done(
     conn: &mut AsyncPgConnection,
     track: &Track,
@@ -773,7 +793,8 @@ async fn wait_done(
         if (0..names.len()).any(|c| done[c].is_none() && track.all_started(c)) {
             let left: Vec<PerConsumer> = diesel::sql_query(
                 "SELECT consumer, count(*) AS n FROM inbox_events \
-                 WHERE status IN ('RECEIVED', 'RETRY_PENDING') GROUP BY consumer",
+                 WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING') \
+                 GROUP BY consumer",
             )
             .load(conn)
             .await?;
@@ -1089,6 +1110,223 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     Ok((line, result))
 }
 
+// ---------------------------------------------------------------------- noisy neighbour
+
+/// The healthy consumer of `noisy-neighbour`; its neighbour's name.
+const HEALTHY: &str = "effects";
+const NEIGHBOUR: &str = "failing";
+
+/// The noisy neighbour: every call fails, to be retried; it writes nothing.
+struct Failing;
+
+impl Actor for Failing {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Failing {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, _: Delivery, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(async { Err(HandlerError::retry("noisy neighbour: always fails")) })
+    }
+}
+
+impl Handler<DeliveryBatch> for Failing {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, _: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(async { Err(HandlerError::retry("noisy neighbour: always fails")) })
+    }
+}
+
+/// A runtime on `pool` with the healthy consumer and, with `neighbour`, the failing one, both
+/// of the handler shape of `--handler`.
+async fn start_noisy_runtime(
+    ctx: &Ctx,
+    pool: PgPool,
+    track: &Arc<Track>,
+    neighbour: bool,
+) -> Res<OutboxRuntime> {
+    let mut b = OutboxRuntime::builder(pool).config(ctx.opts.runtime_config());
+    let (track, name): (Arc<Track>, Arc<str>) = (track.clone(), Arc::from(HEALTHY));
+    let sink = move || Sink {
+        track: track.clone(),
+        index: 0,
+        name: name.clone(),
+    };
+    let cfg = ctx.opts.consumer_config(HEALTHY);
+    b = if ctx.opts.batch_handler {
+        b.batch_consumer(cfg, sink)
+    } else {
+        b.consumer(cfg, sink)
+    };
+    if neighbour {
+        // Short and many: it fails again every 200 ms for the whole drain, never dead-letters.
+        let cfg = ctx
+            .opts
+            .consumer_config(NEIGHBOUR)
+            .retry(RetryPolicy::fixed(1000, Duration::from_millis(200)));
+        b = if ctx.opts.batch_handler {
+            b.batch_consumer(cfg, || Failing)
+        } else {
+            b.consumer(cfg, || Failing)
+        };
+    }
+    Ok(b.start().await?)
+}
+
+/// One drain of a fresh backlog by the healthy consumer on `runtimes` runtimes, each with the
+/// failing neighbour beside it if `neighbour`.
+struct NoisyDrain {
+    /// From the runtimes' start to the healthy consumer's "done"; `None` past the limit.
+    seconds: Option<f64>,
+    /// The neighbour's attempts by then (`sum(attempt_count)` over its inbox rows).
+    neighbour_attempts: f64,
+    /// Its rows dead-lettered by then: 0, or the neighbour stopped failing early.
+    neighbour_dead: f64,
+    /// Problems with the healthy consumer's effects, if any.
+    check: Option<String>,
+}
+
+async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: bool) -> Res<NoisyDrain> {
+    let o = &ctx.opts;
+    let events = o.events;
+    let mut mon = ctx.pool.get().await?;
+    mon.batch_execute(RESET).await?;
+    let track = Track::new(events, 1);
+    let produce_args = Produce {
+        events,
+        per_tx: o.batch_per_tx,
+        rate: None,
+        one_statement: o.one_statement,
+    };
+    let (url, t) = (ctx.url.clone(), track.clone());
+    on_own_thread(move || produce(url, t, produce_args, None))
+        .await
+        .map_err(|e| format!("producer: {e}"))?;
+    // Each runtime its own pool, as two instances would have; opened before the clock starts.
+    let mut pools = Vec::with_capacity(runtimes);
+    for _ in 0..runtimes {
+        pools.push(actix_outbox::connect(&ctx.url, o.pool_size()).await?);
+    }
+    let from = track.now();
+    let mut started = Vec::with_capacity(runtimes);
+    for pool in pools {
+        match start_noisy_runtime(ctx, pool, &track, neighbour).await {
+            Ok(rt) => started.push(rt),
+            Err(e) => {
+                futures_util::future::join_all(started.iter().map(|rt| rt.shutdown())).await;
+                return Err(e);
+            }
+        }
+    }
+    let names = [HEALTHY.to_owned()];
+    let done = wait_done(&mut mon, &track, &names, Instant::now() + SCENARIO_LIMIT).await;
+    let neighbour_attempts = number(
+        &mut mon,
+        &format!(
+            "SELECT coalesce(sum(attempt_count), 0)::float8 AS n FROM inbox_events \
+             WHERE consumer = '{NEIGHBOUR}'"
+        ),
+    )
+    .await;
+    let neighbour_dead = number(
+        &mut mon,
+        &format!(
+            "SELECT count(*)::float8 AS n FROM inbox_events \
+             WHERE consumer = '{NEIGHBOUR}' AND status = 'DEAD_LETTER'"
+        ),
+    )
+    .await;
+    futures_util::future::join_all(started.iter().map(|rt| rt.shutdown())).await;
+    let done = done?;
+    let effects = number(&mut mon, "SELECT count(*)::float8 AS n FROM bench_effects").await?;
+    let dup_effects = number(
+        &mut mon,
+        "SELECT (count(*) - count(DISTINCT event_id))::float8 AS n FROM bench_effects",
+    )
+    .await?;
+    let (_, missing) = track.latencies();
+    let duplicates = track.duplicates();
+    let check = (effects != events as f64 || dup_effects > 0.0 || missing > 0 || duplicates > 0)
+        .then(|| {
+            format!(
+                "CHECK effects {effects}/{events} dup effects {dup_effects} missing starts \
+                 {missing} redeliveries {duplicates}"
+            )
+        });
+    Ok(NoisyDrain {
+        seconds: done[0].map(|d| (d - from) as f64 / 1e9),
+        neighbour_attempts: neighbour_attempts?,
+        neighbour_dead: neighbour_dead?,
+        check,
+    })
+}
+
+/// `noisy-neighbour`: the healthy consumer's drain alone and beside the failing neighbour, on
+/// one runtime and on two.
+async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
+    let events = ctx.opts.events as f64;
+    let mut parts = Vec::new();
+    let mut cases = Vec::new();
+    let mut ratios = Vec::new();
+    for runtimes in [1usize, 2] {
+        let alone = noisy_drain(ctx, runtimes, false).await?;
+        // Let the server settle, as between scenarios.
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        let beside = noisy_drain(ctx, runtimes, true).await?;
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        let ratio = alone
+            .seconds
+            .zip(beside.seconds)
+            .map(|(alone, beside)| beside / alone);
+        let drain = |d: &NoisyDrain| {
+            d.seconds.map_or("INCOMPLETE".to_owned(), |s| {
+                format!("{s:.2} s ({:.0}/s)", events / s)
+            })
+        };
+        let mut part = format!(
+            "{runtimes} runtime{}: alone {}, beside the failing neighbour {} (its attempts {:.0}, \
+             dead {:.0}), ratio {}",
+            if runtimes == 1 { "" } else { "s" },
+            drain(&alone),
+            drain(&beside),
+            beside.neighbour_attempts,
+            beside.neighbour_dead,
+            ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}")),
+        );
+        for c in [&alone.check, &beside.check].into_iter().flatten() {
+            part.push_str(&format!(" {c}"));
+        }
+        parts.push(part);
+        for (d, neighbour) in [(&alone, false), (&beside, true)] {
+            cases.push(json!({
+                "runtimes": runtimes,
+                "neighbour": neighbour,
+                "seconds": d.seconds,
+                "rate": d.seconds.map(|s| events / s),
+                "neighbour_attempts": d.neighbour_attempts,
+                "neighbour_dead": d.neighbour_dead,
+                "check": d.check,
+            }));
+        }
+        ratios.push(json!({"runtimes": runtimes, "ratio": ratio}));
+    }
+    let line = format!(
+        "noisy-neighbour | {} events, drain time with / alone | {}",
+        ctx.opts.events,
+        parts.join(" | ")
+    );
+    let result = json!({
+        "scenario": "noisy-neighbour",
+        "events": ctx.opts.events,
+        "neighbour_retry": "fixed 1000 attempts, 200 ms",
+        "cases": cases,
+        "ratios": ratios,
+    });
+    Ok((line, result))
+}
+
 // --------------------------------------------------------------------------------- main
 
 async fn run_all(ctx: &Ctx) -> Vec<Value> {
@@ -1109,6 +1347,7 @@ async fn run_all(ctx: &Ctx) -> Vec<Value> {
                     "drain" => run_events(ctx, Kind::Drain).await,
                     "paced" => run_events(ctx, Kind::Paced).await,
                     "fanout" => run_events(ctx, Kind::Fanout).await,
+                    "noisy-neighbour" => run_noisy(ctx).await,
                     _ => run_history(ctx).await,
                 }
             }

@@ -16,8 +16,12 @@ mod common;
 
 use std::net::TcpListener;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use actix::prelude::*;
+use actix_outbox::{Delivery, HandlerError, OutboxRuntime};
 use common::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::QueryableByName;
@@ -205,6 +209,143 @@ async fn a_server_crash_mid_run_loses_nothing_and_duplicates_nothing() {
     assert_eq!(effects, n, "an effect was repeated");
     assert_eq!(open, 0, "inbox rows left unprocessed");
     assert_eq!(unpublished, 0, "outbox rows left unpublished");
+    runtime.shutdown().await;
+    drop(cluster);
+}
+
+/// The backend's process id, as PostgreSQL reports it.
+#[derive(QueryableByName)]
+struct Backend {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    pid: i32,
+}
+
+/// A consumer actor that records its effect like [`Recorder`], and on the event of the
+/// aggregate `poison` then sends SIGKILL to its own database backend: the postmaster takes
+/// that for a crash and restarts every session of the cluster. Its kills are counted here, in
+/// the process's memory (anything it wrote in the database rolled back with the backend).
+#[derive(Clone)]
+struct BackendKiller {
+    kills: Arc<AtomicUsize>,
+}
+
+impl Actor for BackendKiller {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for BackendKiller {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let kills = self.kills.clone();
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ('c1', $1, $2)",
+            )
+            .bind::<diesel::sql_types::Uuid, _>(d.event_id().as_uuid())
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+            .execute(&mut *conn)
+            .await?;
+            if d.aggregate_id() != "poison" {
+                return Ok(());
+            }
+            let backend: Backend = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+                .get_result(&mut *conn)
+                .await?;
+            // The server runs on this machine, as this user or (when the tests run as root)
+            // as `postgres`, which root may signal.
+            let killed = Command::new("kill")
+                .args(["-9", &backend.pid.to_string()])
+                .status()
+                .expect("run kill");
+            assert!(killed.success(), "kill -9 {}", backend.pid);
+            kills.fetch_add(1, Ordering::SeqCst);
+            // Its session is gone: the next statement fails, and the handler passes the error
+            // on, as one using `?` would.
+            for _ in 0..100 {
+                diesel::sql_query("SELECT 1").execute(&mut *conn).await?;
+                actix_rt::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(HandlerError::retry(format!(
+                "the backend {} outlived its SIGKILL",
+                backend.pid
+            )))
+        })
+    }
+}
+
+/// An event whose handler crashes its database backend — here by SIGKILL, after which the
+/// postmaster restarts every session, as after a crash in native code or an OOM kill — must
+/// not crash the server for ever. First claimed in a batch with others, it dies once as a
+/// suspect (nothing is charged), then alone, charged each time, and is dead-lettered
+/// (`INBOX_ATTEMPT_INTERRUPTED`) after its attempts; every other event is processed exactly
+/// once, on its first attempt. The crashes are at most `max_attempts` + 1.
+#[actix_rt::test]
+async fn a_handler_that_crashes_its_backend_is_dead_lettered_after_its_attempts() {
+    const MAX_ATTEMPTS: u32 = 3;
+    const HEALTHY: i64 = 30;
+    let cluster = Cluster::start();
+    let db = TestDb::new_on(&cluster.url()).await;
+    // The poison event first, ahead of the healthy ones, so that they share its first batch.
+    db.enqueue_one("poison").await;
+    db.produce_batched(HEALTHY as usize, 10, "healthy").await;
+
+    let kills = Arc::new(AtomicUsize::new(0));
+    let killer = BackendKiller {
+        kills: kills.clone(),
+    };
+    let cfg = consumer("c1", MAX_ATTEMPTS)
+        .batch_size(16)
+        .handler_timeout(Duration::from_secs(1))
+        .lease(Duration::from_secs(2));
+    let runtime = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(cfg, move || killer.clone())
+        .start()
+        .await
+        .expect("start runtime");
+
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+                AND status = 'DEAD_LETTER' AND attempt_count = 3 \
+                AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+                   AND status = 'PROCESSED'";
+    let deadline = Instant::now() + WAIT;
+    while (count(&db.url, dead).await, count(&db.url, healthy).await) != (1, HEALTHY)
+        && Instant::now() < deadline
+    {
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    let crashes = AtomicUsize::load(&kills, Ordering::SeqCst);
+    println!("the poison event's handler crashed the server {crashes} times (max_attempts {MAX_ATTEMPTS})");
+    assert_eq!(
+        count(&db.url, dead).await,
+        1,
+        "the poison event dead-lettered"
+    );
+    assert_eq!(
+        count(&db.url, healthy).await,
+        HEALTHY,
+        "every other event processed"
+    );
+    let first = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+                 AND status = 'PROCESSED' AND attempt_count = 1";
+    assert_eq!(
+        count(&db.url, first).await,
+        HEALTHY,
+        "an event was charged for a crash it did not cause"
+    );
+    assert!(crashes >= 1, "the handler never crashed its backend");
+    assert!(
+        crashes <= MAX_ATTEMPTS as usize + 1,
+        "{crashes} crashes for an event of {MAX_ATTEMPTS} attempts"
+    );
+    let effects = "SELECT count(*) AS n FROM effects";
+    assert_eq!(count(&db.url, effects).await, HEALTHY, "effects");
+    let most = "SELECT coalesce(max(c), 0) AS n FROM \
+                (SELECT count(*) AS c FROM effects GROUP BY event_id) x";
+    assert_eq!(count(&db.url, most).await, 1, "an effect was repeated");
     runtime.shutdown().await;
     drop(cluster);
 }

@@ -140,6 +140,9 @@ pub(crate) struct ConsumerGauges {
     pub retrying: i64,
     pub due: i64,
     pub oldest_due_age_seconds: f64,
+    /// How long the oldest event the consumer holds (PROCESSING) has been held: long only
+    /// while a handler hangs past its timeout, keeping it.
+    pub oldest_in_flight_age_seconds: f64,
     pub dead_letter: i64,
     pub received: u64,
     pub processed: u64,
@@ -369,6 +372,23 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                     ),
                 );
             }
+        }
+        if let Some(state) = lag_state(
+            c.oldest_in_flight_age_seconds,
+            cfg.inbox_warn_after,
+            cfg.inbox_critical_after,
+        ) {
+            report.push(
+                state,
+                "CONSUMER_HUNG",
+                name,
+                format!(
+                    "{} has held an event for {}: a handler hangs past its timeout, keeping \
+                     it (the consumer waits once `concurrency` of them hang)",
+                    c.consumer,
+                    human(c.oldest_in_flight_age_seconds)
+                ),
+            );
         }
         if c.dead_letter > 0 {
             report.push(
@@ -733,6 +753,27 @@ mod tests {
             (r.state, codes(&r)),
             (HealthState::Warning, vec!["CONSUMER_PAUSED"])
         );
+    }
+
+    #[test]
+    fn an_event_held_past_the_inbox_thresholds_says_a_handler_hangs() {
+        let cfg = HealthConfig::default();
+        let hung = ConsumerGauges {
+            backlog: 1,
+            oldest_in_flight_age_seconds: 90.0,
+            ..consumer("mail")
+        };
+        let r = assess(&cfg, &sample(0, outbox(0, None, 0.0), vec![hung]), &[]);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["CONSUMER_HUNG"])
+        );
+        let brief = ConsumerGauges {
+            oldest_in_flight_age_seconds: 0.2,
+            ..consumer("mail")
+        };
+        let r = assess(&cfg, &sample(0, outbox(0, None, 0.0), vec![brief]), &[]);
+        assert_eq!(r.state, HealthState::Ok, "a batch in flight is no hang");
     }
 
     #[test]

@@ -87,6 +87,8 @@ struct ConsumerRow {
     due: i64,
     #[diesel(sql_type = Double)]
     oldest_due_age: f64,
+    #[diesel(sql_type = Double)]
+    oldest_in_flight_age: f64,
     #[diesel(sql_type = BigInt)]
     dead_letter: i64,
 }
@@ -107,6 +109,9 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
                FROM inbox_events i WHERE i.consumer = s.consumer \
                AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now()), 0) \
                AS oldest_due_age, \
+           coalesce((SELECT extract(epoch FROM now() - min(i.updated_at))::float8 \
+               FROM inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status = 'PROCESSING'), 0) AS oldest_in_flight_age, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'DEAD_LETTER') AS dead_letter \
          FROM consumer_states s ORDER BY s.consumer",
@@ -122,6 +127,7 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
             retrying: r.retrying,
             due: r.due,
             oldest_due_age_seconds: r.oldest_due_age.max(0.0),
+            oldest_in_flight_age_seconds: r.oldest_in_flight_age.max(0.0),
             dead_letter: r.dead_letter,
             ..Default::default()
         })
