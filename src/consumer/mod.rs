@@ -12,7 +12,8 @@
 //! | file | owns |
 //! |---|---|
 //! | `actor.rs` | the consumer actor: batch loops (up to `concurrency`), wake-ups, retry timer, drain, the reaper's tick, the handler factory |
-//! | `batch.rs` | one batch: lease rows, hand them over in one transaction, settle them with its commit |
+//! | `batch.rs` | one batch: lease rows, run its passes, settle them with the commit, expire the lease of a batch that failed |
+//! | `pass.rs` | one pass over the rows in one transaction: fast (no savepoints), or careful (one row per call, a savepoint each) |
 //! | `lend.rs` | lending the connection to the handler; parking the connections of handlers hung past their timeout |
 //! | `reap.rs` | settling the leases that loops which died left behind |
 //! | `decide.rs` | the pure decisions: retry or dead letter, who is charged, whether a call fits in the lease |
@@ -79,6 +80,7 @@ mod delivery;
 mod handler_error;
 mod lend;
 mod log;
+mod pass;
 mod reap;
 pub(crate) mod registry;
 pub(crate) mod retry;
@@ -88,4 +90,4 @@ pub use delivery::{Delivery, DeliveryBatch, TxConn};
 pub use handler_error::HandlerError;
 pub use retry::RetryPolicy;
 
-pub(crate) use batch::upcast;
+pub(crate) use pass::upcast;

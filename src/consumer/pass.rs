@@ -1,0 +1,310 @@
+//! One pass over a batch's leased rows, in one transaction: the fast pass (no savepoints; a
+//! batch handler gets every row in one call) or, after a failure in it, the careful pass (one
+//! row per call, each in a savepoint). How a call's end is blamed is `decide::after_call`.
+
+use std::time::Instant;
+
+use diesel_async::{AnsiTransactionManager as Tm, RunQueryDsl, TransactionManager};
+
+use super::actor::HandlerRef;
+use super::batch::BatchOutcome;
+use super::decide::{self, after_call, CallEnd, Next};
+use super::lend;
+use super::{log, ConsumerConfig, HandlerError};
+use crate::error::Result;
+use crate::event::Upcast;
+use crate::store::inbox::{self, Advance, InboxRow, Outcome, Settle};
+use crate::store::{self, OwnedConn, DB_TIMEOUT};
+
+/// How a pass over the batch's rows ended.
+pub(super) enum PassEnd {
+    /// Every row is decided: settle `outcomes` with the commit; `processed` for the log.
+    Commit(OwnedConn, Vec<Outcome>, Vec<InboxRow>),
+    /// The transaction rolled back: hand the undecided rows over again, carefully, after
+    /// settling these with the next commit.
+    Again(OwnedConn, Vec<Outcome>),
+    /// The handler overran and still runs: settle the first outcomes at once on another
+    /// connection, the second (the call's rows) once the handler lets go.
+    /// `i32`: the database session of the handler's transaction.
+    Kept(lend::Slot, i32, Vec<Outcome>, Vec<Outcome>),
+}
+
+pub(super) struct Pass<'a> {
+    pub cfg: &'a ConsumerConfig,
+    pub handler: &'a HandlerRef,
+    pub started: Instant,
+    pub careful: bool,
+}
+
+impl Pass<'_> {
+    pub(super) async fn run(
+        &self,
+        mut conn: OwnedConn,
+        rows: Vec<InboxRow>,
+        out: &mut BatchOutcome,
+    ) -> Result<PassEnd> {
+        let cfg = self.cfg;
+        let to = |row: &InboxRow, settle| Outcome {
+            id: row.id,
+            token: row.lease_token,
+            settle,
+        };
+        bounded!(conn, async {
+            Tm::begin_transaction(&mut *conn).await?;
+            Ok(())
+        })?;
+        // A batch handler gets the fast pass's rows in one call; a careful pass, one per call.
+        let together = matches!(self.handler, HandlerRef::Batch(_)) && !self.careful;
+        let depth = if self.careful { 2 } else { 1 };
+        let mut outcomes = Vec::with_capacity(rows.len());
+        let mut processed: Vec<InboxRow> = Vec::with_capacity(rows.len());
+        let mut group: Vec<InboxRow> = Vec::new();
+        let mut calls = 0;
+        let mut rows = rows.into_iter().peekable();
+        while let Some(mut row) = rows.next() {
+            if !self.handler.connected() || !decide::fits(self.started.elapsed(), cfg) {
+                // Never offered: no attempt is spent. The handler is replaced first, or the
+                // lease is about to run out.
+                out.handler_lost |= !self.handler.connected();
+                outcomes.push(to(&row, Settle::Release));
+                outcomes.extend(rows.by_ref().map(|r| to(&r, Settle::Release)));
+                break;
+            }
+            if let Err(err) = upcast(cfg, &mut row) {
+                // Never handed over: no code here can read it, and retrying cannot help.
+                log::failed(cfg, &row, &err);
+                outcomes.push(to(
+                    &row,
+                    Settle::Failed(decide::decide(&cfg.retry, &row, &err)),
+                ));
+                continue;
+            }
+            if self.careful {
+                bounded!(conn, async {
+                    Tm::begin_transaction(&mut *conn).await?; // SAVEPOINT
+                    Ok(())
+                })?;
+            }
+            if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
+                let advanced = bounded!(
+                    conn,
+                    inbox::advance_version(
+                        &mut conn,
+                        cfg.name.as_str(),
+                        &row.aggregate_type,
+                        &row.aggregate_id,
+                        version,
+                    )
+                )?;
+                match advanced {
+                    Advance::Applied => {}
+                    Advance::Stale(current) => {
+                        if self.careful {
+                            bounded!(conn, async {
+                                Tm::commit_transaction(&mut *conn).await?;
+                                Ok(())
+                            })?;
+                        }
+                        tracing::info!(consumer = %cfg.name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
+                            version, current, code = "EVENT_STALE", "stale event recorded, not applied");
+                        outcomes.push(to(&row, Settle::Stale(current)));
+                        continue;
+                    }
+                    Advance::Busy => {
+                        // Another loop holds the aggregate: given back, due again shortly.
+                        if self.careful {
+                            bounded!(conn, async {
+                                Tm::rollback_transaction(&mut *conn).await?;
+                                Ok(())
+                            })?;
+                        }
+                        outcomes.push(to(&row, Settle::Release));
+                        continue;
+                    }
+                }
+            }
+            group.push(row);
+            if together && rows.peek().is_some() {
+                continue;
+            }
+            calls += 1;
+            let call = lend::hand_over(cfg, self.handler, conn, &mut group, depth).await;
+            out.handler_lost |= call.lost;
+            if call.conn.is_none() || (call.timed_out && call.held) {
+                // The handler overran and still runs: its transaction is gone with it, and its
+                // rows stay leased until it lets go. Its row is then charged; a call of several
+                // rows charges none, each to be handed over alone.
+                let parked = match after_call(CallEnd::Kept, group.len(), self.careful, true) {
+                    Next::ChargeAndStop => {
+                        let err = call.result.err().unwrap_or_else(|| {
+                            HandlerError::retry("the handler returned but kept its connection")
+                        });
+                        log::failed(cfg, &group[0], &err);
+                        let f = decide::decide(&cfg.retry, &group[0], &err);
+                        vec![to(&group[0], Settle::Failed(f))]
+                    }
+                    _ => group.iter().map(|r| to(r, Settle::Isolate)).collect(),
+                };
+                // Failures and rows given back stand; everything else of this transaction (its
+                // effects roll back with the connection) is given back.
+                let mut now: Vec<Outcome> = outcomes
+                    .into_iter()
+                    .map(|o| match o.settle {
+                        Settle::Failed(_) | Settle::Release => o,
+                        _ => Outcome {
+                            settle: Settle::Release,
+                            ..o
+                        },
+                    })
+                    .collect();
+                now.extend(processed.iter().map(|r| to(r, Settle::Release)));
+                now.extend(rows.map(|r| to(&r, Settle::Release)));
+                // A connection that came back mid-transaction is dropped: the pool closes it.
+                drop(call.conn);
+                let backend = group[0].backend;
+                return Ok(PassEnd::Kept(call.slot, backend, now, parked));
+            }
+            let mut back = call.conn.expect("the connection came back");
+            let end = match (&call.result, call.lost) {
+                (Ok(()), _) => CallEnd::Done,
+                (Err(_), true) => CallEnd::Lost,
+                (Err(_), false) => CallEnd::Failed,
+            };
+            // In the fast pass, a failure is this call's own when the transaction was sound
+            // before it: a handler earlier in the batch may have swallowed a failed statement
+            // and returned Ok, and this handler only met the aborted transaction.
+            let own = self.careful
+                || call.lost
+                || call.timed_out
+                || calls == 1
+                || end == CallEnd::Done
+                || sound(&mut back).await;
+            match after_call(end, group.len(), self.careful, own) {
+                Next::Continue if self.careful => {
+                    let released = bounded!(back, async {
+                        Ok(Tm::commit_transaction(&mut *back).await) // RELEASE SAVEPOINT
+                    })?;
+                    if let Err(e) = released {
+                        if !refused_by_server(&e) {
+                            return Err(e.into());
+                        }
+                        // The handler returned Ok although a statement of its transaction had
+                        // failed (it swallowed the error): the transaction cannot commit. It
+                        // rolls back (diesel counts the savepoint as released, so this is the
+                        // whole transaction), this row is charged, and the others go again.
+                        bounded!(back, async {
+                            Tm::rollback_transaction(&mut *back).await?;
+                            Ok(())
+                        })?;
+                        let err = HandlerError::retry(format!(
+                            "the handler returned Ok, but a statement of its transaction had \
+                             failed, so it could not commit: {e}"
+                        ));
+                        log::failed(cfg, &group[0], &err);
+                        let f = decide::decide(&cfg.retry, &group[0], &err);
+                        let charged = outcomes
+                            .into_iter()
+                            .filter(|o| matches!(o.settle, Settle::Failed(_)))
+                            .chain(std::iter::once(to(&group[0], Settle::Failed(f))))
+                            .collect();
+                        return Ok(PassEnd::Again(back, charged));
+                    }
+                    processed.append(&mut group);
+                }
+                Next::Continue => processed.append(&mut group),
+                Next::ChargeAndContinue => {
+                    bounded!(back, async {
+                        Tm::rollback_transaction(&mut *back).await?; // ROLLBACK TO SAVEPOINT
+                        Ok(())
+                    })?;
+                    let row = group.pop().expect("a careful call holds one row");
+                    let err = call.result.expect_err("the call failed");
+                    log::failed(cfg, &row, &err);
+                    outcomes.push(to(
+                        &row,
+                        Settle::Failed(decide::decide(&cfg.retry, &row, &err)),
+                    ));
+                }
+                Next::Carefully { charge, isolate } => {
+                    // Undo the whole fast pass, the handler's partial writes with it.
+                    bounded!(back, async {
+                        Tm::rollback_transaction(&mut *back).await?;
+                        Ok(())
+                    })?;
+                    let mut charged: Vec<Outcome> = outcomes
+                        .into_iter()
+                        .filter(|o| matches!(o.settle, Settle::Failed(_)))
+                        .collect();
+                    if charge {
+                        let err = call.result.expect_err("the call failed");
+                        log::failed(cfg, &group[0], &err);
+                        let f = decide::decide(&cfg.retry, &group[0], &err);
+                        charged.push(to(&group[0], Settle::Failed(f)));
+                    }
+                    if isolate {
+                        charged.extend(group.iter().map(|r| to(r, Settle::Isolate)));
+                    }
+                    return Ok(PassEnd::Again(back, charged));
+                }
+                Next::ChargeAndStop | Next::IsolateAndStop => {
+                    unreachable!("the connection came back")
+                }
+            }
+            conn = back;
+        }
+        outcomes.extend(processed.iter().map(|r| to(r, Settle::Processed)));
+        Ok(PassEnd::Commit(conn, outcomes, processed))
+    }
+}
+
+/// Whether the transaction on `conn` still runs statements (a handler may have left it
+/// failed). A connection that does not answer is not sound either.
+async fn sound(conn: &mut OwnedConn) -> bool {
+    matches!(
+        store::timed(DB_TIMEOUT, async {
+            diesel::sql_query("SELECT 1").execute(&mut **conn).await?;
+            Ok(())
+        })
+        .await,
+        Ok(Ok(()))
+    )
+}
+
+/// Whether PostgreSQL answered `e` (a statement it refused), as opposed to a connection that
+/// broke or a client-side failure.
+pub(super) fn refused_by_server(e: &diesel::result::Error) -> bool {
+    use diesel::result::DatabaseErrorKind as K;
+    matches!(
+        e,
+        diesel::result::Error::DatabaseError(kind, _)
+            if !matches!(kind, K::ClosedConnection | K::UnableToSendCommand)
+    )
+}
+
+/// Lifts the row's payload to the current version of its registered type, if the runtime has
+/// an [`EventRegistry`](crate::EventRegistry).
+pub(crate) fn upcast(cfg: &ConsumerConfig, row: &mut InboxRow) -> Result<(), HandlerError> {
+    let Some(registry) = &cfg.events else {
+        return Ok(());
+    };
+    match registry.upcast(&row.event_type, row.event_version, &row.payload) {
+        Upcast::Unregistered => Ok(()),
+        Upcast::Current(version, payload) => {
+            row.event_version = version;
+            row.payload = payload;
+            Ok(())
+        }
+        Upcast::Unsupported(m) => Err(HandlerError::permanent(
+            crate::error::ErrorCode::EVENT_VERSION_UNSUPPORTED,
+            m,
+        )),
+        Upcast::Newer(message) => Err(HandlerError::Retry {
+            code: crate::error::ErrorCode::EVENT_VERSION_UNSUPPORTED,
+            message,
+        }),
+        Upcast::Invalid(m) => Err(HandlerError::permanent(
+            crate::error::ErrorCode::EVENT_SCHEMA_INVALID,
+            m,
+        )),
+    }
+}
