@@ -336,6 +336,14 @@ async fn a_handler_that_crashes_its_backend_is_dead_lettered_after_its_attempts(
         HEALTHY,
         "an event was charged for a crash it did not cause"
     );
+    // The first crash was in a batch with others, which were suspected, not charged, and then
+    // handed over alone.
+    let suspected =
+        "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' AND alone";
+    assert!(
+        count(&db.url, suspected).await >= 1,
+        "the poison event's first crash was not in a batch"
+    );
     assert!(crashes >= 1, "the handler never crashed its backend");
     assert!(
         crashes <= MAX_ATTEMPTS as usize + 1,
