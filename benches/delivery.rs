@@ -1282,12 +1282,12 @@ async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
             .map(|(alone, beside)| beside / alone);
         let drain = |d: &NoisyDrain| {
             d.seconds.map_or("INCOMPLETE".to_owned(), |s| {
-                format!("{s:.2} s ({:.0}/s)", events / s)
+                format!("{s:.2} s = {:.0}/s", events / s)
             })
         };
         let mut part = format!(
-            "{runtimes} runtime{}: alone {}, beside the failing neighbour {} (its attempts {:.0}, \
-             dead {:.0}), ratio {}",
+            "{runtimes} runtime{}: alone {}, beside the failing neighbour {} (neighbour's attempts \
+             {:.0}, dead {:.0}), ratio {}",
             if runtimes == 1 { "" } else { "s" },
             drain(&alone),
             drain(&beside),
