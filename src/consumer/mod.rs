@@ -90,4 +90,5 @@ pub use delivery::{Delivery, DeliveryBatch, TxConn};
 pub use handler_error::HandlerError;
 pub use retry::RetryPolicy;
 
+#[cfg(feature = "testing")]
 pub(crate) use pass::upcast;
