@@ -147,6 +147,19 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         .retry(RetryPolicy::fixed(10, Duration::from_millis(250)))
         .batch_size(200);
 
+    // The operator API, dashboard, health and Prometheus metrics under /admin, when a token is
+    // configured (at least 16 characters). Its queries use the runtime's pool. Checked before
+    // anything starts, so that a bad token stops the service before it runs.
+    let prometheus = actix_outbox::install_prometheus_recorder()?;
+    let admin = match cfg.admin_token.as_deref() {
+        Some(token) => Some(
+            AdminConfig::new(outbox_pool.clone())
+                .bearer_token("ops", token)?
+                .metrics(prometheus),
+        ),
+        None => None,
+    };
+
     let runtime = OutboxRuntime::builder(outbox_pool.clone())
         .config(runtime_cfg)
         .consumer(notification, {
@@ -176,38 +189,32 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         reconcile_window_ms = cfg.reconcile_window.as_millis() as u64,
         "order service listening"
     );
-    // The operator API, dashboard, health and Prometheus metrics under /admin, when a token is
-    // configured (at least 16 characters). Its queries use the runtime's pool.
-    let prometheus = actix_outbox::install_prometheus_recorder()?;
-    let admin = match cfg.admin_token.as_deref() {
-        Some(token) => Some(
-            AdminConfig::new(outbox_pool.clone())
-                .bearer_token("ops", token)?
-                .metrics(prometheus),
-        ),
-        None => None,
-    };
-    // actix-web stops on SIGTERM / SIGINT by itself, finishing requests in flight.
-    HttpServer::new(move || {
-        let admin = admin.clone();
-        App::new()
-            .app_data(state.clone())
-            .configure(api::routes)
-            .configure(move |c| {
-                if let Some(admin) = admin {
-                    c.service(admin_scope("/admin", admin));
-                }
-            })
-    })
-    .bind(&cfg.bind)?
-    .shutdown_timeout(10)
-    .run()
-    .await?;
+    // actix-web stops on SIGTERM / SIGINT by itself, finishing requests in flight. Whatever
+    // ends it (a stop, or a bind that fails), the worker and the runtime are drained after.
+    let served = async {
+        HttpServer::new(move || {
+            let admin = admin.clone();
+            App::new()
+                .app_data(state.clone())
+                .configure(api::routes)
+                .configure(move |c| {
+                    if let Some(admin) = admin {
+                        c.service(admin_scope("/admin", admin));
+                    }
+                })
+        })
+        .bind(&cfg.bind)?
+        .shutdown_timeout(10)
+        .run()
+        .await
+    }
+    .await;
 
     tracing::info!("HTTP stopped; draining the notification worker and the outbox runtime");
     let _ = notifier.send(worker::Stop).await;
     let finished = runtime.shutdown().await;
     tracing::info!(finished, "order service stopped");
+    served?;
     Ok(())
 }
 
