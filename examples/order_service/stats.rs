@@ -50,7 +50,7 @@ SELECT json_build_object(
         (SELECT consumer, json_object_agg(status, n) AS statuses FROM
             (SELECT consumer, status, count(*) AS n FROM inbox_events GROUP BY consumer, status) c
          GROUP BY consumer) s),
-    'inbox_open', (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING')),
+    'inbox_open', (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING')),
     'inbox_retries', (SELECT coalesce(json_object_agg(consumer, n), '{}') FROM
         (SELECT consumer, sum(attempt_count - 1) AS n FROM inbox_events
          WHERE attempt_count > 1 GROUP BY consumer) s),
