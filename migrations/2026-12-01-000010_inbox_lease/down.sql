@@ -16,7 +16,7 @@ UPDATE inbox_events SET status = CASE WHEN attempt_count > 1 THEN 'RETRY_PENDING
     attempt_count = greatest(attempt_count - 1, 0), next_attempt_at = now()
     WHERE status = 'PROCESSING';
 ALTER TABLE inbox_events DROP COLUMN suspicions, DROP COLUMN alone, DROP COLUMN held,
-    DROP COLUMN locked_by, DROP COLUMN locked_until, DROP COLUMN lease_token;
+    DROP COLUMN backend, DROP COLUMN locked_by, DROP COLUMN locked_until, DROP COLUMN lease_token;
 ALTER TABLE inbox_events DROP CONSTRAINT inbox_events_status_check;
 ALTER TABLE inbox_events ADD CONSTRAINT inbox_events_status_check
     CHECK (status IN ('RECEIVED', 'PROCESSED', 'RETRY_PENDING', 'DEAD_LETTER', 'IGNORED'));

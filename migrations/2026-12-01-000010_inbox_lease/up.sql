@@ -6,8 +6,9 @@
 -- already counted, in a logged table, and nothing that decides who is charged lives in one
 -- process's memory.
 --
--- A lease expires only when its loop died (its process, its backend, its network). Once every
--- lease of a process has expired, the process is judged, in one statement for all its rows
+-- A lease expires only when its loop died (its process, its backend, its network); it is dead
+-- as soon as the session that claimed it (`backend`) is gone. Once every lease of a process is
+-- dead, the process is judged, in one statement for all its rows
 -- (`held`: how many rows it held): a process that held one row died of it, and that row is
 -- charged; a process that held several died of one of them, unknown which, so each is
 -- refunded, suspected (`suspicions`) and claimed alone from then on (`alone`), with nothing
@@ -24,6 +25,7 @@ ALTER TABLE inbox_events
     ADD COLUMN lease_token  bigint,
     ADD COLUMN locked_until timestamptz,
     ADD COLUMN locked_by    text,
+    ADD COLUMN backend      integer,
     ADD COLUMN held         integer,
     ADD COLUMN alone        boolean NOT NULL DEFAULT false,
     ADD COLUMN suspicions   integer NOT NULL DEFAULT 0;

@@ -159,8 +159,14 @@ impl Pass<'_> {
                     .collect();
                 now.extend(processed.iter().map(|r| to(r, Settle::Release)));
                 now.extend(rows.map(|r| to(&r, Settle::Release)));
-                // A connection that came back mid-transaction is dropped: the pool closes it.
-                drop(call.conn);
+                // A connection that came back (the handler runs on without it) is parked with
+                // the handler: its session ending would say the handler's transaction is over,
+                // and the rows would be settled while the handler may still kill the process.
+                if let Some(conn) = call.conn {
+                    if let Ok(mut slot) = call.slot.try_lock() {
+                        *slot = Some(conn);
+                    }
+                }
                 let backend = group[0].backend;
                 return Ok(PassEnd::Kept(call.slot, backend, now, parked));
             }

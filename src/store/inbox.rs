@@ -140,31 +140,18 @@ pub(crate) async fn claim(
     token: i64,
 ) -> Result<Vec<InboxRow>> {
     let process = store::process_id();
-    store::entered_transaction(conn)?;
-    let (b, g, rows, committed) = {
-        let mut c: &AsyncPgConnection = conn;
-        let claim = Prepared(
-            diesel::sql_query(include_str!("inbox_claim.sql"))
-                .bind::<Text, _>(consumer)
-                .bind::<BigInt, _>(limit)
-                .bind::<BigInt, _>(lease_ms)
-                .bind::<Text, _>(process)
-                .bind::<BigInt, _>(token),
-        );
-        futures_util::future::join4(
-            store::run(c, "BEGIN"),
-            store::run(c, store::PLAN_GUARD),
-            claim.load::<InboxRow>(&mut c),
-            store::run(c, "COMMIT"),
-        )
-        .await
-    };
-    b?;
-    g?;
-    let rows = rows?;
-    committed?;
-    store::left_transaction(conn)?;
-    Ok(rows)
+    let claim = Prepared(
+        diesel::sql_query(include_str!("inbox_claim.sql"))
+            .bind::<Text, _>(consumer)
+            .bind::<BigInt, _>(limit)
+            .bind::<BigInt, _>(lease_ms)
+            .bind::<Text, _>(process)
+            .bind::<BigInt, _>(token),
+    );
+    guarded(conn, async |mut c| {
+        claim.load(&mut c).await.map_err(Into::into)
+    })
+    .await
 }
 
 /// A new lease token: 63 bits of a UUIDv7 (a millisecond clock and random bits), unique for
@@ -276,23 +263,7 @@ pub(crate) async fn settle_now(
     if outcomes.is_empty() {
         return Ok(0);
     }
-    store::entered_transaction(conn)?;
-    let (b, g, s, committed) = {
-        let c: &AsyncPgConnection = conn;
-        futures_util::future::join4(
-            store::run(c, "BEGIN"),
-            store::run(c, store::PLAN_GUARD),
-            settle(c, outcomes, false),
-            store::run(c, "COMMIT"),
-        )
-        .await
-    };
-    b?;
-    g?;
-    let n = s?;
-    committed?;
-    store::left_transaction(conn)?;
-    Ok(n)
+    guarded(conn, async |c| settle(c, outcomes, false).await).await
 }
 
 /// The one statement that moves leased rows out of PROCESSING. Fenced on each row's lease
@@ -429,39 +400,72 @@ pub(crate) struct ExpiredRow {
     pub suspicions: i32,
 }
 
-/// Judges the processes that hold an expired lease of `consumer`: a process is judged once
-/// every lease it holds has expired (it is dead), or once one has been expired for
-/// `patience_ms` more (a live process would have settled it by then: it is stuck). Every row
-/// it holds with an expired lease, of any consumer, gets `held`, how many rows it holds: one
-/// statement for all of them, so that settling one consumer's rows never makes another's look
-/// held alone.
+/// Judges the processes that hold a dead lease of `consumer`. A lease is dead when it has
+/// expired or the database session that claimed it is gone (its process was killed: the server
+/// saw its sockets close). A process is judged once every lease it holds is dead, or once one
+/// has been expired for `patience_ms` more (a live process would have settled it by then: it
+/// is stuck). Every dead row of a judged process, of any consumer, gets `held`, how many rows
+/// the process holds: one statement for all of them, so that settling one consumer's rows never
+/// makes another's look held alone.
 pub(crate) async fn judge_dead(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     patience_ms: i64,
 ) -> Result<usize> {
-    let n = Prepared(
+    let judge = Prepared(
         diesel::sql_query(
-            "WITH dead AS ( \
-                 SELECT locked_by, count(*)::int4 AS n FROM inbox_events \
-                 WHERE status = 'PROCESSING' AND locked_by IN ( \
-                     SELECT DISTINCT locked_by FROM inbox_events \
-                     WHERE status = 'PROCESSING' AND consumer = $1 AND held IS NULL \
-                       AND locked_until < now()) \
+            "WITH live AS MATERIALIZED (SELECT array_agg(pid) AS pids FROM pg_stat_activity), \
+             leased AS ( \
+                 SELECT i.id, i.consumer, i.locked_by, i.held, i.locked_until, \
+                     (i.locked_until < now() \
+                      OR coalesce(NOT i.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
+                 FROM inbox_events i WHERE i.status = 'PROCESSING' \
+             ), judged AS ( \
+                 SELECT locked_by, count(*)::int4 AS n FROM leased \
+                 WHERE locked_by IN (SELECT locked_by FROM leased \
+                                     WHERE consumer = $1 AND held IS NULL AND dead) \
                  GROUP BY locked_by \
-                 HAVING max(locked_until) < now() \
+                 HAVING bool_and(dead) \
                      OR min(locked_until) < now() - $2 * interval '1 millisecond' \
              ) \
-             UPDATE inbox_events i SET held = d.n FROM dead d \
-             WHERE i.status = 'PROCESSING' AND i.locked_by = d.locked_by AND i.held IS NULL \
-               AND i.locked_until < now()",
+             UPDATE inbox_events i SET held = j.n \
+             FROM leased l JOIN judged j USING (locked_by) \
+             WHERE i.id = l.id AND l.dead AND i.status = 'PROCESSING' AND i.held IS NULL",
         )
         .bind::<Text, _>(consumer)
         .bind::<BigInt, _>(patience_ms),
-    )
-    .execute(conn)
-    .await?;
-    Ok(n)
+    );
+    guarded(conn, async |mut c| {
+        judge.execute(&mut c).await.map_err(Into::into)
+    })
+    .await
+}
+
+/// Runs `f` in a transaction of its own behind the [`PLAN_GUARD`](store::PLAN_GUARD), all
+/// pipelined (one round trip): the reaper's statements read the few PROCESSING rows through
+/// their partial index, and must not be planned into a scan of the whole inbox while it was
+/// small.
+async fn guarded<T>(
+    conn: &mut AsyncPgConnection,
+    f: impl AsyncFnOnce(&AsyncPgConnection) -> Result<T>,
+) -> Result<T> {
+    store::entered_transaction(conn)?;
+    let (b, g, r, committed) = {
+        let c: &AsyncPgConnection = conn;
+        futures_util::future::join4(
+            store::run(c, "BEGIN"),
+            store::run(c, store::PLAN_GUARD),
+            f(c),
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    b?;
+    g?;
+    let r = r?;
+    committed?;
+    store::left_transaction(conn)?;
+    Ok(r)
 }
 
 /// Makes lease `token` look expired for `patience_ms` already, so that the next reap judges it
@@ -524,7 +528,7 @@ pub(crate) async fn judged(
     consumer: &str,
     limit: i64,
 ) -> Result<Vec<ExpiredRow>> {
-    let rows = Prepared(
+    let judged = Prepared(
         diesel::sql_query(
             "SELECT id, lease_token, event_id, attempt_count - 1 AS attempt_count, held, \
                  suspicions \
@@ -534,10 +538,11 @@ pub(crate) async fn judged(
         )
         .bind::<Text, _>(consumer)
         .bind::<BigInt, _>(limit),
-    )
-    .load(conn)
-    .await?;
-    Ok(rows)
+    );
+    guarded(conn, async |mut c| {
+        judged.load(&mut c).await.map_err(Into::into)
+    })
+    .await
 }
 
 /// `s` as a `text` value PostgreSQL accepts: at most `max` characters (then `…`), and without

@@ -43,7 +43,7 @@ WITH paused AS (
 ), claimed AS (
     UPDATE inbox_events i
     SET status = 'PROCESSING', attempt_count = i.attempt_count + 1,
-        lease_token = $5, locked_by = $4, held = NULL,
+        lease_token = $5, locked_by = $4, backend = pg_backend_pid(), held = NULL,
         locked_until = now() + $3 * interval '1 millisecond', updated_at = now()
     WHERE i.id = ANY (ARRAY(SELECT id FROM one UNION ALL SELECT id FROM due))
     RETURNING i.*
