@@ -32,19 +32,21 @@
 //!
 //! A loop that dies settles nothing: its process was killed, its handler crashed the database
 //! backend (PostgreSQL then restarts every session), or its connection stopped answering. Its
-//! lease expires ([`ConsumerConfig::lease`]) and the consumer's reaper, on any instance,
-//! settles it:
-//! - a lease on **one** row charges that row: it is retried by the policy, and dead-lettered
-//!   (`INBOX_ATTEMPT_INTERRUPTED`) once its attempts are used up;
-//! - a lease on **several** rows charges none for sure. Each keeps the attempt as a
-//!   *suspicion* and is claimed on its own from then on (`alone`), where a death has one cause.
-//!   The suspicion is refunded when the row's next attempt ends any other way, and stands if
-//!   it dies alone again.
+//! lease is dead once the session that claimed it is gone, or once it expires
+//! ([`ConsumerConfig::lease`]); when every lease of its process is dead, the consumer's
+//! reaper, on any instance, judges the process and settles its rows:
+//! - a process that held **one** row died of it: that row is charged, retried by the policy,
+//!   and dead-lettered (`INBOX_ATTEMPT_INTERRUPTED`) once its attempts are used up;
+//! - a process that held **several** rows charges none of them. Each is refunded, suspected,
+//!   and claimed on its own from then on (`alone`), while its process holds nothing else, where
+//!   a death has one cause. An outcome of its own clears the suspicions; a death alone confirms
+//!   them (see `decide::settle_expired`).
 //!
-//! So an event that kills its process or its server every time causes at most `max_attempts`
-//! deaths before it is dead-lettered, and the events leased with it end with only the
-//! attempts they used themselves. A batch never runs past its lease while its process lives
-//! (it stops handing rows over in time, `decide::fits`), so only the dead are reaped.
+//! So an event that kills its process or its server every time causes `max_attempts` deaths
+//! before it is dead-lettered when its consumer is the only one busy in its process
+//! (`tests/server_crash.rs` counts them), and the events in flight beside it end with only
+//! the attempts they used themselves. A batch never runs past its lease while its process
+//! lives (it stops handing rows over in time, `decide::fits`), so only the dead are judged.
 //!
 //! # Hung handlers
 //!
