@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use actix_outbox::{
@@ -427,17 +427,6 @@ async fn aborting_child_entry() {
 
 fn spawn_child(url: &str) -> Child {
     spawn_entry(url, "child_process_entry", &[])
-}
-
-fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", entry, "--ignored", "--nocapture"])
-        .envs(env.iter().copied())
-        .env("AO_CHILD_DB", url)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn child runtime")
 }
 
 /// The process the two-consumer abort test restarts: `c1` aborts the process on the poison

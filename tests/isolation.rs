@@ -10,7 +10,7 @@
 mod common;
 
 use std::collections::HashSet;
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -467,16 +467,6 @@ fn child_consumer(name: &str) -> ConsumerConfig {
         .lease(CHILD_LEASE)
 }
 
-fn spawn_hanging_child(url: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "hanging_child_entry", "--ignored", "--nocapture"])
-        .env("AO_CHILD_DB", url)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn child runtime")
-}
-
 /// A process whose consumer `hang` has a handler hung for ever on its connection is killed
 /// (SIGKILL) twice while its healthy consumer `ok` has batches in flight, and restarted each
 /// time. The hung handler's rows, parked and kept leased while the process lived, expire with
@@ -508,7 +498,7 @@ async fn a_process_killed_while_a_handler_hangs_loses_and_repeats_nothing_of_ano
             child.id()
         )
     };
-    let mut child = spawn_hanging_child(&db.url);
+    let mut child = spawn_entry(&db.url, "hanging_child_entry", &[]);
     let (mut kills, mut killed_in_flight) = (0, 0);
     let deadline = Instant::now() + WAIT;
     while kills < 2 && Instant::now() < deadline {
@@ -522,7 +512,7 @@ async fn a_process_killed_while_a_handler_hangs_loses_and_repeats_nothing_of_ano
             child.wait().unwrap();
             kills += 1;
             killed_in_flight += db.count(&held_by("ok", &child)).await;
-            child = spawn_hanging_child(&db.url);
+            child = spawn_entry(&db.url, "hanging_child_entry", &[]);
         }
         actix_rt::time::sleep(Duration::from_millis(5)).await;
     }

@@ -31,7 +31,7 @@ use super::{decide, log, ConsumerConfig};
 use crate::error::Result;
 use crate::maintenance::metrics;
 use crate::store::inbox::{self, InboxRow, Outcome, Settle};
-use crate::store::{self, OwnedConn, PgPool};
+use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 
 /// What one batch did, for the actor's bookkeeping.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -59,14 +59,13 @@ pub(crate) async fn run_batch(
     let mut conn: OwnedConn = pool.get_owned().await?;
     let lease_ms = store::millis(cfg.lease_period());
     let token = inbox::new_token();
-    let claim = inbox::claim(
-        &mut conn,
-        cfg.name.as_str(),
-        i64::from(cfg.batch_size),
-        lease_ms,
-        token,
-    );
-    let rows = match bounded!(conn, claim) {
+    let limit = i64::from(cfg.batch_size);
+    let name = cfg.name.as_str();
+    let claimed = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+        inbox::claim(c, name, limit, lease_ms, token).await
+    })
+    .await;
+    let rows = match claimed {
         Ok(rows) => rows,
         Err(e) => {
             // The claim may have committed with its answer lost.
@@ -116,7 +115,10 @@ async fn expire(pool: &PgPool, cfg: &ConsumerConfig, token: i64) {
         let Ok(mut conn) = pool.get().await else {
             return;
         };
-        if bounded!(conn, inbox::expire(&mut conn, token, patience)).is_ok() {
+        let expired = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+            inbox::expire(c, token, patience).await
+        });
+        if expired.await.is_ok() {
             return;
         }
         // A statement this small fails only with its connection (a terminated session's
@@ -152,7 +154,10 @@ impl Drop for Unsettled {
         if let Some(arbiter) = actix_rt::Arbiter::try_current() {
             arbiter.spawn(async move {
                 if let Ok(mut conn) = pool.get().await {
-                    let _ = bounded!(conn, inbox::settle_now(&mut conn, &outcomes));
+                    let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                        inbox::settle_now(c, &outcomes).await
+                    })
+                    .await;
                 }
             });
         }
@@ -194,7 +199,10 @@ impl Batch<'_> {
             let again = match pass.run(conn, rows, &mut out).await? {
                 PassEnd::Commit(mut back, outcomes, processed) => {
                     let all: Vec<Outcome> = decided.iter().cloned().chain(outcomes).collect();
-                    match bounded!(back, inbox::settle_and_commit(&mut back, &all)) {
+                    let committed = store::bounded(&mut back, DB_TIMEOUT, async |c| {
+                        inbox::settle_and_commit(c, &all).await
+                    });
+                    match committed.await {
                         Ok(()) => {
                             record(cfg, &processed, &all, &mut out);
                             return Ok(out);
@@ -220,7 +228,10 @@ impl Batch<'_> {
                     // beside its loops' own connections.
                     hung.park(cfg, pool, slot, backend, parked).await;
                     let mut conn = pool.get_owned().await?;
-                    bounded!(conn, inbox::settle_now(&mut conn, &decided))?;
+                    store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                        inbox::settle_now(c, &decided).await
+                    })
+                    .await?;
                     record(cfg, &[], &decided, &mut out);
                     return Ok(out);
                 }
@@ -232,7 +243,10 @@ impl Batch<'_> {
                 .copied()
                 .filter(|id| !decided.iter().any(|o| o.id == *id))
                 .collect();
-            rows = bounded!(conn, inbox::reload(&mut conn, &left, token))?;
+            rows = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                inbox::reload(c, &left, token).await
+            })
+            .await?;
         }
     }
 }

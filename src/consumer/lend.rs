@@ -20,7 +20,7 @@ use super::decide::{handler_timed_out, HANDLER_LOST};
 use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::event::ConsumerName;
 use crate::store::inbox::{self, InboxRow, Outcome};
-use crate::store::{OwnedConn, PgPool};
+use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 
 /// A delivery's connection slot: the handler locks it to use the connection; the batch takes
 /// the connection back out when the call is over.
@@ -195,12 +195,18 @@ impl Hung {
                 let Ok(mut conn) = pool.get().await else {
                     continue;
                 };
-                if let Ok(false) = bounded!(conn, inbox::session_alive(&mut conn, backend)) {
+                let alive = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                    inbox::session_alive(c, backend).await
+                });
+                if let Ok(false) = alive.await {
                     drop(conn);
                     settle(&pool, &consumer, outcomes.take().unwrap_or_default()).await;
                 } else if let Some(token) = token {
                     let lease_ms = crate::store::millis(lease);
-                    let _ = bounded!(conn, inbox::extend(&mut conn, token, lease_ms));
+                    let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                        inbox::extend(c, token, lease_ms).await
+                    })
+                    .await;
                 }
             }
             drop(slot.lock().await.take());
@@ -220,7 +226,12 @@ impl Hung {
 /// once their lease expires.
 async fn settle(pool: &PgPool, consumer: &ConsumerName, outcomes: Vec<Outcome>) {
     let settled = match pool.get().await {
-        Ok(mut conn) => bounded!(conn, inbox::settle_now(&mut conn, &outcomes)),
+        Ok(mut conn) => {
+            store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                inbox::settle_now(c, &outcomes).await
+            })
+            .await
+        }
         Err(e) => Err(e.into()),
     };
     if let Err(e) = settled {

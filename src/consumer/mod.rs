@@ -58,22 +58,6 @@
 //! `outbox_consumer_hung_handlers` at its count. So a consumer holds at most
 //! `2 × concurrency` connections however its handlers hang, and nothing else waits for it.
 
-/// Runs a database call on `conn` within [`DB_TIMEOUT`](crate::store::DB_TIMEOUT). On time-out,
-/// or when the connection turns out closed, it is marked broken, so that the pool closes it
-/// instead of lending it out again.
-macro_rules! bounded {
-    ($conn:expr, $f:expr) => {
-        match crate::store::timed(crate::store::DB_TIMEOUT, $f).await {
-            Ok(Err(e)) if e.lost_connection() => {
-                crate::store::poison(&mut *$conn);
-                Err(e)
-            }
-            Ok(r) => r,
-            Err(t) => Err(t.close(&mut *$conn)),
-        }
-    };
-}
-
 pub(crate) mod actor;
 mod batch;
 mod config;

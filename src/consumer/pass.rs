@@ -49,10 +49,7 @@ impl Pass<'_> {
             token: row.lease_token,
             settle,
         };
-        bounded!(conn, async {
-            Tm::begin_transaction(&mut *conn).await?;
-            Ok(())
-        })?;
+        tm(&mut conn, Step::Begin).await?;
         // A batch handler gets the fast pass's rows in one call; a careful pass, one per call.
         let together = matches!(self.handler, HandlerRef::Batch(_)) && !self.careful;
         let depth = if self.careful { 2 } else { 1 };
@@ -80,30 +77,20 @@ impl Pass<'_> {
                 continue;
             }
             if self.careful {
-                bounded!(conn, async {
-                    Tm::begin_transaction(&mut *conn).await?; // SAVEPOINT
-                    Ok(())
-                })?;
+                tm(&mut conn, Step::Begin).await?; // SAVEPOINT
             }
             if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
-                let advanced = bounded!(
-                    conn,
-                    inbox::advance_version(
-                        &mut conn,
-                        cfg.name.as_str(),
-                        &row.aggregate_type,
-                        &row.aggregate_id,
-                        version,
-                    )
-                )?;
+                let name = cfg.name.as_str();
+                let advanced = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                    let (kind, id) = (&row.aggregate_type, &row.aggregate_id);
+                    inbox::advance_version(c, name, kind, id, version).await
+                })
+                .await?;
                 match advanced {
                     Advance::Applied => {}
                     Advance::Stale(current) => {
                         if self.careful {
-                            bounded!(conn, async {
-                                Tm::commit_transaction(&mut *conn).await?;
-                                Ok(())
-                            })?;
+                            tm(&mut conn, Step::Commit).await?;
                         }
                         tracing::info!(consumer = %cfg.name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
                             version, current, code = "EVENT_STALE", "stale event recorded, not applied");
@@ -113,10 +100,7 @@ impl Pass<'_> {
                     Advance::Busy => {
                         // Another loop holds the aggregate: given back, due again shortly.
                         if self.careful {
-                            bounded!(conn, async {
-                                Tm::rollback_transaction(&mut *conn).await?;
-                                Ok(())
-                            })?;
+                            tm(&mut conn, Step::Rollback).await?;
                         }
                         outcomes.push(to(&row, Settle::Release));
                         continue;
@@ -187,9 +171,10 @@ impl Pass<'_> {
                 || sound(&mut back).await;
             match after_call(end, group.len(), self.careful, own) {
                 Next::Continue if self.careful => {
-                    let released = bounded!(back, async {
-                        Ok(Tm::commit_transaction(&mut *back).await) // RELEASE SAVEPOINT
-                    })?;
+                    let released = store::bounded(&mut back, DB_TIMEOUT, async |c| {
+                        Ok(Tm::commit_transaction(c).await) // RELEASE SAVEPOINT
+                    })
+                    .await?;
                     if let Err(e) = released {
                         if !refused_by_server(&e) {
                             return Err(e.into());
@@ -198,10 +183,7 @@ impl Pass<'_> {
                         // failed (it swallowed the error): the transaction cannot commit. It
                         // rolls back (diesel counts the savepoint as released, so this is the
                         // whole transaction), this row is charged, and the others go again.
-                        bounded!(back, async {
-                            Tm::rollback_transaction(&mut *back).await?;
-                            Ok(())
-                        })?;
+                        tm(&mut back, Step::Rollback).await?;
                         let err = HandlerError::retry(format!(
                             "the handler returned Ok, but a statement of its transaction had \
                              failed, so it could not commit: {e}"
@@ -219,10 +201,7 @@ impl Pass<'_> {
                 }
                 Next::Continue => processed.append(&mut group),
                 Next::ChargeAndContinue => {
-                    bounded!(back, async {
-                        Tm::rollback_transaction(&mut *back).await?; // ROLLBACK TO SAVEPOINT
-                        Ok(())
-                    })?;
+                    tm(&mut back, Step::Rollback).await?; // ROLLBACK TO SAVEPOINT
                     let row = group.pop().expect("a careful call holds one row");
                     let err = call.result.expect_err("the call failed");
                     log::failed(cfg, &row, &err);
@@ -233,10 +212,7 @@ impl Pass<'_> {
                 }
                 Next::Carefully { charge, isolate } => {
                     // Undo the whole fast pass, the handler's partial writes with it.
-                    bounded!(back, async {
-                        Tm::rollback_transaction(&mut *back).await?;
-                        Ok(())
-                    })?;
+                    tm(&mut back, Step::Rollback).await?;
                     let mut charged: Vec<Outcome> = outcomes
                         .into_iter()
                         .filter(|o| matches!(o.settle, Settle::Failed(_)))
@@ -261,6 +237,30 @@ impl Pass<'_> {
         outcomes.extend(processed.iter().map(|r| to(r, Settle::Processed)));
         Ok(PassEnd::Commit(conn, outcomes, processed))
     }
+}
+
+/// A step of the connection's transaction manager.
+#[derive(Clone, Copy)]
+enum Step {
+    /// `BEGIN`, or `SAVEPOINT` inside a transaction.
+    Begin,
+    /// `COMMIT`, or `RELEASE SAVEPOINT`.
+    Commit,
+    /// `ROLLBACK`, or `ROLLBACK TO SAVEPOINT`.
+    Rollback,
+}
+
+/// Takes `step` within [`DB_TIMEOUT`], as every statement of the engine.
+async fn tm(conn: &mut OwnedConn, step: Step) -> Result<()> {
+    store::bounded(conn, DB_TIMEOUT, async |c| {
+        match step {
+            Step::Begin => Tm::begin_transaction(c).await?,
+            Step::Commit => Tm::commit_transaction(c).await?,
+            Step::Rollback => Tm::rollback_transaction(c).await?,
+        }
+        Ok(())
+    })
+    .await
 }
 
 /// Whether the transaction on `conn` still runs statements (a handler may have left it

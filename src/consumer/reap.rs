@@ -11,7 +11,7 @@ use super::ConsumerConfig;
 use crate::error::Result;
 use crate::maintenance::metrics;
 use crate::store::inbox::{self, Settle};
-use crate::store::PgPool;
+use crate::store::{self, PgPool, DB_TIMEOUT};
 use diesel_async::AsyncPgConnection;
 
 /// Rows settled per reap; the next poll takes the rest.
@@ -34,13 +34,23 @@ async fn reap_on(conn: &mut AsyncPgConnection, cfg: &ConsumerConfig) -> Result<u
     // A live process settles its leases before they expire; one that has not, a lease later,
     // is stuck and judged too.
     let patience = crate::store::millis(cfg.lease_period());
-    bounded!(conn, inbox::judge_dead(conn, cfg.name.as_str(), patience))?;
-    let judged = bounded!(conn, inbox::judged(conn, cfg.name.as_str(), ROWS_PER_REAP))?;
+    let name = cfg.name.as_str();
+    store::bounded(conn, DB_TIMEOUT, async |c| {
+        inbox::judge_dead(c, name, patience).await
+    })
+    .await?;
+    let judged = store::bounded(conn, DB_TIMEOUT, async |c| {
+        inbox::judged(c, name, ROWS_PER_REAP).await
+    })
+    .await?;
     if judged.is_empty() {
         return Ok(0);
     }
     let outcomes = settle_expired(&cfg.retry, &judged);
-    let settled = bounded!(conn, inbox::settle_now(conn, &outcomes))?;
+    let settled = store::bounded(conn, DB_TIMEOUT, async |c| {
+        inbox::settle_now(c, &outcomes).await
+    })
+    .await?;
     let (mut charged, mut dead) = (0, 0);
     for (row, o) in judged.iter().zip(&outcomes) {
         match &o.settle {

@@ -184,15 +184,19 @@ pub(crate) fn poison(conn: &mut AsyncPgConnection) {
     AnsiTransactionManager::transaction_manager_status_mut(conn).set_in_error();
 }
 
-/// Runs `work` on `conn` for at most `limit`; on time-out `conn` is marked broken and the
-/// result is [`Error::DatabaseTimeout`](crate::Error::DatabaseTimeout). [`timed`] and
-/// [`TimedOut::close`] in one, for work that only needs the connection.
+/// Runs `work` on `conn` for at most `limit`. On time-out `conn` is marked broken and the
+/// result is [`Error::DatabaseTimeout`](crate::Error::DatabaseTimeout); so it is when the
+/// connection turns out closed. Either way the pool closes it instead of lending it out again.
 pub(crate) async fn bounded<T>(
     conn: &mut AsyncPgConnection,
     limit: std::time::Duration,
     work: impl AsyncFnOnce(&mut AsyncPgConnection) -> crate::Result<T>,
 ) -> crate::Result<T> {
     match timed(limit, work(conn)).await {
+        Ok(Err(e)) if e.lost_connection() => {
+            poison(conn);
+            Err(e)
+        }
         Ok(done) => done,
         Err(t) => Err(t.close(conn)),
     }

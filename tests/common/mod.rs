@@ -574,3 +574,17 @@ pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
         })
         .clone()
 }
+
+/// Runs the `#[ignore]`d test `entry` of the current test binary as a child process, with the
+/// database URL in `AO_CHILD_DB` and `env`: a runtime in a process of its own, for tests that
+/// kill it.
+pub fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", entry, "--ignored", "--nocapture"])
+        .envs(env.iter().copied())
+        .env("AO_CHILD_DB", url)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn child runtime")
+}
