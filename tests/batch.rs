@@ -122,10 +122,11 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
     assert_eq!(db.wait_for(d_done, 1, WAIT).await, 1);
     // A batch of c leased its row alone, and the process died, a day ago.
     conn.batch_execute(
-        "UPDATE inbox_events SET status = 'PROCESSING', attempt_count = 1, locked_by = 'gone', \
-             lease_token = 42, \
-             locked_until = now() - interval '25 hours' \
-         WHERE consumer = 'c'",
+        "INSERT INTO inbox_leases (token, consumer, locked_by, backend, claimed_at, \
+             locked_until, ids) \
+         SELECT 42, 'c', 'gone', 0, now() - interval '25 hours', now() - interval '25 hours', \
+             array_agg(id) \
+         FROM inbox_events WHERE consumer = 'c'",
     )
     .await
     .unwrap();

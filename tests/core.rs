@@ -482,6 +482,44 @@ async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
     db.finish(&[&rt1, &rt2]).await;
 }
 
+/// Claims of one consumer, from many loops in two runtimes at once, never lease a row twice:
+/// the handler is called exactly once per event. Every event fails once, into the dead letters,
+/// so a row leased twice would show as a second call (its mark is fenced off, not its call).
+#[actix_rt::test]
+async fn concurrent_claims_of_one_consumer_never_lease_a_row_twice() {
+    const EVENTS: i64 = 600;
+    let db = TestDb::new().await;
+    let behaviour = Behaviour {
+        poison_aggregate: Some("*".into()),
+        ..Behaviour::default()
+    };
+    let cfg = || {
+        vec![(
+            consumer("c", 1).concurrency(4).batch_size(3),
+            behaviour.clone(),
+        )]
+    };
+    let other_pool = actix_outbox::connect(&db.url, 20).await.unwrap();
+    let rt1 = start(&db, cfg()).await;
+    let rt2 = start_on(other_pool, cfg()).await;
+    db.produce_batched(EVENTS as usize, 50, "o").await;
+    rt1.handle().wake();
+    rt2.handle().wake();
+    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+                AND attempt_count = 1";
+    assert_eq!(db.wait_for(dead, EVENTS, WAIT).await, EVENTS);
+    assert_eq!(
+        std::sync::atomic::AtomicUsize::load(
+            &behaviour.poison_calls,
+            std::sync::atomic::Ordering::Relaxed
+        ) as i64,
+        EVENTS,
+        "calls: a row was leased twice"
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 0);
+    db.finish(&[&rt1, &rt2]).await;
+}
+
 #[actix_rt::test]
 async fn a_killed_publisher_is_restarted_and_the_backlog_drains() {
     let db = TestDb::new().await;

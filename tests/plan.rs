@@ -400,9 +400,16 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         .await
         .unwrap();
     assert_eq!(claimed, 500);
-    let leases = "SELECT count(DISTINCT lease_token) AS n FROM inbox_events \
-                  WHERE status = 'PROCESSING' AND consumer = 'c1'";
+    let leases = "SELECT count(*) AS n FROM inbox_leases WHERE consumer = 'c1'";
     assert_eq!(db.count(leases).await, 1);
+    let named = "SELECT cardinality(ids)::int8 AS n FROM inbox_leases WHERE consumer = 'c1' \
+                 AND ids <@ (SELECT array_agg(id) FROM inbox_events WHERE consumer = 'c1' \
+                             AND status = 'RECEIVED')";
+    assert_eq!(
+        db.count(named).await,
+        500,
+        "the lease names the 500 rows, still due"
+    );
     drop(conn);
     db.finish(&[]).await;
 }

@@ -45,7 +45,6 @@ const OUTBOX_STATUSES: &[&str] = &[
 ];
 const INBOX_STATUSES: &[&str] = &[
     "RECEIVED",
-    "PROCESSING",
     "PROCESSED",
     "RETRY_PENDING",
     "DEAD_LETTER",

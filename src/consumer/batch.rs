@@ -1,8 +1,8 @@
 //! One batch of one consumer: lease due inbox rows, hand them to the handler in one
 //! transaction, settle every row in that transaction's commit.
 //!
-//! 1. **Claim.** Up to `batch_size` rows move to PROCESSING under one lease token, each
-//!    attempt counted, committed before any handler sees a row (`inbox_claim.sql`).
+//! 1. **Claim.** Up to `batch_size` due rows are leased under one token: one `inbox_leases`
+//!    row names them, committed before any handler sees a row (`inbox_claim.sql`).
 //! 2. **Fast pass.** One transaction, no savepoints: each row's handler in turn (or one call
 //!    with every row, for a batch handler). One commit per batch, not per row, is what lets a
 //!    consumer keep up with a producer that batches.

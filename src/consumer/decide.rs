@@ -63,13 +63,13 @@ fn decide_attempt(
 
 /// How the rows of a process that died are settled (the reaper's rule).
 ///
-/// - A process that held **one** row died of it: the attempt counted at claim stands, and so
-///   do the deaths the row was suspected of before (up to its policy's attempts); it is
-///   retried or dead-lettered by its policy.
-/// - A process that held **several** rows died of one of them, unknown which. Each is refunded
-///   its attempt, suspected, and claimed alone from then on, with nothing else of its consumer
-///   in flight in its process, after a backoff by its suspicions. An outcome of its own clears
-///   the suspicions; a death alone confirms them. A row suspected in more than `max_attempts`
+/// - A process that held **one** row died of it: that attempt is counted, and so are the
+///   deaths the row was suspected of before (up to its policy's attempts); it is retried or
+///   dead-lettered by its policy.
+/// - A process that held **several** rows died of one of them, unknown which. None is charged
+///   the attempt; each is suspected, and claimed alone from then on, with nothing else of its
+///   consumer in flight in its process, after a backoff by its suspicions. An outcome of its
+///   own clears the suspicions; a death alone confirms them. A row suspected in more than `max_attempts`
 ///   deaths in a row, never alone in its process (another consumer there was always busy), is
 ///   dead-lettered all the same: the bound that keeps a process from dying for ever.
 ///

@@ -21,12 +21,15 @@
 //!
 //! # One invariant
 //!
-//! *A row is PROCESSING only under a lease, every attempt is counted when its lease is taken,
-//! and every change out of PROCESSING is fenced on that lease.* The claim commits the lease
-//! (and the attempt) before any handler runs; the effects commit later, with the marks, in a
-//! transaction of their own. So the database alone says which rows each loop holds, on every
-//! instance, through any crash: there is no in-flight record beside it, no process-wide lock,
-//! and no state that a restart of the process or of PostgreSQL loses.
+//! *A row in flight is named by exactly one lease, committed before any handler sees the row,
+//! and every mark of the row is fenced on that lease and takes the row out of it.* A claim
+//! writes one `inbox_leases` row naming the rows it takes, and does not write the rows (they
+//! keep their due status; the claims of a consumer take turns, so each sees every lease before
+//! it). The effects commit later, with the marks, in a transaction of their own. So the
+//! database alone says which rows each loop holds, on every instance, through any crash: there
+//! is no in-flight record beside it, no process-wide lock, and no state that a restart of the
+//! process or of PostgreSQL loses. An attempt is counted with its outcome, or, for a loop that
+//! died, by the reaper that judges its lease.
 //!
 //! # Deaths, and who is charged
 //!
@@ -37,7 +40,7 @@
 //! reaper, on any instance, judges the process and settles its rows:
 //! - a process that held **one** row died of it: that row is charged, retried by the policy,
 //!   and dead-lettered (`INBOX_ATTEMPT_INTERRUPTED`) once its attempts are used up;
-//! - a process that held **several** rows charges none of them. Each is refunded, suspected,
+//! - a process that held **several** rows charges none of them. Each is suspected,
 //!   and claimed on its own from then on (`alone`), while its process holds nothing else, where
 //!   a death has one cause. An outcome of its own clears the suspicions; a death alone confirms
 //!   them (see `decide::settle_expired`).

@@ -140,8 +140,8 @@ pub(crate) struct ConsumerGauges {
     pub retrying: i64,
     pub due: i64,
     pub oldest_due_age_seconds: f64,
-    /// How long the oldest event the consumer holds (PROCESSING) has been held: long only
-    /// while a handler hangs past its timeout, keeping it.
+    /// How long the oldest lease of the consumer has been held: long only while a handler
+    /// hangs past its timeout, keeping it.
     pub oldest_in_flight_age_seconds: f64,
     pub dead_letter: i64,
     pub received: u64,

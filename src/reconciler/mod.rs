@@ -132,7 +132,7 @@ async fn builtin_check(pool: PgPool, window: Duration) -> Result<DriftReport> {
         "SELECT \
            (SELECT count(*) FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING') \
               AND created_at < now() - $1 * interval '1 millisecond') AS outbox_overdue, \
-           (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING') \
+           (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING') \
               AND received_at < now() - $1 * interval '1 millisecond') AS inbox_overdue, \
            (SELECT count(*) FROM outbox_events WHERE status = 'DEAD_LETTER') + \
            (SELECT count(*) FROM inbox_events WHERE status = 'DEAD_LETTER') AS dead_letters",

@@ -1,6 +1,7 @@
 //! Inbox statements: consumer registration, the per-consumer lease (claim, settle, expired
-//! leases) and the stale-event check. `RECEIVED|RETRY_PENDING → PROCESSING (lease) →
-//! PROCESSED | RETRY_PENDING | DEAD_LETTER`, or back unhandled; see the migration `inbox_lease`.
+//! leases) and the stale-event check. `RECEIVED|RETRY_PENDING` (named by a lease while in
+//! flight) `→ PROCESSED | RETRY_PENDING | DEAD_LETTER`, or back unhandled; see the migrations
+//! `inbox_lease` and `inbox_lease_table`.
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{
@@ -39,7 +40,7 @@ pub(crate) struct InboxRow {
     pub causation_id: Option<String>,
     #[diesel(sql_type = Timestamptz)]
     pub event_created_at: DateTime<Utc>,
-    /// Attempts before this one (the claim counted this one already).
+    /// Attempts before this one.
     #[diesel(sql_type = Integer)]
     pub attempt_count: i32,
     /// The claim's lease, which every mark of the row is fenced on.
@@ -126,12 +127,16 @@ pub(crate) async fn remove_subscription(
     Ok(r.known.then_some(r.removed > 0))
 }
 
-/// Leases up to `limit` due rows of `consumer` for `lease_ms` to this process, counting their
-/// attempts, and commits (`inbox_claim.sql`, in a transaction of its own behind the
-/// [`PLAN_GUARD`](store::PLAN_GUARD), pipelined: one round trip). Rows another claim holds are
-/// skipped, never waited for; a paused consumer claims nothing. Every row returned has lease
-/// `token`, which the caller makes ([`new_token`]) so that it knows it even when the answer
-/// is lost.
+/// Leases up to `limit` due rows of `consumer` for `lease_ms` to this process and commits
+/// (`inbox_claim.sql`, in a transaction of its own behind the [`PLAN_GUARD`](store::PLAN_GUARD),
+/// pipelined: one round trip). Rows another lease names are skipped; a paused consumer claims
+/// nothing. Every row returned has lease `token`, which the caller makes ([`new_token`]) so
+/// that it knows it even when the answer is lost.
+///
+/// The consumer's claims take turns on an advisory lock, taken in a statement of its own so
+/// that the claim's snapshot, taken after it, holds every lease committed before: the claim
+/// writes no row it leases, so nothing else would keep two claims from leasing the same row.
+/// A claim is one short statement; only claims of the same consumer wait for each other.
 pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -148,8 +153,18 @@ pub(crate) async fn claim(
             .bind::<Text, _>(process)
             .bind::<BigInt, _>(token),
     );
-    guarded(conn, async |mut c| {
-        claim.load(&mut c).await.map_err(Into::into)
+    let turn = Prepared(
+        diesel::sql_query(
+            "SELECT pg_advisory_xact_lock(hashtextextended('actix_outbox.claim:' || $1, 0))",
+        )
+        .bind::<Text, _>(consumer),
+    );
+    guarded(conn, async |c| {
+        let (mut a, mut b) = (c, c);
+        let (turn, rows) =
+            futures_util::future::join(turn.execute(&mut a), claim.load(&mut b)).await;
+        turn?;
+        rows.map_err(Into::into)
     })
     .await
 }
@@ -172,9 +187,11 @@ pub(crate) async fn reload(
         diesel::sql_query(
             "SELECT id, event_id, event_type, event_version, aggregate_type, aggregate_id, \
                  aggregate_version, payload, metadata, correlation_id, causation_id, \
-                 event_created_at, attempt_count - 1 AS attempt_count, \
-                 lease_token, alone, pg_backend_pid() AS backend \
-             FROM inbox_events WHERE id = ANY($1) AND lease_token = $2 AND status = 'PROCESSING' \
+                 event_created_at, attempt_count, $2 AS lease_token, alone, \
+                 pg_backend_pid() AS backend \
+             FROM inbox_events \
+             WHERE id = ANY($1) AND status IN ('RECEIVED', 'RETRY_PENDING') \
+               AND id = ANY ((SELECT ids FROM inbox_leases WHERE token = $2)::int8[]) \
              ORDER BY next_attempt_at, id",
         )
         .bind::<Array<BigInt>, _>(ids)
@@ -185,7 +202,7 @@ pub(crate) async fn reload(
     Ok(rows)
 }
 
-/// How one leased row is settled. Each is one of the inbox's state changes out of PROCESSING.
+/// How one leased row is settled: its mark, which also takes it out of its lease.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Settle {
     /// The handler succeeded: PROCESSED, in the transaction of its effect.
@@ -193,18 +210,17 @@ pub(crate) enum Settle {
     /// Not applied, the consumer being at this later aggregate version: PROCESSED with
     /// `EVENT_STALE`.
     Stale(i64),
-    /// The attempt failed (it was counted at claim): RETRY_PENDING after the delay, or
-    /// DEAD_LETTER.
+    /// The attempt failed: RETRY_PENDING after the delay, or DEAD_LETTER.
     Failed(Failure),
-    /// Given back unhandled, its attempt refunded: due again at once.
+    /// Given back unhandled, its attempt not counted: due again at once.
     Release,
-    /// Given back unhandled and refunded, to be claimed on its own from now on: it was in a
+    /// Given back unhandled and not counted, to be claimed on its own from now on: it was in a
     /// call that overran its timeout with other rows, so which one hung is unknown.
     Isolate,
-    /// Its process died holding it alone: the attempt (counted at claim) stands, and so do the
-    /// deaths it was suspected of: `attempts` is its count from now on.
+    /// Its process died holding it alone: the attempt is counted, and so are the deaths it
+    /// was suspected of: `attempts` is its count from now on.
     Died { failure: Failure, attempts: i32 },
-    /// Its process died holding it and other rows: refunded, suspected, and claimed alone
+    /// Its process died holding it and other rows: not counted, suspected, and claimed alone
     /// from then on, after `delay_ms`. See [`settle_expired`](crate::consumer::decide::settle_expired).
     Suspect { delay_ms: i64 },
 }
@@ -266,9 +282,12 @@ pub(crate) async fn settle_now(
     guarded(conn, async |c| settle(c, outcomes, false).await).await
 }
 
-/// The one statement that moves leased rows out of PROCESSING. Fenced on each row's lease
-/// token: a row whose lease was settled by someone else (the reaper, after the lease expired)
-/// is not touched. With `check`, a row not touched raises `AO001` (`inbox_lease_held`).
+/// The one statement that marks leased rows and takes them out of their leases (a lease goes
+/// with its last row). Fenced on each row's lease: a row its lease no longer names (the reaper
+/// settled it, after the lease died) is not touched, nor is one an operator moved out of its
+/// due status. With `check`, a row not touched raises `AO001` (`inbox_lease_held`). The leases
+/// are locked first, in token order, so a batch and the reaper settling the same lease take
+/// turns.
 async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool) -> Result<usize> {
     if outcomes.is_empty() {
         return Ok(0);
@@ -323,18 +342,20 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                  SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int8[], \
                      $5::text[], $6::text[], $8::int4[]) \
                      AS o(id, token, kind, n, code, message, attempts) \
+             ), l AS MATERIALIZED ( \
+                 SELECT token, ids, held FROM inbox_leases \
+                 WHERE token = ANY ($2::int8[]) ORDER BY token FOR UPDATE \
              ), settled AS ( \
                  UPDATE inbox_events i SET \
                      status = CASE \
                          WHEN o.kind IN ('processed', 'stale') THEN 'PROCESSED' \
                          WHEN o.kind IN ('dead', 'died_dead') THEN 'DEAD_LETTER' \
                          WHEN o.kind IN ('retry', 'died_retry') THEN 'RETRY_PENDING' \
-                         WHEN i.attempt_count > 1 THEN 'RETRY_PENDING' \
-                         ELSE 'RECEIVED' END, \
-                     attempt_count = CASE WHEN o.kind IN ('release', 'isolate', 'suspect') \
-                         THEN greatest(i.attempt_count - 1, 0) \
+                         ELSE i.status END, \
+                     attempt_count = CASE \
+                         WHEN o.kind IN ('release', 'isolate', 'suspect') THEN i.attempt_count \
                          WHEN o.kind IN ('died_retry', 'died_dead') THEN o.attempts \
-                         ELSE i.attempt_count END, \
+                         ELSE i.attempt_count + 1 END, \
                      suspicions = CASE WHEN o.kind = 'suspect' THEN i.suspicions + 1 \
                          WHEN o.kind IN ('release', 'isolate') THEN i.suspicions ELSE 0 END, \
                      alone = i.alone OR o.kind IN ('isolate', 'suspect'), \
@@ -356,13 +377,24 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                          WHEN o.kind = 'stale' \
                              THEN 'stale: the consumer already applied aggregate version ' || o.n \
                          WHEN o.kind = 'suspect' THEN 'its process died holding it and ' \
-                             || (i.held - 1) || ' other events: not counted; handled alone \
+                             || (l.held - 1) || ' other events: not counted; handled alone \
                              from now on' \
                          WHEN o.kind IN ('release', 'isolate') THEN i.last_error \
                          ELSE o.message END, \
-                     held = NULL, lease_token = NULL, locked_until = NULL, updated_at = now() \
-                 FROM o WHERE i.id = o.id AND i.lease_token = o.token AND i.status = 'PROCESSING' \
+                     updated_at = now() \
+                 FROM o JOIN l ON l.token = o.token AND o.id = ANY (l.ids) \
+                 WHERE i.id = o.id AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
                  RETURNING 1 \
+             ), rest AS ( \
+                 SELECT l.token, ARRAY(SELECT x FROM unnest(l.ids) AS x \
+                     WHERE x NOT IN (SELECT o.id FROM o WHERE o.token = l.token)) AS ids \
+                 FROM l \
+             ), shrunk AS ( \
+                 UPDATE inbox_leases p SET ids = r.ids FROM rest r \
+                 WHERE p.token = r.token AND cardinality(r.ids) > 0 \
+             ), gone AS ( \
+                 DELETE FROM inbox_leases p USING rest r \
+                 WHERE p.token = r.token AND cardinality(r.ids) = 0 \
              ) \
              SELECT inbox_lease_held((SELECT count(*) FROM settled), $7) AS held",
         )
@@ -404,7 +436,7 @@ pub(crate) struct ExpiredRow {
 /// expired or the database session that claimed it is gone (its process was killed: the server
 /// saw its sockets close). A process is judged once every lease it holds is dead, or once one
 /// has been expired for `patience_ms` more (a live process would have settled it by then: it
-/// is stuck). Every dead row of a judged process, of any consumer, gets `held`, how many rows
+/// is stuck). Every dead lease of a judged process, of any consumer, gets `held`, how many rows
 /// the process holds: one statement for all of them, so that settling one consumer's rows never
 /// makes another's look held alone.
 pub(crate) async fn judge_dead(
@@ -415,22 +447,23 @@ pub(crate) async fn judge_dead(
     let judge = Prepared(
         diesel::sql_query(
             "WITH live AS MATERIALIZED (SELECT array_agg(pid) AS pids FROM pg_stat_activity), \
-             leased AS ( \
-                 SELECT i.id, i.consumer, i.locked_by, i.held, i.locked_until, \
-                     (i.locked_until < now() \
-                      OR coalesce(NOT i.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
-                 FROM inbox_events i WHERE i.status = 'PROCESSING' \
+             leases AS ( \
+                 SELECT l.token, l.consumer, l.locked_by, l.held, l.locked_until, \
+                     cardinality(l.ids) AS n, \
+                     (l.locked_until < now() \
+                      OR coalesce(NOT l.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
+                 FROM inbox_leases l \
              ), judged AS ( \
-                 SELECT locked_by, count(*)::int4 AS n FROM leased \
-                 WHERE locked_by IN (SELECT locked_by FROM leased \
+                 SELECT locked_by, sum(n)::int4 AS n FROM leases \
+                 WHERE locked_by IN (SELECT locked_by FROM leases \
                                      WHERE consumer = $1 AND held IS NULL AND dead) \
                  GROUP BY locked_by \
                  HAVING bool_and(dead) \
                      OR min(locked_until) < now() - $2 * interval '1 millisecond' \
              ) \
-             UPDATE inbox_events i SET held = j.n \
-             FROM leased l JOIN judged j USING (locked_by) \
-             WHERE i.id = l.id AND l.dead AND i.status = 'PROCESSING' AND i.held IS NULL",
+             UPDATE inbox_leases l SET held = j.n \
+             FROM leases x JOIN judged j USING (locked_by) \
+             WHERE l.token = x.token AND x.dead AND l.held IS NULL",
         )
         .bind::<Text, _>(consumer)
         .bind::<BigInt, _>(patience_ms),
@@ -442,9 +475,8 @@ pub(crate) async fn judge_dead(
 }
 
 /// Runs `f` in a transaction of its own behind the [`PLAN_GUARD`](store::PLAN_GUARD), all
-/// pipelined (one round trip): the reaper's statements read the few PROCESSING rows through
-/// their partial index, and must not be planned into a scan of the whole inbox while it was
-/// small.
+/// pipelined (one round trip): the claim and the reaper's statements read the inbox through
+/// its indexes, and must not be planned into a scan of the whole inbox while it was small.
 async fn guarded<T>(
     conn: &mut AsyncPgConnection,
     f: impl AsyncFnOnce(&AsyncPgConnection) -> Result<T>,
@@ -478,8 +510,8 @@ pub(crate) async fn expire(
 ) -> Result<()> {
     Prepared(
         diesel::sql_query(
-            "UPDATE inbox_events SET locked_until = now() - ($2 + 1) * interval '1 millisecond' \
-             WHERE lease_token = $1 AND status = 'PROCESSING'",
+            "UPDATE inbox_leases SET locked_until = now() - ($2 + 1) * interval '1 millisecond' \
+             WHERE token = $1",
         )
         .bind::<BigInt, _>(token)
         .bind::<BigInt, _>(patience_ms),
@@ -494,8 +526,8 @@ pub(crate) async fn expire(
 pub(crate) async fn extend(conn: &mut AsyncPgConnection, token: i64, lease_ms: i64) -> Result<()> {
     Prepared(
         diesel::sql_query(
-            "UPDATE inbox_events SET locked_until = now() + $2 * interval '1 millisecond' \
-             WHERE lease_token = $1 AND status = 'PROCESSING'",
+            "UPDATE inbox_leases SET locked_until = now() + $2 * interval '1 millisecond' \
+             WHERE token = $1",
         )
         .bind::<BigInt, _>(token)
         .bind::<BigInt, _>(lease_ms),
@@ -530,11 +562,12 @@ pub(crate) async fn judged(
 ) -> Result<Vec<ExpiredRow>> {
     let judged = Prepared(
         diesel::sql_query(
-            "SELECT id, lease_token, event_id, attempt_count - 1 AS attempt_count, held, \
-                 suspicions \
-             FROM inbox_events \
-             WHERE status = 'PROCESSING' AND consumer = $1 AND held IS NOT NULL \
-             ORDER BY id LIMIT $2",
+            "SELECT i.id, l.token AS lease_token, i.event_id, i.attempt_count, l.held, \
+                 i.suspicions \
+             FROM inbox_leases l CROSS JOIN unnest(l.ids) AS u(id) \
+             JOIN inbox_events i ON i.id = u.id \
+             WHERE l.consumer = $1 AND l.held IS NOT NULL \
+             ORDER BY i.id LIMIT $2",
         )
         .bind::<Text, _>(consumer)
         .bind::<BigInt, _>(limit),

@@ -1,9 +1,9 @@
 //! Statements of the maintenance services: the stats sampler's live gauges and
 //! `outbox_stats_samples` rows, and retention's bounded deletes.
 //!
-//! Every count reads a partial index (due rows, PROCESSING rows, dead letters), never the
-//! PUBLISHED/PROCESSED history, so a sample costs the same with a million delivered events as
-//! with none.
+//! Every count reads a partial index (due rows, PROCESSING rows, dead letters) or the small
+//! `inbox_leases`, never the PUBLISHED/PROCESSED history, so a sample costs the same with a
+//! million delivered events as with none.
 
 use std::time::Duration;
 
@@ -98,20 +98,20 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
     let rows: Vec<ConsumerRow> = diesel::sql_query(
         "SELECT s.consumer, s.paused, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status IN ('RECEIVED', 'RETRY_PENDING')) + \
-           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status = 'PROCESSING') AS backlog, \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING')) AS backlog, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'RETRY_PENDING') AS retrying, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now()) AS due, \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now() \
+               AND i.id NOT IN (SELECT unnest(l.ids) FROM inbox_leases l \
+                                WHERE l.consumer = s.consumer)) AS due, \
            coalesce((SELECT extract(epoch FROM now() - min(i.next_attempt_at))::float8 \
                FROM inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now()), 0) \
-               AS oldest_due_age, \
-           coalesce((SELECT extract(epoch FROM now() - min(i.updated_at))::float8 \
-               FROM inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status = 'PROCESSING'), 0) AS oldest_in_flight_age, \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now() \
+               AND i.id NOT IN (SELECT unnest(l.ids) FROM inbox_leases l \
+                                WHERE l.consumer = s.consumer)), 0) AS oldest_due_age, \
+           coalesce((SELECT extract(epoch FROM now() - min(l.claimed_at))::float8 \
+               FROM inbox_leases l WHERE l.consumer = s.consumer), 0) AS oldest_in_flight_age, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'DEAD_LETTER') AS dead_letter \
          FROM consumer_states s ORDER BY s.consumer",
