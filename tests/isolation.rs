@@ -361,6 +361,43 @@ fn quoted(ids: &[uuid::Uuid]) -> String {
         .join(", ")
 }
 
+/// A consumer whose batch failed every event rests until its next poll, however often it is
+/// woken and however soon its retries fall due: one batch of 10 of a backlog of 100 is tried,
+/// and no more while the poll (an hour away) has not come. Without the rest its loop would go
+/// on to the next full batch at once and try all 100 (and each again 10 ms later).
+#[actix_rt::test]
+async fn a_consumer_failing_every_event_rests_until_its_next_poll() {
+    let db = TestDb::new().await;
+    let failing = Behaviour {
+        poison_aggregate: Some("*".into()),
+        ..Default::default()
+    };
+    let cfg = consumer("failing", 1000)
+        .retry(RetryPolicy::fixed(1000, Duration::from_millis(10)))
+        .batch_size(10)
+        .concurrency(1)
+        .poll_interval(Duration::from_secs(3600));
+    db.produce_batched(100, 50, "o").await;
+    let rt = start(&db, vec![(cfg, failing.clone())]).await;
+    rt.handle().wake();
+    let tried = "SELECT count(*) AS n FROM inbox_events WHERE attempt_count > 0";
+    assert_eq!(db.wait_for(tried, 10, WAIT).await, 10);
+    for _ in 0..5 {
+        rt.handle().wake();
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        db.count(tried).await,
+        10,
+        "it claimed again before its poll"
+    );
+    assert_eq!(
+        AtomicUsize::load(&failing.poison_calls, Ordering::Relaxed),
+        10
+    );
+    db.finish(&[&rt]).await;
+}
+
 /// Two runtimes on one database, each with a consumer whose handler always fails (many
 /// attempts, short fixed backoff: it retries all the time) beside a healthy one. The failing
 /// consumer's retry storm costs only itself: the healthy consumer processes every event

@@ -69,6 +69,9 @@ pub(crate) struct ConsumerActor {
     /// consumer failing every event at hundreds of loops a second would otherwise hold a timer
     /// per loop for as long as its retry delay (an hour, for `RetryAfter(1h)`).
     retry_timer: Option<(tokio::time::Instant, SpawnHandle)>,
+    /// Set after a batch whose every event failed, for one poll interval: the consumer claims
+    /// nothing meanwhile (see [`batch_loop`]).
+    resting: bool,
 }
 
 impl ConsumerActor {
@@ -80,6 +83,7 @@ impl ConsumerActor {
             factory,
             handler: None,
             factory_backoff: None,
+            resting: false,
             factory_next: Duration::from_millis(100),
             hung,
             in_flight: 0,
@@ -131,6 +135,7 @@ impl ConsumerActor {
 
     fn pump(&mut self, ctx: &mut Context<Self>) {
         if self.draining.load(Ordering::Relaxed)
+            || self.resting
             || !self.want
             || self.in_flight >= self.cfg.concurrency
         {
@@ -209,6 +214,14 @@ impl ConsumerActor {
         if outcome.handler_lost {
             self.want = true;
         }
+        if outcome.failing && !self.resting {
+            self.resting = true;
+            ctx.run_later(self.cfg.poll_interval, |act, ctx| {
+                act.resting = false;
+                act.want = true;
+                act.pump(ctx);
+            });
+        }
         if self.in_flight == 0 && self.draining.load(Ordering::Relaxed) {
             for tx in self.drained.drain(..) {
                 let _ = tx.send(());
@@ -222,10 +235,18 @@ impl ConsumerActor {
 struct LoopOutcome {
     next_retry: Option<Duration>,
     handler_lost: bool,
+    /// The last batch failed every event it held.
+    failing: bool,
 }
 
-/// Runs batches until one comes back short (a full batch means more rows are probably due)
-/// or a drain begins.
+/// Runs batches until one comes back short (a full batch means more rows are probably due),
+/// one fails every event it held, or a drain begins.
+///
+/// A batch that failed every event ends the loop, and its consumer then claims nothing until
+/// a poll interval has passed, whatever wakes it. Such a consumer usually waits on something
+/// down (a service, a credential, a bug in this build): at full speed its retries would take
+/// the database's time from every other consumer and gain nothing. Its events are retried
+/// all the same, one batch per loop and poll.
 async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
@@ -256,10 +277,11 @@ async fn batch_loop(
         match batch {
             Ok(BatchOutcome {
                 claimed,
+                processed,
+                failed,
                 next_retry,
                 handler_lost,
                 alone,
-                ..
             }) => {
                 out.next_retry = match (out.next_retry, next_retry) {
                     (Some(a), Some(b)) => Some(a.min(b)),
@@ -267,6 +289,10 @@ async fn batch_loop(
                 };
                 if handler_lost {
                     out.handler_lost = true;
+                    return out;
+                }
+                if failed > 0 && processed == 0 && failed == claimed {
+                    out.failing = true;
                     return out;
                 }
                 if alone {

@@ -292,10 +292,13 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
     if outcomes.is_empty() {
         return Ok(0);
     }
-    #[derive(QueryableByName)]
-    struct Held {
-        #[diesel(sql_type = BigInt)]
-        held: i64,
+    let token = outcomes[0].token;
+    if check
+        && outcomes
+            .iter()
+            .all(|o| o.token == token && o.settle == Settle::Processed)
+    {
+        return processed(conn, outcomes, token).await;
     }
     let mut ids = Vec::with_capacity(outcomes.len());
     let mut tokens = Vec::with_capacity(outcomes.len());
@@ -345,6 +348,8 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
              ), l AS MATERIALIZED ( \
                  SELECT token, ids, held FROM inbox_leases \
                  WHERE token = ANY ($2::int8[]) ORDER BY token FOR UPDATE \
+             ), named AS MATERIALIZED ( \
+                 SELECT l.token, x AS id, l.held FROM l CROSS JOIN unnest(l.ids) AS x \
              ), settled AS ( \
                  UPDATE inbox_events i SET \
                      status = CASE \
@@ -382,13 +387,12 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                          WHEN o.kind IN ('release', 'isolate') THEN i.last_error \
                          ELSE o.message END, \
                      updated_at = now() \
-                 FROM o JOIN l ON l.token = o.token AND o.id = ANY (l.ids) \
+                 FROM o JOIN named l USING (token, id) \
                  WHERE i.id = o.id AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
                  RETURNING 1 \
              ), rest AS ( \
-                 SELECT l.token, ARRAY(SELECT x FROM unnest(l.ids) AS x \
-                     WHERE x NOT IN (SELECT o.id FROM o WHERE o.token = l.token)) AS ids \
-                 FROM l \
+                 SELECT n.token, coalesce(array_agg(n.id) FILTER (WHERE o.id IS NULL), '{}') AS ids \
+                 FROM named n LEFT JOIN o USING (token, id) GROUP BY n.token \
              ), shrunk AS ( \
                  UPDATE inbox_leases p SET ids = r.ids FROM rest r \
                  WHERE p.token = r.token AND cardinality(r.ids) > 0 \
@@ -406,6 +410,58 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
         .bind::<Array<Nullable<Text>>, _>(messages)
         .bind::<Nullable<BigInt>, _>(expected)
         .bind::<Array<Integer>, _>(attempts),
+    )
+    .get_result(&mut conn)
+    .await?;
+    Ok(r.held as usize)
+}
+
+#[derive(QueryableByName)]
+struct Held {
+    #[diesel(sql_type = BigInt)]
+    held: i64,
+}
+
+/// [`settle`]'s common case, in a statement of its own: every row of `outcomes` processed,
+/// all under lease `token`, checked; as a batch whose handlers all succeeded commits. The
+/// same marks as `processed` in [`settle`], without reading an outcome per row: this is the
+/// statement nearly every event goes through. The lease goes when it named only these rows.
+/// The rows are reached from the ids, by primary key (`mine`): planned from stale statistics,
+/// `id = ANY ($1)` alone was once read as a scan of the whole due index, comparing each row
+/// with every id.
+async fn processed(
+    mut conn: &AsyncPgConnection,
+    outcomes: &[Outcome],
+    token: i64,
+) -> Result<usize> {
+    let ids: Vec<i64> = outcomes.iter().map(|o| o.id).collect();
+    let r: Held = Prepared(
+        diesel::sql_query(
+            "WITH l AS MATERIALIZED ( \
+                 SELECT ids FROM inbox_leases WHERE token = $2 FOR UPDATE \
+             ), mine AS MATERIALIZED ( \
+                 SELECT n.id FROM unnest($1::int8[]) AS n(id) \
+                 WHERE n.id IN (SELECT unnest(ids) FROM l) \
+             ), settled AS ( \
+                 UPDATE inbox_events i SET status = 'PROCESSED', \
+                     attempt_count = i.attempt_count + 1, suspicions = 0, \
+                     processed_at = clock_timestamp(), error_code = NULL, last_error = NULL, \
+                     updated_at = now() \
+                 FROM mine WHERE i.id = mine.id AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
+                 RETURNING 1 \
+             ), gone AS ( \
+                 DELETE FROM inbox_leases WHERE token = $2 \
+                     AND cardinality(ids) = cardinality($1::int8[]) \
+             ), shrunk AS ( \
+                 UPDATE inbox_leases SET ids = ARRAY(SELECT x FROM unnest(ids) AS x \
+                                                     WHERE x <> ALL ($1)) \
+                 WHERE token = $2 AND cardinality(ids) <> cardinality($1::int8[]) \
+             ) \
+             SELECT inbox_lease_held((SELECT count(*) FROM settled), $3) AS held",
+        )
+        .bind::<Array<BigInt>, _>(&ids)
+        .bind::<BigInt, _>(token)
+        .bind::<Nullable<BigInt>, _>(Some(ids.len() as i64)),
     )
     .get_result(&mut conn)
     .await?;

@@ -10,8 +10,7 @@
 -- process never idle) is leased all the same. While one is due or in flight in this process,
 -- its consumer claims nothing else here.
 -- The ORDER BY is the partial index `inbox_events_due` column for column, so PostgreSQL reads
--- it in order and stops at the limit, skipping rows a lease names; rows are found again by
--- primary key. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
+-- it in order and stops at the limit, skipping rows a lease names. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
 -- test runs exactly this text.
 WITH paused AS (
     SELECT FROM consumer_states s WHERE s.consumer = $1 AND s.paused
@@ -25,7 +24,7 @@ WITH paused AS (
     UNION ALL
     SELECT FROM inbox_leases b WHERE b.consumer = $1 AND b.locked_by = $4 AND b.alone
 ), one AS (
-    SELECT i.id FROM inbox_events i
+    SELECT i.* FROM inbox_events i
     WHERE i.consumer = $1 AND i.alone AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused)
@@ -35,25 +34,22 @@ WITH paused AS (
     ORDER BY i.next_attempt_at, i.id
     LIMIT 1
 ), due AS MATERIALIZED (
-    SELECT i.id FROM inbox_events i
+    SELECT i.* FROM inbox_events i
     WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM alone)
     ORDER BY i.next_attempt_at, i.id
     LIMIT $2
-), picked AS MATERIALIZED (
-    SELECT id FROM one UNION ALL SELECT id FROM due
 ), lease AS (
     INSERT INTO inbox_leases (token, consumer, locked_by, backend, locked_until, ids, alone)
     SELECT $5, $1, $4, pg_backend_pid(), now() + $3 * interval '1 millisecond',
         array_agg(p.id), EXISTS (SELECT FROM one)
-    FROM picked p HAVING count(*) > 0
+    FROM (SELECT id FROM one UNION ALL SELECT id FROM due) p HAVING count(*) > 0
 )
 -- In claim order; `attempt_count`: the attempts before this one; `backend`, the session the
 -- rows' handlers will write in.
-SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, i.aggregate_id,
-    i.aggregate_version, i.payload, i.metadata, i.correlation_id, i.causation_id,
-    i.event_created_at, i.attempt_count, $5 AS lease_token, i.alone,
+SELECT p.id, p.event_id, p.event_type, p.event_version, p.aggregate_type, p.aggregate_id,
+    p.aggregate_version, p.payload, p.metadata, p.correlation_id, p.causation_id,
+    p.event_created_at, p.attempt_count, $5 AS lease_token, p.alone,
     pg_backend_pid() AS backend
-FROM inbox_events i WHERE i.id IN (SELECT id FROM picked)
-ORDER BY i.next_attempt_at, i.id
+FROM (SELECT * FROM one UNION ALL SELECT * FROM due) p ORDER BY p.next_attempt_at, p.id
