@@ -178,6 +178,7 @@ pub(crate) fn new_token() -> i64 {
 
 /// The rows of lease `token` among `ids` that it still holds, as [`claim`] returned them, for
 /// a batch that hands them over again one per call (their payloads went to the first call).
+/// Reached from the ids by primary key, as in [`processed`].
 pub(crate) async fn reload(
     conn: &mut AsyncPgConnection,
     ids: &[i64],
@@ -185,14 +186,14 @@ pub(crate) async fn reload(
 ) -> Result<Vec<InboxRow>> {
     let rows = Prepared(
         diesel::sql_query(
-            "SELECT id, event_id, event_type, event_version, aggregate_type, aggregate_id, \
-                 aggregate_version, payload, metadata, correlation_id, causation_id, \
-                 event_created_at, attempt_count, $2 AS lease_token, alone, \
-                 pg_backend_pid() AS backend \
-             FROM inbox_events \
-             WHERE id = ANY($1) AND status IN ('RECEIVED', 'RETRY_PENDING') \
-               AND id = ANY ((SELECT ids FROM inbox_leases WHERE token = $2)::int8[]) \
-             ORDER BY next_attempt_at, id",
+            "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
+                 i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
+                 i.causation_id, i.event_created_at, i.attempt_count, $2 AS lease_token, \
+                 i.alone, pg_backend_pid() AS backend \
+             FROM unnest($1::int8[]) AS n(id) JOIN inbox_events i ON i.id = n.id \
+             WHERE i.status IN ('RECEIVED', 'RETRY_PENDING') \
+               AND n.id IN (SELECT unnest(ids) FROM inbox_leases WHERE token = $2) \
+             ORDER BY i.next_attempt_at, i.id",
         )
         .bind::<Array<BigInt>, _>(ids)
         .bind::<BigInt, _>(token),
