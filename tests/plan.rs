@@ -317,7 +317,7 @@ async fn claim_planned_on_an_empty_table_still_uses_the_indexes() {
 /// index `inbox_events_due` column for column, so an ordered scan of that index that stops at
 /// the limit wins in every state the outbox claim can be trapped in: a generic plan made while
 /// the table was empty and kept as it grew, a fresh table nobody analyzed, a large analyzed
-/// one. The leased rows are then found again by key, never by a scan of the table.
+/// one; nothing else in it scans the inbox table.
 #[actix_rt::test]
 async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistics() {
     let db = TestDb::new().await;
