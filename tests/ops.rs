@@ -511,7 +511,11 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
     // runtime's next interval.
     sampler(&db, 5).run_once().await.unwrap();
 
-    let cfg = AdminConfig::new(db.pool.clone())
+    // The admin API gets a pool of its own. A connection opened while serving a request runs
+    // on that HTTP worker's runtime and closes when the server stops below; in the test's own
+    // pool, `finish` could then be lent one (seen as `connection closed`).
+    let admin_pool = actix_outbox::connect(&db.url, 4).await.unwrap();
+    let cfg = AdminConfig::new(admin_pool)
         .bearer_token("alice", TOKEN)
         .unwrap();
     let server = HttpServer::new(move || App::new().service(admin_scope("/ops", cfg.clone())))
