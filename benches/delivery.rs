@@ -53,7 +53,10 @@
 //!   then on two `OutboxRuntime`s on the same database in this process, each with its own pool
 //!   and running every consumer (as two instances would). The healthy consumer's drain time
 //!   (from the runtimes' start to its "done") is timed; the ratio is with the neighbour / alone
-//!   (1.0 = no cost). Each of the four drains starts on fresh tables.
+//!   (1.0 = no cost). A third drain, beside a quiet neighbour (subscribed alike, succeeding at
+//!   once, writing nothing), gives the cost of a second subscription alone: the publisher fans
+//!   every event out twice, which a batch handler's drain feels most. The ratio "over the quiet
+//!   neighbour" is the cost of failing. Each of the six drains starts on fresh tables.
 //! - Peak RSS is this process's `VmHWM`, reset through `/proc/self/clear_refs` before each
 //!   scenario (if the kernel refuses, it is the peak since the start and says so).
 
@@ -1119,6 +1122,39 @@ const NEIGHBOUR: &str = "failing";
 /// The noisy neighbour: every call fails, to be retried; it writes nothing.
 struct Failing;
 
+/// A quiet neighbour: every call succeeds at once; it writes nothing. Beside it the healthy
+/// consumer pays for a second subscription (the publisher fans each event out twice) and
+/// nothing else, which is what separates that cost from the cost of failing.
+struct Quiet;
+
+impl Actor for Quiet {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Quiet {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, _: Delivery, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl Handler<DeliveryBatch> for Quiet {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, _: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Who runs beside the healthy consumer of `noisy-neighbour`.
+#[derive(Clone, Copy, PartialEq)]
+enum Neighbour {
+    None,
+    Quiet,
+    Failing,
+}
+
 impl Actor for Failing {
     type Context = Context<Self>;
 }
@@ -1145,7 +1181,7 @@ async fn start_noisy_runtime(
     ctx: &Ctx,
     pool: PgPool,
     track: &Arc<Track>,
-    neighbour: bool,
+    neighbour: Neighbour,
 ) -> Res<OutboxRuntime> {
     let mut b = OutboxRuntime::builder(pool).config(ctx.opts.runtime_config());
     let (track, name): (Arc<Track>, Arc<str>) = (track.clone(), Arc::from(HEALTHY));
@@ -1160,18 +1196,18 @@ async fn start_noisy_runtime(
     } else {
         b.consumer(cfg, sink)
     };
-    if neighbour {
-        // Short and many: it fails again every 200 ms for the whole drain, never dead-letters.
-        let cfg = ctx
-            .opts
-            .consumer_config(NEIGHBOUR)
-            .retry(RetryPolicy::fixed(1000, Duration::from_millis(200)));
-        b = if ctx.opts.batch_handler {
-            b.batch_consumer(cfg, || Failing)
-        } else {
-            b.consumer(cfg, || Failing)
-        };
-    }
+    // Short and many: it fails again every 200 ms for the whole drain, never dead-letters.
+    let cfg = ctx
+        .opts
+        .consumer_config(NEIGHBOUR)
+        .retry(RetryPolicy::fixed(1000, Duration::from_millis(200)));
+    b = match (neighbour, ctx.opts.batch_handler) {
+        (Neighbour::None, _) => b,
+        (Neighbour::Quiet, true) => b.batch_consumer(cfg, || Quiet),
+        (Neighbour::Quiet, false) => b.consumer(cfg, || Quiet),
+        (Neighbour::Failing, true) => b.batch_consumer(cfg, || Failing),
+        (Neighbour::Failing, false) => b.consumer(cfg, || Failing),
+    };
     Ok(b.start().await?)
 }
 
@@ -1188,7 +1224,7 @@ struct NoisyDrain {
     check: Option<String>,
 }
 
-async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: bool) -> Res<NoisyDrain> {
+async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: Neighbour) -> Res<NoisyDrain> {
     let o = &ctx.opts;
     let events = o.events;
     let mut mon = ctx.pool.get().await?;
@@ -1263,43 +1299,51 @@ async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: bool) -> Res<NoisyDr
     })
 }
 
-/// `noisy-neighbour`: the healthy consumer's drain alone and beside the failing neighbour, on
-/// one runtime and on two.
+/// `noisy-neighbour`: the healthy consumer's drain alone, beside a quiet neighbour and beside
+/// the failing one, on one runtime and on two.
 async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
     let events = ctx.opts.events as f64;
     let mut parts = Vec::new();
     let mut cases = Vec::new();
     let mut ratios = Vec::new();
     for runtimes in [1usize, 2] {
-        let alone = noisy_drain(ctx, runtimes, false).await?;
-        // Let the server settle, as between scenarios.
-        actix_rt::time::sleep(Duration::from_millis(200)).await;
-        let beside = noisy_drain(ctx, runtimes, true).await?;
-        actix_rt::time::sleep(Duration::from_millis(200)).await;
-        let ratio = alone
-            .seconds
-            .zip(beside.seconds)
-            .map(|(alone, beside)| beside / alone);
+        let mut drains = Vec::new();
+        for neighbour in [Neighbour::None, Neighbour::Quiet, Neighbour::Failing] {
+            drains.push(noisy_drain(ctx, runtimes, neighbour).await?);
+            // Let the server settle, as between scenarios.
+            actix_rt::time::sleep(Duration::from_millis(200)).await;
+        }
+        let [alone, quiet, beside] = [&drains[0], &drains[1], &drains[2]];
+        let ratio = |base: &NoisyDrain| {
+            base.seconds
+                .zip(beside.seconds)
+                .map(|(base, beside)| beside / base)
+        };
+        let (ratio, over_quiet) = (ratio(alone), ratio(quiet));
         let drain = |d: &NoisyDrain| {
             d.seconds.map_or("INCOMPLETE".to_owned(), |s| {
                 format!("{s:.2} s = {:.0}/s", events / s)
             })
         };
+        let r = |r: Option<f64>| r.map_or("n/a".to_owned(), |r| format!("{r:.2}"));
         let mut part = format!(
-            "{runtimes} runtime{}: alone {}, beside the failing neighbour {} (neighbour's attempts \
-             {:.0}, dead {:.0}), ratio {}",
+            "{runtimes} runtime{}: alone {}, beside a quiet neighbour {}, beside the failing \
+             neighbour {} (neighbour's attempts {:.0}, dead {:.0}), ratio {} (over the quiet \
+             neighbour {})",
             if runtimes == 1 { "" } else { "s" },
-            drain(&alone),
-            drain(&beside),
+            drain(alone),
+            drain(quiet),
+            drain(beside),
             beside.neighbour_attempts,
             beside.neighbour_dead,
-            ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}")),
+            r(ratio),
+            r(over_quiet),
         );
-        for c in [&alone.check, &beside.check].into_iter().flatten() {
+        for c in drains.iter().filter_map(|d| d.check.as_ref()) {
             part.push_str(&format!(" {c}"));
         }
         parts.push(part);
-        for (d, neighbour) in [(&alone, false), (&beside, true)] {
+        for (d, neighbour) in drains.iter().zip(["none", "quiet", "failing"]) {
             cases.push(json!({
                 "runtimes": runtimes,
                 "neighbour": neighbour,
@@ -1310,7 +1354,7 @@ async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
                 "check": d.check,
             }));
         }
-        ratios.push(json!({"runtimes": runtimes, "ratio": ratio}));
+        ratios.push(json!({"runtimes": runtimes, "ratio": ratio, "over_quiet": over_quiet}));
     }
     let line = format!(
         "noisy-neighbour | {} events, drain time with / alone | {}",

@@ -361,12 +361,17 @@ fn quoted(ids: &[uuid::Uuid]) -> String {
         .join(", ")
 }
 
-/// A consumer whose batch failed every event rests until its next poll, however often it is
-/// woken and however soon its retries fall due: one batch of 10 of a backlog of 100 is tried,
-/// and no more while the poll (an hour away) has not come. Without the rest its loop would go
-/// on to the next full batch at once and try all 100 (and each again 10 ms later).
-#[actix_rt::test]
-async fn a_consumer_failing_every_event_rests_until_its_next_poll() {
+/// A consumer whose handler fails every event tries only a few of its batch, and then rests
+/// until its next poll, however often it is woken and however soon its retries fall due.
+///
+/// Of a backlog of 100, in batches of 10, the first batch hands over `tried` events: a
+/// handler of one event per call fails the first in the fast pass and three more alone in the
+/// careful pass; a batch handler fails the whole batch, then three events alone. The
+/// careful pass then gives up (`decide::PROBE`): the batch's other rows are given back with
+/// their attempts unspent. Nothing more is tried while the poll (an hour away) has not come.
+/// Without the probe's limit every event of the batch would be tried; without the rest the
+/// loop would go on to the next batch at once and try all 100 (and each again 10 ms later).
+async fn failing_everything_tries_a_few_and_rests(batch_handler: bool, tried: i64) {
     let db = TestDb::new().await;
     let failing = Behaviour {
         poison_aggregate: Some("*".into()),
@@ -378,24 +383,46 @@ async fn a_consumer_failing_every_event_rests_until_its_next_poll() {
         .concurrency(1)
         .poll_interval(Duration::from_secs(3600));
     db.produce_batched(100, 50, "o").await;
-    let rt = start(&db, vec![(cfg, failing.clone())]).await;
+    let consumers = vec![(cfg, failing.clone())];
+    let rt = if batch_handler {
+        start_batch(&db, consumers).await
+    } else {
+        start(&db, consumers).await
+    };
     rt.handle().wake();
-    let tried = "SELECT count(*) AS n FROM inbox_events WHERE attempt_count > 0";
-    assert_eq!(db.wait_for(tried, 10, WAIT).await, 10);
+    let charged = "SELECT count(*) AS n FROM inbox_events WHERE attempt_count > 0";
+    assert_eq!(db.wait_for(charged, tried, WAIT).await, tried);
     for _ in 0..5 {
         rt.handle().wake();
         actix_rt::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(
-        db.count(tried).await,
-        10,
-        "it claimed again before its poll"
+        db.count(charged).await,
+        tried,
+        "it tried more of its batch, or claimed again before its poll"
     );
     assert_eq!(
-        AtomicUsize::load(&failing.poison_calls, Ordering::Relaxed),
-        10
+        db.count("SELECT count(*) AS n FROM inbox_events WHERE attempt_count > 1")
+            .await,
+        0
+    );
+    // One call of the whole batch first, for a batch handler.
+    let calls = tried + i64::from(batch_handler);
+    assert_eq!(
+        AtomicUsize::load(&failing.poison_calls, Ordering::Relaxed) as i64,
+        calls
     );
     db.finish(&[&rt]).await;
+}
+
+#[actix_rt::test]
+async fn a_consumer_failing_every_event_tries_a_few_and_rests_until_its_next_poll() {
+    failing_everything_tries_a_few_and_rests(false, 4).await;
+}
+
+#[actix_rt::test]
+async fn a_batch_consumer_failing_every_event_tries_a_few_and_rests_until_its_next_poll() {
+    failing_everything_tries_a_few_and_rests(true, 3).await;
 }
 
 /// Two runtimes on one database, each with a consumer whose handler always fails (many

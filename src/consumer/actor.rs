@@ -235,18 +235,18 @@ impl ConsumerActor {
 struct LoopOutcome {
     next_retry: Option<Duration>,
     handler_lost: bool,
-    /// The last batch failed every event it held.
+    /// The last batch failed every event it handed over.
     failing: bool,
 }
 
 /// Runs batches until one comes back short (a full batch means more rows are probably due),
-/// one fails every event it held, or a drain begins.
+/// one fails every event it handed over, or a drain begins.
 ///
-/// A batch that failed every event ends the loop, and its consumer then claims nothing until
-/// a poll interval has passed, whatever wakes it. Such a consumer usually waits on something
-/// down (a service, a credential, a bug in this build): at full speed its retries would take
-/// the database's time from every other consumer and gain nothing. Its events are retried
-/// all the same, one batch per loop and poll.
+/// A batch that failed every event it handed over ends the loop, and its consumer then claims
+/// nothing until a poll interval has passed, whatever wakes it. Such a consumer usually waits
+/// on something down (a service, a credential, a bug in this build): at full speed its
+/// retries would take the database's time from every other consumer and gain nothing. Its
+/// events are retried all the same, a few per loop and poll (`decide::gives_up`).
 async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
@@ -291,7 +291,7 @@ async fn batch_loop(
                     out.handler_lost = true;
                     return out;
                 }
-                if failed > 0 && processed == 0 && failed == claimed {
+                if failed > 0 && processed == 0 {
                     out.failing = true;
                     return out;
                 }

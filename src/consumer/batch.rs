@@ -9,6 +9,8 @@
 //! 3. **Careful pass**, only after a failure in the fast pass: the fast transaction rolls back,
 //!    and the rows not yet decided are handed over again one per call, each in a savepoint, so
 //!    that a failing row's writes and attempt are its own and the others' effects still commit.
+//!    A careful pass whose first calls all fail, to be retried, gives the rest back unspent
+//!    (`decide::gives_up`): its handler is failing everything, not one event.
 //! 4. **Settle.** The marks of every row (PROCESSED, failed, given back) are fenced on the
 //!    lease and pipelined with the `COMMIT`; a row the lease no longer holds fails the
 //!    transaction, so an effect never commits beside another delivery's.

@@ -177,6 +177,22 @@ pub(crate) fn after_call(end: CallEnd, rows: usize, careful: bool, own: bool) ->
     }
 }
 
+/// How many calls in a row a careful pass lets fail, to be retried, before it gives the rest
+/// of its rows back unspent (see [`gives_up`]).
+pub(crate) const PROBE: usize = 3;
+
+/// Whether a careful pass stops handing rows over: its `calls` so far all failed, each to be
+/// retried (`retried`), and there are [`PROBE`] of them. A handler that fails every event
+/// usually waits on something down (a service, a credential, a bug in this build); making it
+/// fail each row of the batch would only spend their attempts and the database's time. The
+/// rows not handed over are given back with their attempts unspent, and the consumer rests
+/// until its next poll (`actor.rs`). A call that succeeded or failed for good ends the doubt:
+/// the pass then goes through every row, so one poison event never costs its batch more than
+/// its own attempt.
+pub(crate) fn gives_up(calls: usize, retried: usize) -> bool {
+    retried == calls && retried >= PROBE
+}
+
 /// Whether one more call still fits in the lease, leaving `slack` to settle the batch: a
 /// batch never runs past its lease while its process lives, so the reaper only ever settles
 /// the leases of loops that died.
@@ -390,5 +406,15 @@ mod tests {
             Some(DEFER_DELAY)
         );
         assert_eq!(next_retry(&[o(Settle::Processed)]), None);
+    }
+
+    #[test]
+    fn a_careful_pass_gives_up_only_after_its_first_calls_all_failed_to_be_retried() {
+        assert!(!gives_up(PROBE - 1, PROBE - 1));
+        assert!(gives_up(PROBE, PROBE));
+        // One call that did not fail to be retried (it succeeded, or failed for good): the
+        // pass goes through every row.
+        assert!(!gives_up(PROBE + 1, PROBE));
+        assert!(!gives_up(PROBE + 5, PROBE + 4));
     }
 }

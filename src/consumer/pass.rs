@@ -57,6 +57,8 @@ impl Pass<'_> {
         let mut processed: Vec<InboxRow> = Vec::with_capacity(rows.len());
         let mut group: Vec<InboxRow> = Vec::new();
         let mut calls = 0;
+        // Calls that failed, to be retried; in a careful pass, see `decide::gives_up`.
+        let mut retried = 0;
         let mut rows = rows.into_iter().peekable();
         while let Some(mut row) = rows.next() {
             if !self.handler.connected() || !decide::fits(self.started.elapsed(), cfg) {
@@ -205,10 +207,14 @@ impl Pass<'_> {
                     let row = group.pop().expect("a careful call holds one row");
                     let err = call.result.expect_err("the call failed");
                     log::failed(cfg, &row, &err);
-                    outcomes.push(to(
-                        &row,
-                        Settle::Failed(decide::decide(&cfg.retry, &row, &err)),
-                    ));
+                    let failure = decide::decide(&cfg.retry, &row, &err);
+                    retried += usize::from(!failure.dead);
+                    outcomes.push(to(&row, Settle::Failed(failure)));
+                    if decide::gives_up(calls, retried) {
+                        outcomes.extend(rows.by_ref().map(|r| to(&r, Settle::Release)));
+                        conn = back;
+                        break;
+                    }
                 }
                 Next::Carefully { charge, isolate } => {
                     // Undo the whole fast pass, the handler's partial writes with it.

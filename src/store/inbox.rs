@@ -213,7 +213,9 @@ pub(crate) enum Settle {
     Stale(i64),
     /// The attempt failed: RETRY_PENDING after the delay, or DEAD_LETTER.
     Failed(Failure),
-    /// Given back unhandled, its attempt not counted: due again at once.
+    /// Given back unhandled, its attempt not counted: due again at once, in its place in line
+    /// (its `next_attempt_at` is kept, so rows given back again and again are not overtaken
+    /// for ever by rows that fail and fall due again meanwhile).
     Release,
     /// Given back unhandled and not counted, to be claimed on its own from now on: it was in a
     /// call that overran its timeout with other rows, so which one hung is unknown.
@@ -370,7 +372,7 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                      next_attempt_at = CASE \
                          WHEN o.kind IN ('retry', 'died_retry', 'suspect') \
                              THEN clock_timestamp() + o.n * interval '1 millisecond' \
-                         WHEN o.kind IN ('release', 'isolate') THEN now() \
+                         WHEN o.kind = 'isolate' THEN now() \
                          ELSE i.next_attempt_at END, \
                      error_code = CASE \
                          WHEN o.kind = 'processed' THEN NULL \
