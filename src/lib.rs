@@ -102,18 +102,32 @@
 //! - **Several processes** may run the runtime on one database: claims use `SKIP LOCKED`, and
 //!   subscriptions live in the database, so any instance fans out to every consumer.
 //!
-//! ## Layout
+//! ## Architecture
 //!
-//! - `event/` — ids, the envelope, typed [`Event`]s and the [`EventRegistry`]; `error` — the
-//!   error enum and stable codes.
-//! - `store/` — the SQL of the delivery state machines (internal) and the migration runner.
-//! - `outbox/` — enqueue in the caller's transaction; `inbox/` — idempotency keys, pause,
-//!   the receiving side of external transports.
-//! - `consumer/` — the delivery message, handler errors, retry policy, consumer actors.
-//! - `publisher/` — the claim loop and external transports. `reconciler/` — rules and drift
-//!   checks. `runtime/` — builder, supervisor, `LISTEN`, shutdown.
-//! - `maintenance/` — metrics, the stats sampler and lag health ([`HealthReport`]), retention;
-//!   `admin/` — the operator API, dashboard and Prometheus endpoint ([`admin_scope`]).
+//! One folder per responsibility, in layers. A module uses the layers below it and never a
+//! layer above; the modules of one layer do not use each other. `src/layers.rs` checks this on
+//! every test run, so an import that breaks the order fails CI.
+//!
+//! ```text
+//! 6  admin/ (operator API, dashboard, Prometheus)    testing/ (harness, fault scripts)
+//! 5  runtime/    builder, supervisor, LISTEN, start-up and shutdown
+//! 4  consumer/   publisher/   reconciler/   maintenance/      (actors; independent)
+//! 3  outbox/ (enqueue)        inbox/ (keys, pause, receive)
+//! 2  store/      the SQL of the state machines, connections, migrations
+//! 1  event/      messages      retry      telemetry/
+//! 0  error       the error enum and its stable codes
+//! ```
+//!
+//! - `event/`: ids, the envelope, typed [`Event`]s, the [`EventRegistry`], [`OutboxEvent`].
+//! - `messages`: what actors say to each other (wake, drain, stop, "inbox rows written") and
+//!   the `NOTIFY` channels between instances; an actor depends on the messages it handles,
+//!   never on the actor at the other end.
+//! - `retry`: [`RetryPolicy`], shared by consumers and external transports. `telemetry/`: the
+//!   metric hooks of the hot paths.
+//! - `consumer/`: the delivery message, handler errors and the consumer engine (its module
+//!   docs say how leases and death accounting work). `publisher/`: the claim loop and external
+//!   transports. `reconciler/`: rules and drift checks. `maintenance/`: the stats sampler, lag
+//!   health ([`HealthReport`]) and retention.
 //!
 //! ## Features
 //!
@@ -138,21 +152,26 @@ mod consumer;
 mod error;
 mod event;
 mod inbox;
+#[cfg(test)]
+mod layers;
 mod maintenance;
+mod messages;
 mod outbox;
 mod publisher;
 mod reconciler;
+mod retry;
 mod runtime;
 mod store;
+mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 #[cfg(feature = "admin")]
 pub use admin::{admin_scope, install_prometheus_recorder, AdminConfig};
-pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, RetryPolicy, TxConn};
+pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, TxConn};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{
-    ConsumerName, Event, EventId, EventRegistry, NewEvent, DEFAULT_SENSITIVE_KEYS,
+    ConsumerName, Event, EventId, EventRegistry, NewEvent, OutboxEvent, DEFAULT_SENSITIVE_KEYS,
     MAX_PAYLOAD_BYTES,
 };
 pub use inbox::{
@@ -163,9 +182,11 @@ pub use maintenance::{
     ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Retention,
     RetentionConfig, RetentionReport, StatsConfig, StatsSampler, Trend,
 };
+pub use messages::BoxFuture;
 pub use outbox::{enqueue, enqueue_many, enqueue_with, notify_publishers, timeline};
-pub use publisher::{ExternalConfig, OutboxEvent, Transport, TransportError};
-pub use reconciler::{BoxFuture, DriftReport, ReconcileReport, ReconcileRule};
+pub use publisher::{ExternalConfig, Transport, TransportError};
+pub use reconciler::{DriftReport, ReconcileReport, ReconcileRule};
+pub use retry::RetryPolicy;
 #[cfg(feature = "testing")]
 pub use runtime::Fault;
 pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};

@@ -15,8 +15,8 @@ use actix_web::{HttpRequest, Scope};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::error::{Error, Result};
-use crate::maintenance::metrics as m;
 use crate::store::PgPool;
+use crate::telemetry::metrics as m;
 use auth::{Auth, Guard, NamedToken};
 
 /// Turns a payload into what operators may see of it: `(event_type, payload) → redacted`.

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::batch::{self, BatchOutcome};
 use super::lend::Hung;
 use super::{reap, ConsumerConfig, Delivery, DeliveryBatch};
-use crate::runtime::{Drain, Stop, Wake};
+use crate::messages::{Drain, Stop, Wake};
 use crate::store::PgPool;
 
 /// Builds the user's handler actor. Called again whenever that actor has died (a panic in its

@@ -31,9 +31,9 @@ use super::lend::Hung;
 use super::pass::{refused_by_server, Pass, PassEnd};
 use super::{decide, log, ConsumerConfig};
 use crate::error::Result;
-use crate::maintenance::metrics;
 use crate::store::inbox::{self, InboxRow, Outcome, Settle};
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
+use crate::telemetry::metrics;
 
 /// What one batch did, for the actor's bookkeeping.
 #[derive(Debug, Default, Clone, PartialEq)]

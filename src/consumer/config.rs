@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::RetryPolicy;
 use crate::error::Error;
 use crate::event::{ConsumerName, EventRegistry};
+use crate::retry::RetryPolicy;
 
 /// How one consumer is run. Build with [`ConsumerConfig::new`] and the setters.
 #[derive(Debug, Clone)]

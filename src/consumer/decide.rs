@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
-use super::{ConsumerConfig, HandlerError, RetryPolicy};
+use super::{ConsumerConfig, HandlerError};
 use crate::error::ErrorCode;
+use crate::retry::RetryPolicy;
 use crate::store::inbox::{ExpiredRow, Failure, InboxRow, Outcome, Settle};
 
 /// Stored as `last_error` when a handler panicked or stopped while handling.
@@ -55,7 +56,7 @@ fn decide_attempt(
     };
     Failure {
         dead,
-        delay_ms: super::retry::delay_ms(delay),
+        delay_ms: crate::retry::delay_ms(delay),
         code: err.code().as_str().to_owned(),
         message: err.message().to_owned(),
     }
@@ -109,7 +110,7 @@ pub(crate) fn settle_expired(policy: &RetryPolicy, rows: &[ExpiredRow]) -> Vec<O
                 let (a, b) = r.event_id.as_u64_pair();
                 let next = (suspicions + 1) as u32;
                 Settle::Suspect {
-                    delay_ms: super::retry::delay_ms(policy.delay(next, a ^ b)),
+                    delay_ms: crate::retry::delay_ms(policy.delay(next, a ^ b)),
                 }
             };
             Outcome {

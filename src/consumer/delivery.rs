@@ -21,7 +21,7 @@ use crate::store::OwnedConn;
 ///
 /// The handler returns `Ok(())` to have the event marked PROCESSED in that transaction, or a
 /// [`HandlerError`] to have its writes rolled back and the event retried or dead-lettered by
-/// the consumer's [`RetryPolicy`](super::RetryPolicy).
+/// the consumer's [`RetryPolicy`](crate::RetryPolicy).
 pub struct Delivery {
     pub(crate) row: InboxRow,
     pub(crate) consumer: ConsumerName,
@@ -171,7 +171,7 @@ impl Delivery {
         // and a chain of events would otherwise move one publisher poll per link.
         futures_util::future::try_join(
             crate::outbox::insert_validated(&conn, std::slice::from_ref(&event)),
-            crate::store::outbox::notify(&conn, crate::runtime::OUTBOX_CHANNEL, ""),
+            crate::store::outbox::notify(&conn, crate::messages::OUTBOX_CHANNEL, ""),
         )
         .await?;
         Ok(event.id)

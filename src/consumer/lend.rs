@@ -212,7 +212,7 @@ impl Hung {
             drop(slot.lock().await.take());
             drop(slot);
             let left = parked.fetch_sub(1, Ordering::Relaxed) - 1;
-            crate::maintenance::metrics::consumer_hung(consumer.as_str(), left);
+            crate::telemetry::metrics::consumer_hung(consumer.as_str(), left);
             drop(place);
             tracing::info!(consumer = %consumer, hung = left, "a hung handler let go");
             if let Some(outcomes) = outcomes {

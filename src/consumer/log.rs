@@ -1,8 +1,8 @@
 //! The consumer's log lines, one place for the fields each carries (ARCHITECTURE §6).
 
 use super::{ConsumerConfig, HandlerError};
-use crate::maintenance::metrics;
 use crate::store::inbox::InboxRow;
+use crate::telemetry::metrics;
 
 pub(crate) fn started(cfg: &ConsumerConfig, row: &InboxRow) {
     tracing::debug!(

@@ -17,7 +17,7 @@
 //! | `lend.rs` | lending the connection to the handler; parking the connections of handlers hung past their timeout |
 //! | `reap.rs` | settling the leases that loops which died left behind |
 //! | `decide.rs` | the pure decisions: retry or dead letter, who is charged, whether a call fits in the lease |
-//! | `delivery.rs`, `handler_error.rs`, `config.rs`, `retry.rs` | the public types |
+//! | `delivery.rs`, `handler_error.rs`, `config.rs` | the public types |
 //!
 //! # One invariant
 //!
@@ -72,12 +72,10 @@ mod log;
 mod pass;
 mod reap;
 pub(crate) mod registry;
-pub(crate) mod retry;
 
 pub use config::ConsumerConfig;
 pub use delivery::{Delivery, DeliveryBatch, TxConn};
 pub use handler_error::HandlerError;
-pub use retry::RetryPolicy;
 
 #[cfg(feature = "testing")]
 pub(crate) use pass::upcast;

@@ -9,9 +9,9 @@
 use super::decide::settle_expired;
 use super::ConsumerConfig;
 use crate::error::Result;
-use crate::maintenance::metrics;
 use crate::store::inbox::{self, Settle};
 use crate::store::{self, PgPool, DB_TIMEOUT};
+use crate::telemetry::metrics;
 use diesel_async::AsyncPgConnection;
 
 /// Rows settled per reap; the next poll takes the rest.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use actix::prelude::*;
 
 use super::actor::ConsumerActor;
-use crate::runtime::{Stop, Wake};
+use crate::messages::{InboxRowsWritten, Stop, Wake};
 
 #[derive(Default)]
 pub(crate) struct ConsumerRegistry {
@@ -31,13 +31,6 @@ impl Handler<SetMailbox> for ConsumerRegistry {
     fn handle(&mut self, msg: SetMailbox, _: &mut Context<Self>) {
         self.mailboxes.insert(msg.consumer, msg.addr);
     }
-}
-
-/// A claim wrote new inbox rows for these consumers.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct InboxRowsWritten {
-    pub consumers: Vec<(String, usize)>,
 }
 
 impl Handler<InboxRowsWritten> for ConsumerRegistry {

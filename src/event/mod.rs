@@ -6,8 +6,10 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 
+mod published;
 mod registry;
 
+pub use published::OutboxEvent;
 pub(crate) use registry::Upcast;
 pub use registry::{Event, EventRegistry};
 

@@ -164,7 +164,7 @@ pub struct Received {
 /// [`Error::Database`](crate::Error::Database) when the insert fails.
 pub async fn receive(
     conn: &mut AsyncPgConnection,
-    event: &crate::publisher::OutboxEvent,
+    event: &crate::event::OutboxEvent,
 ) -> Result<Received> {
     let rows = store::inbox::receive(conn, event).await?;
     // Counted per consumer, as the in-process fan-out counts them, so that the duplicate-rate
@@ -172,9 +172,9 @@ pub async fn receive(
     // then rolls back has counted them anyway.
     for row in &rows {
         if row.new {
-            crate::maintenance::metrics::inbox_received(&row.consumer, 1);
+            crate::telemetry::metrics::inbox_received(&row.consumer, 1);
         } else {
-            crate::maintenance::metrics::inbox_duplicate(&row.consumer, 1);
+            crate::telemetry::metrics::inbox_duplicate(&row.consumer, 1);
         }
     }
     let new = rows.iter().filter(|r| r.new).count();

@@ -15,6 +15,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::store::stats::Sample;
+
 /// Overall state, ordered: the report takes the worst of its reasons.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]
@@ -112,54 +114,6 @@ impl HealthConfig {
         }
         Ok(())
     }
-}
-
-/// Outbox numbers of one sample. Gauges come from the database; `published` and
-/// `publish_failed` are the increments since the sampling process's previous sample.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub(crate) struct OutboxGauges {
-    pub pending: i64,
-    pub retrying: i64,
-    pub processing: i64,
-    pub dead_letter: i64,
-    pub oldest_pending_age_seconds: f64,
-    /// `seq` of the oldest row due for publishing: if it stays the same, nothing was published.
-    pub head_seq: Option<i64>,
-    pub published: u64,
-    pub publish_failed: u64,
-}
-
-/// One consumer's numbers of one sample; the counts after `dead_letter` are increments.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub(crate) struct ConsumerGauges {
-    pub consumer: String,
-    pub paused: bool,
-    pub backlog: i64,
-    pub retrying: i64,
-    pub due: i64,
-    pub oldest_due_age_seconds: f64,
-    /// How long the oldest lease of the consumer has been held: long only while a handler
-    /// hangs past its timeout, keeping it.
-    pub oldest_in_flight_age_seconds: f64,
-    pub dead_letter: i64,
-    pub received: u64,
-    pub processed: u64,
-    pub duplicates: u64,
-    pub failed: u64,
-    pub dead_lettered: u64,
-}
-
-/// What the stats sampler saw at one moment.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub(crate) struct Sample {
-    pub at: DateTime<Utc>,
-    pub outbox: OutboxGauges,
-    pub consumers: Vec<ConsumerGauges>,
-    /// The runtime instance that took it (absent in samples stored by older versions).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub instance: Option<String>,
 }
 
 /// Whether the outbox backlog is going down.
@@ -575,6 +529,7 @@ pub(crate) fn human(seconds: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::stats::{ConsumerGauges, OutboxGauges};
 
     fn at(secs: i64) -> DateTime<Utc> {
         DateTime::from_timestamp(1_800_000_000 + secs, 0).unwrap()

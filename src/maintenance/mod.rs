@@ -1,13 +1,10 @@
-//! Maintenance: the metric hooks of the hot paths, the stats sampler with its lag health
-//! check, and retention.
+//! Maintenance: the stats sampler with its lag health check, and retention.
 //!
-//! - `metrics` — counters and the delivery-latency histogram, through the `metrics` facade.
 //! - `stats` — the `StatsActor` that samples database gauges on an interval and assesses health.
 //! - `health` — the health rules, as pure functions over samples.
 //! - `retention` — bounded deletes of delivered history.
 
 pub(crate) mod health;
-pub(crate) mod metrics;
 pub(crate) mod retention;
 pub(crate) mod stats;
 

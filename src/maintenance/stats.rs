@@ -14,11 +14,12 @@ use std::time::Duration;
 
 use actix::prelude::*;
 
-use super::health::{self, HealthConfig, HealthReport, HealthState, Sample};
-use super::metrics as m;
+use super::health::{self, HealthConfig, HealthReport, HealthState};
 use crate::error::{Error, Result};
-use crate::runtime::Stop;
+use crate::messages::Stop;
+use crate::store::stats::Sample;
 use crate::store::{self, PgPool};
+use crate::telemetry::metrics as m;
 
 /// How the stats sampler runs. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq)]
@@ -353,11 +354,11 @@ mod tests {
     fn increments_land_on_their_consumer() {
         let mut sample = Sample {
             consumers: vec![
-                health::ConsumerGauges {
+                crate::store::stats::ConsumerGauges {
                     consumer: "a".into(),
                     ..Default::default()
                 },
-                health::ConsumerGauges {
+                crate::store::stats::ConsumerGauges {
                     consumer: "b".into(),
                     ..Default::default()
                 },

@@ -7,6 +7,8 @@ use diesel::pg::Pg;
 use diesel::query_builder::QueryFragment;
 use diesel_async::AsyncPgConnection;
 
+mod registered;
+
 use crate::error::Result;
 use crate::event::{EventId, NewEvent, PayloadRules};
 use crate::store;
@@ -190,5 +192,5 @@ pub async fn timeline(
 /// # Errors
 /// [`Error::Database`](crate::Error::Database) when the statement fails.
 pub async fn notify_publishers(conn: &mut AsyncPgConnection) -> Result<()> {
-    store::outbox::notify(conn, crate::runtime::OUTBOX_CHANNEL, "").await
+    store::outbox::notify(conn, crate::messages::OUTBOX_CHANNEL, "").await
 }

@@ -3,11 +3,12 @@
 
 use std::time::Duration;
 
-use super::transport::{ExternalConfig, OutboxEvent, Transport, TransportError};
+use super::transport::{ExternalConfig, Transport, TransportError};
 use crate::error::{ErrorCode, Result};
-use crate::maintenance::metrics;
+use crate::event::OutboxEvent;
 use crate::store::lease::{self, LeasedRow};
 use crate::store::{self, PgPool};
+use crate::telemetry::metrics;
 use futures_util::future::join_all;
 
 /// Leases and publishes one batch. Returns whether more rows are probably due: the batch was
@@ -86,7 +87,7 @@ async fn publish_one(
             tracing::warn!(name: "outbox.publish.failed", event_id = %event.id, event_type = %event.event_type,
                 aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
                 attempt = event.attempt, error_code = %code, error = %err, dead, "outbox.publish.failed");
-            let delay_ms = crate::consumer::retry::delay_ms(delay);
+            let delay_ms = crate::retry::delay_ms(delay);
             lease::mark_failed(
                 conn,
                 event.id.as_uuid(),

@@ -20,15 +20,14 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten};
-use crate::maintenance::metrics;
-use crate::runtime::{Drain, Stop, Wake, INBOX_CHANNEL};
+use crate::messages::{Drain, InboxRowsWritten, Stop, Wake, INBOX_CHANNEL};
 use crate::store::{self, lease, PgPool};
+use crate::telemetry::metrics;
 
 mod external;
 mod transport;
 
-pub use transport::{ExternalConfig, OutboxEvent, Transport, TransportError};
+pub use transport::{ExternalConfig, Transport, TransportError};
 
 /// Where claimed events go.
 #[derive(Clone)]
@@ -42,7 +41,7 @@ pub(crate) enum Route {
 pub(crate) struct PublisherActor {
     pool: PgPool,
     /// Where fan-out results go; set again by the supervisor if the registry restarts.
-    registry: Addr<ConsumerRegistry>,
+    registry: Recipient<InboxRowsWritten>,
     route: Route,
     /// This instance's id, when other instances listen: each claim that fans out sends one
     /// NOTIFY (per batch, not per event, inside the claim statement) naming the consumers that
@@ -69,7 +68,7 @@ pub(crate) struct PublisherActor {
 impl PublisherActor {
     pub(crate) fn new(
         pool: PgPool,
-        registry: Addr<ConsumerRegistry>,
+        registry: Recipient<InboxRowsWritten>,
         route: Route,
         batch_size: u32,
         poll_interval: Duration,
@@ -174,7 +173,7 @@ impl PublisherActor {
 /// that got rows. Returns whether the batch was full (more rows are probably due).
 async fn claim_in_process(
     pool: &PgPool,
-    registry: &Addr<ConsumerRegistry>,
+    registry: &Recipient<InboxRowsWritten>,
     limit: i64,
     notify_as: Option<&str>,
 ) -> bool {
@@ -290,7 +289,7 @@ impl Handler<Wake> for PublisherActor {
 /// The supervisor restarted the registry.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct SetRegistry(pub Addr<ConsumerRegistry>);
+pub(crate) struct SetRegistry(pub Recipient<InboxRowsWritten>);
 
 impl Handler<SetRegistry> for PublisherActor {
     type Result = ();

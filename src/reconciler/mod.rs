@@ -7,8 +7,6 @@
 //! a repair racing the normal path never duplicates an effect. Built-in checks report outbox and
 //! inbox rows older than the consistency window and dead letters.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -20,11 +18,10 @@ use diesel_async::{
 };
 
 use crate::error::Result;
-use crate::runtime::Stop;
+use crate::messages::Stop;
 use crate::store::PgPool;
 
-/// A boxed, sendable future, as returned by [`ReconcileRule`] methods.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use crate::messages::BoxFuture;
 
 /// A desired-vs-actual rule: a query that finds drift and a repair for one item.
 ///

@@ -12,14 +12,8 @@ use futures_util::future::{select, Either};
 use futures_util::StreamExt;
 
 use crate::error::{Error, Result};
-use crate::runtime::Stop;
+use crate::messages::{Stop, INBOX_CHANNEL, OUTBOX_CHANNEL};
 use crate::store::{self, PgPool};
-
-/// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::notify_publishers)).
-pub(crate) const OUTBOX_CHANNEL: &str = "actix_outbox_outbox";
-/// Channel for "inbox rows were written"; the payload is `instance|consumer,consumer,…`, or
-/// `instance|*` for every consumer when the names would not fit in one notification.
-pub(crate) const INBOX_CHANNEL: &str = "actix_outbox_inbox";
 
 /// A notification arrived; the supervisor routes it.
 #[derive(Message, Debug)]

@@ -4,8 +4,6 @@
 mod listener;
 mod supervisor;
 
-pub(crate) use listener::{INBOX_CHANNEL, OUTBOX_CHANNEL};
-
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -18,6 +16,7 @@ use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
 use crate::maintenance::{Retention, RetentionConfig, StatsConfig};
+use crate::messages::{Drain, Stop, Wake};
 use crate::publisher::{ExternalConfig, Route, Transport};
 use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
 use crate::store::{self, PgPool};
@@ -25,23 +24,6 @@ use supervisor::{
     until_stopped, ConsumerSlot, GetStatus, Ready, ReconcileNow, Shutdown, StopAll,
     SupervisorActor, STOP_WAIT,
 };
-
-/// There may be work: claim now instead of at the next poll.
-#[derive(Message, Debug, Clone, Copy)]
-#[rtype(result = "()")]
-pub(crate) struct Wake;
-
-/// Start nothing new; resolve once the work in flight has finished.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct Drain;
-
-/// Stop the actor (or, for fault injection, panic inside it).
-#[derive(Message, Debug, Clone, Copy)]
-#[rtype(result = "()")]
-pub(crate) struct Stop {
-    pub panic: bool,
-}
 
 /// Runtime-wide settings. Every field has a documented default ([`RuntimeConfig::default`]).
 #[derive(Debug, Clone)]

@@ -25,10 +25,11 @@ use futures_util::future::{join_all, LocalBoxFuture};
 use super::listener::{Heard, ListenerActor};
 use super::{Drain, RuntimeConfig, RuntimeStatus, Stop, Wake};
 use crate::consumer::actor::{ConsumerActor, HandlerFactory};
-use crate::consumer::registry::{ConsumerRegistry, InboxRowsWritten, SetMailbox};
+use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
 use crate::consumer::ConsumerConfig;
 use crate::maintenance::stats::StatsActor;
 use crate::maintenance::Retention;
+use crate::messages::InboxRowsWritten;
 use crate::publisher::{PublisherActor, Route, SetRegistry};
 use crate::reconciler::{
     DriftReport, LastReport, ReconcileReport, ReconcileRule, ReconcilerActor, RunNow,
@@ -158,7 +159,7 @@ impl SupervisorActor {
                 }
             }
             if let Some(publisher) = &self.publisher {
-                publisher.do_send(SetRegistry(registry.clone()));
+                publisher.do_send(SetRegistry(registry.clone().recipient()));
             }
             self.registry = Some(registry);
         }
@@ -193,7 +194,7 @@ impl SupervisorActor {
             }
             let publisher = PublisherActor::new(
                 self.pool.clone(),
-                registry,
+                registry.recipient(),
                 self.route.clone(),
                 self.config.publish_batch_size,
                 self.config.poll_interval,

@@ -687,7 +687,7 @@ pub(crate) struct ReceiveRow {
 /// event's type. Returns each subscribed consumer and whether its row is new.
 pub(crate) async fn receive(
     conn: &mut AsyncPgConnection,
-    e: &crate::publisher::OutboxEvent,
+    e: &crate::event::OutboxEvent,
 ) -> Result<Vec<ReceiveRow>> {
     let rows = Prepared(diesel::sql_query(
         "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \

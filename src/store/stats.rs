@@ -11,10 +11,58 @@ use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Bool, Double, Jsonb, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::maintenance::health::{ConsumerGauges, OutboxGauges, Sample};
 use crate::store;
+
+/// Outbox numbers of one sample. Gauges come from the database; `published` and
+/// `publish_failed` are the increments since the sampling process's previous sample.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct OutboxGauges {
+    pub pending: i64,
+    pub retrying: i64,
+    pub processing: i64,
+    pub dead_letter: i64,
+    pub oldest_pending_age_seconds: f64,
+    /// `seq` of the oldest row due for publishing: if it stays the same, nothing was published.
+    pub head_seq: Option<i64>,
+    pub published: u64,
+    pub publish_failed: u64,
+}
+
+/// One consumer's numbers of one sample; the counts after `dead_letter` are increments.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct ConsumerGauges {
+    pub consumer: String,
+    pub paused: bool,
+    pub backlog: i64,
+    pub retrying: i64,
+    pub due: i64,
+    pub oldest_due_age_seconds: f64,
+    /// How long the oldest lease of the consumer has been held: long only while a handler
+    /// hangs past its timeout, keeping it.
+    pub oldest_in_flight_age_seconds: f64,
+    pub dead_letter: i64,
+    pub received: u64,
+    pub processed: u64,
+    pub duplicates: u64,
+    pub failed: u64,
+    pub dead_lettered: u64,
+}
+
+/// What the stats sampler saw at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Sample {
+    pub at: DateTime<Utc>,
+    pub outbox: OutboxGauges,
+    pub consumers: Vec<ConsumerGauges>,
+    /// The runtime instance that took it (absent in samples stored by older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+}
 
 #[derive(QueryableByName)]
 struct OutboxRow {

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use crate::error::ErrorCode;
 use crate::event::EventId;
-use crate::publisher::{OutboxEvent, Transport, TransportError};
+use crate::event::OutboxEvent;
+use crate::publisher::{Transport, TransportError};
 use crate::reconciler::BoxFuture;
 use crate::store::PgPool;
 

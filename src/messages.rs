@@ -1,0 +1,43 @@
+//! What the actors say to each other, and what instances say to each other through
+//! PostgreSQL's `NOTIFY`. Defined here, below every actor, so that an actor depends on the
+//! messages it handles or sends and never on the module of the actor at the other end.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use actix::prelude::*;
+
+/// A boxed, sendable future, as returned by the methods of the traits an application
+/// implements ([`ReconcileRule`](crate::ReconcileRule), [`Transport`](crate::Transport)).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// There may be work: claim now instead of at the next poll.
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "()")]
+pub(crate) struct Wake;
+
+/// Start nothing new; resolve once the work in flight has finished.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Drain;
+
+/// Stop the actor (or, for fault injection, panic inside it).
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "()")]
+pub(crate) struct Stop {
+    pub panic: bool,
+}
+
+/// The publisher wrote new inbox rows for these consumers (name, rows): the registry wakes
+/// their actors.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct InboxRowsWritten {
+    pub consumers: Vec<(String, usize)>,
+}
+
+/// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::notify_publishers)).
+pub(crate) const OUTBOX_CHANNEL: &str = "actix_outbox_outbox";
+/// Channel for "inbox rows were written"; the payload is `instance|consumer,consumer,…`, or
+/// `instance|*` for every consumer when the names would not fit in one notification.
+pub(crate) const INBOX_CHANNEL: &str = "actix_outbox_inbox";
