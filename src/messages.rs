@@ -21,10 +21,13 @@ pub(crate) struct Wake;
 #[rtype(result = "()")]
 pub(crate) struct Drain;
 
-/// Stop the actor (or, for fault injection, panic inside it).
+/// Stop the actor (or, for fault injection, panic inside it). Sent and handled by the
+/// supervisor alone (`runtime/supervisor.rs`).
 #[derive(Message, Debug, Clone, Copy)]
 #[rtype(result = "()")]
 pub(crate) struct Stop {
+    /// Panic instead; read only with the `testing` feature.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub panic: bool,
 }
 

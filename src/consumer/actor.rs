@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::batch::{self, BatchOutcome};
 use super::lend::Hung;
 use super::{reap, ConsumerConfig, Delivery, DeliveryBatch};
-use crate::messages::{Drain, Stop, Wake};
+use crate::messages::{Drain, Wake};
 use crate::store::PgPool;
 
 /// Builds the user's handler actor. Called again whenever that actor has died (a panic in its
@@ -371,15 +371,5 @@ impl Handler<Drain> for ConsumerActor {
         Box::pin(async move {
             let _ = rx.await;
         })
-    }
-}
-
-impl Handler<Stop> for ConsumerActor {
-    type Result = ();
-    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
-        if stop.panic {
-            panic!("fault injection: consumer {} panicked", self.cfg.name);
-        }
-        ctx.stop();
     }
 }

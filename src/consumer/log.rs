@@ -2,37 +2,28 @@
 
 use super::{ConsumerConfig, HandlerError};
 use crate::store::inbox::InboxRow;
-use crate::telemetry::metrics;
+use crate::telemetry::{self, metrics, EventFields};
 
 pub(crate) fn started(cfg: &ConsumerConfig, row: &InboxRow) {
-    tracing::debug!(
-        name: "consumer.started",
-        consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
-        aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
-        causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
-        "consumer.started"
-    );
+    telemetry::event!(debug, "consumer.started", fields(cfg, row));
 }
 
 pub(crate) fn completed(cfg: &ConsumerConfig, row: &InboxRow) {
-    tracing::debug!(
-        name: "consumer.completed",
-        consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
-        aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
-        causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
-        "consumer.completed"
-    );
+    telemetry::event!(debug, "consumer.completed", fields(cfg, row));
 }
 
 pub(crate) fn failed(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
-    tracing::warn!(
-        name: "consumer.failed",
-        consumer = %cfg.name, event_id = %row.event_id, event_type = %row.event_type,
-        aggregate_id = %row.aggregate_id, correlation_id = %row.correlation_id,
-        causation_id = row.causation_id.as_deref(), attempt = row.attempt_count + 1,
-        error_code = %err.code(), error = %err.message(),
-        "consumer.failed"
-    );
+    telemetry::event!(warn, "consumer.failed", fields(cfg, row),
+        error_code = %err.code(), error = %err.message());
+}
+
+/// `row`'s fields, with its consumer and the attempt its handler is making now.
+fn fields<'a>(cfg: &'a ConsumerConfig, row: &'a InboxRow) -> EventFields<'a> {
+    EventFields {
+        consumer: Some(cfg.name.as_str()),
+        attempt: Some(i64::from(row.attempt_count) + 1),
+        ..EventFields::from(row)
+    }
 }
 
 /// A handler overran its timeout keeping its connection; `n` are parked now.

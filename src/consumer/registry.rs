@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use actix::prelude::*;
 
 use super::actor::ConsumerActor;
-use crate::messages::{InboxRowsWritten, Stop, Wake};
+use crate::messages::{InboxRowsWritten, Wake};
 
 #[derive(Default)]
 pub(crate) struct ConsumerRegistry {
@@ -44,15 +44,5 @@ impl Handler<InboxRowsWritten> for ConsumerRegistry {
                 let _ = addr.try_send(Wake);
             }
         }
-    }
-}
-
-impl Handler<Stop> for ConsumerRegistry {
-    type Result = ();
-    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
-        if stop.panic {
-            panic!("fault injection: consumer registry panicked");
-        }
-        ctx.stop();
     }
 }

@@ -180,13 +180,32 @@ pub async fn receive(
     let new = rows.iter().filter(|r| r.new).count();
     let duplicates = rows.len() - new;
     if duplicates > 0 {
-        tracing::info!(name: "event.duplicate", event_id = %event.id, event_type = %event.event_type,
-            aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
-            causation_id = event.causation_id.as_deref(), duplicates, code = "DUPLICATE_EVENT", "event.duplicate");
+        crate::telemetry::event!(
+            info,
+            "event.duplicate",
+            event.into(),
+            duplicates,
+            code = "DUPLICATE_EVENT"
+        );
     }
     if new > 0 {
-        tracing::debug!(name: "event.received", event_id = %event.id, event_type = %event.event_type, new,
-            "event.received");
+        crate::telemetry::event!(debug, "event.received", event.into(), new);
     }
     Ok(Received { new, duplicates })
+}
+
+/// The log fields of an event a transport publishes or a receiving side records (here, the
+/// lowest module that logs one; the publisher's external route uses it too).
+impl<'a> From<&'a crate::event::OutboxEvent> for crate::telemetry::EventFields<'a> {
+    fn from(e: &'a crate::event::OutboxEvent) -> Self {
+        crate::telemetry::EventFields {
+            consumer: None,
+            event_id: e.id.as_uuid(),
+            event_type: &e.event_type,
+            aggregate_id: &e.aggregate_id,
+            correlation_id: Some(&e.correlation_id),
+            causation_id: e.causation_id.as_deref(),
+            attempt: Some(i64::from(e.attempt)),
+        }
+    }
 }

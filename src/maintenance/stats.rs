@@ -16,7 +16,6 @@ use actix::prelude::*;
 
 use super::health::{self, HealthConfig, HealthReport, HealthState};
 use crate::error::{Error, Result};
-use crate::messages::Stop;
 use crate::store::stats::Sample;
 use crate::store::{self, PgPool};
 use crate::telemetry::metrics as m;
@@ -312,16 +311,6 @@ impl Actor for StatsActor {
             act.tick(ctx);
         });
         self.tick(ctx);
-    }
-}
-
-impl Handler<Stop> for StatsActor {
-    type Result = ();
-    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
-        if stop.panic {
-            panic!("fault injection: stats sampler panicked");
-        }
-        ctx.stop();
     }
 }
 

@@ -161,12 +161,21 @@ where
 
 fn created(events: &[NewEvent]) {
     for e in events {
-        tracing::debug!(
-            name: "outbox.created",
-            event_id = %e.id, event_type = %e.event_type, aggregate_id = %e.aggregate_id,
-            correlation_id = e.correlation_id.as_deref(), causation_id = e.causation_id.as_deref(),
-            "outbox.created"
-        );
+        crate::telemetry::event!(debug, "outbox.created", e.into());
+    }
+}
+
+impl<'a> From<&'a NewEvent> for crate::telemetry::EventFields<'a> {
+    fn from(e: &'a NewEvent) -> Self {
+        crate::telemetry::EventFields {
+            consumer: None,
+            event_id: e.id.as_uuid(),
+            event_type: &e.event_type,
+            aggregate_id: &e.aggregate_id,
+            correlation_id: e.correlation_id.as_deref(),
+            causation_id: e.causation_id.as_deref(),
+            attempt: None,
+        }
     }
 }
 

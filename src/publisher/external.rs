@@ -64,9 +64,7 @@ async fn publish_one(
 ) -> Result<()> {
     let token = row.lease_token;
     let event = OutboxEvent::from(row);
-    tracing::debug!(name: "outbox.publish.started", event_id = %event.id, event_type = %event.event_type,
-        aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
-        causation_id = event.causation_id.as_deref(), attempt = event.attempt, "outbox.publish.started");
+    crate::telemetry::event!(debug, "outbox.publish.started", (&event).into());
     // (error, whether it was our timeout): the code differs, the retry decision does not.
     let failure = match tokio::time::timeout(cfg.publish_timeout, transport.publish(&event)).await {
         Ok(Ok(())) => None,
@@ -84,9 +82,8 @@ async fn publish_one(
         None => lease::mark_published(conn, event.id.as_uuid(), token).await,
         Some((err, timed_out)) => {
             let (dead, delay, code) = decide(cfg, &event, err, *timed_out);
-            tracing::warn!(name: "outbox.publish.failed", event_id = %event.id, event_type = %event.event_type,
-                aggregate_id = %event.aggregate_id, correlation_id = %event.correlation_id,
-                attempt = event.attempt, error_code = %code, error = %err, dead, "outbox.publish.failed");
+            crate::telemetry::event!(warn, "outbox.publish.failed", (&event).into(),
+                error_code = %code, error = %err, dead);
             let delay_ms = crate::retry::delay_ms(delay);
             lease::mark_failed(
                 conn,
@@ -109,8 +106,7 @@ async fn publish_one(
         tracing::warn!(event_id = %event.id, owner = %cfg.owner, "lease lost before the mark; nothing changed");
     } else if failure.is_none() {
         metrics::outbox_published(1);
-        tracing::debug!(name: "outbox.published", event_id = %event.id, event_type = %event.event_type,
-            attempt = event.attempt, "outbox.published");
+        crate::telemetry::event!(debug, "outbox.published", (&event).into());
     } else {
         metrics::outbox_publish_failed(1);
     }

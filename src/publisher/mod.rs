@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::messages::{Drain, InboxRowsWritten, Stop, Wake, INBOX_CHANNEL};
+use crate::messages::{Drain, InboxRowsWritten, Wake, INBOX_CHANNEL};
 use crate::store::{self, lease, PgPool};
 use crate::telemetry::metrics;
 
@@ -311,15 +311,5 @@ impl Handler<Drain> for PublisherActor {
         Box::pin(async move {
             let _ = rx.await;
         })
-    }
-}
-
-impl Handler<Stop> for PublisherActor {
-    type Result = ();
-    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
-        if stop.panic {
-            panic!("fault injection: publisher panicked");
-        }
-        ctx.stop();
     }
 }

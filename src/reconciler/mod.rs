@@ -18,7 +18,6 @@ use diesel_async::{
 };
 
 use crate::error::Result;
-use crate::messages::Stop;
 use crate::store::PgPool;
 
 pub use crate::messages::BoxFuture;
@@ -345,15 +344,5 @@ impl Handler<RunNow> for ReconcilerActor {
             }
             reports
         })
-    }
-}
-
-impl Handler<Stop> for ReconcilerActor {
-    type Result = ();
-    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
-        if stop.panic {
-            panic!("fault injection: reconciler panicked");
-        }
-        ctx.stop();
     }
 }

@@ -12,7 +12,7 @@ use futures_util::future::{select, Either};
 use futures_util::StreamExt;
 
 use crate::error::{Error, Result};
-use crate::messages::{Stop, INBOX_CHANNEL, OUTBOX_CHANNEL};
+use crate::messages::{INBOX_CHANNEL, OUTBOX_CHANNEL};
 use crate::store::{self, PgPool};
 
 /// A notification arrived; the supervisor routes it.
@@ -138,14 +138,4 @@ fn heard(me: &str, n: diesel::pg::PgNotification) -> Option<Heard> {
             .map(str::to_owned)
             .collect(),
     ))
-}
-
-impl Handler<Stop> for ListenerActor {
-    type Result = ();
-    fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
-        if stop.panic {
-            panic!("fault injection: listener panicked");
-        }
-        ctx.stop();
-    }
 }

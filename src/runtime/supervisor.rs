@@ -420,6 +420,34 @@ answers_ping!(
     ListenerActor,
 );
 
+/// Every child stops on [`Stop`]: one copy, here, since only the supervisor sends it. With
+/// the `testing` feature, `panic` makes the child panic instead ([`Fault`](crate::Fault)),
+/// which is how the tests exercise the restart.
+macro_rules! stops {
+    ($($actor:ty),* $(,)?) => {$(
+        impl Handler<Stop> for $actor {
+            type Result = ();
+            fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
+                #[cfg(feature = "testing")]
+                if stop.panic {
+                    panic!("fault injection: {} panicked", std::any::type_name::<Self>());
+                }
+                let _ = stop;
+                ctx.stop();
+            }
+        }
+    )*};
+}
+
+stops!(
+    ConsumerRegistry,
+    ConsumerActor,
+    PublisherActor,
+    ReconcilerActor,
+    StatsActor,
+    ListenerActor,
+);
+
 /// Resolves once every child has started: true, or false if one of them stopped first.
 #[derive(Message)]
 #[rtype(result = "bool")]

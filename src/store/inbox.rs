@@ -70,6 +70,20 @@ impl InboxRow {
     }
 }
 
+impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
+    fn from(r: &'a InboxRow) -> Self {
+        crate::telemetry::EventFields {
+            consumer: None,
+            event_id: r.event_id,
+            event_type: &r.event_type,
+            aggregate_id: &r.aggregate_id,
+            correlation_id: Some(&r.correlation_id),
+            causation_id: r.causation_id.as_deref(),
+            attempt: None,
+        }
+    }
+}
+
 /// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
 /// Subscriptions are only ever added here: removing one is an operator's decision
 /// ([`unsubscribe`](crate::unsubscribe)), since another instance may still run the older code.

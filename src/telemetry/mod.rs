@@ -3,3 +3,36 @@
 //! a module to the one that serves the figures.
 
 pub(crate) mod metrics;
+
+/// The fields every log line about one event carries (ARCHITECTURE §6), whatever the event's
+/// source: an inbox row, an event a transport publishes or a receiving side records, a new
+/// event. Each source has a `From` impl where it is defined, above this layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EventFields<'a> {
+    /// The consumer, for a line about one consumer's delivery.
+    pub consumer: Option<&'a str>,
+    pub event_id: uuid::Uuid,
+    pub event_type: &'a str,
+    pub aggregate_id: &'a str,
+    pub correlation_id: Option<&'a str>,
+    pub causation_id: Option<&'a str>,
+    /// This attempt, from 1, where there is one.
+    pub attempt: Option<i64>,
+}
+
+/// Logs the event `$name` at `$level` with the [`EventFields`] of `$fields`, then any extra
+/// fields in `tracing`'s syntax. The one place the field list is written out.
+macro_rules! event {
+    ($level:ident, $name:literal, $fields:expr $(, $($extra:tt)+)?) => {{
+        let f: $crate::telemetry::EventFields<'_> = $fields;
+        tracing::$level!(
+            name: $name,
+            consumer = f.consumer, event_id = %f.event_id, event_type = f.event_type,
+            aggregate_id = f.aggregate_id, correlation_id = f.correlation_id,
+            causation_id = f.causation_id, attempt = f.attempt,
+            $($($extra)+,)?
+            $name
+        )
+    }};
+}
+pub(crate) use event;
