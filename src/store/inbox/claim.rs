@@ -1,0 +1,85 @@
+//! The claim of a batch: one lease row naming the rows it takes.
+
+use diesel::sql_types::{Array, BigInt, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+use crate::store::{self, Prepared};
+
+use super::{guarded, InboxRow};
+
+/// Leases up to `limit` due rows of `consumer` for `lease_ms` to this process and commits
+/// (`inbox_claim.sql`, in a transaction of its own behind the [`PLAN_GUARD`](store::PLAN_GUARD),
+/// pipelined: one round trip). Rows another lease names are skipped; a paused consumer claims
+/// nothing. Every row returned has lease `token`, which the caller makes ([`new_token`]) so
+/// that it knows it even when the answer is lost.
+///
+/// The consumer's claims take turns on an advisory lock, taken in a statement of its own so
+/// that the claim's snapshot, taken after it, holds every lease committed before: the claim
+/// writes no row it leases, so nothing else would keep two claims from leasing the same row.
+/// A claim is one short statement; only claims of the same consumer wait for each other.
+pub(crate) async fn claim(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    limit: i64,
+    lease_ms: i64,
+    token: i64,
+) -> Result<Vec<InboxRow>> {
+    let process = store::process_id();
+    let claim = Prepared(
+        diesel::sql_query(include_str!("../inbox_claim.sql"))
+            .bind::<Text, _>(consumer)
+            .bind::<BigInt, _>(limit)
+            .bind::<BigInt, _>(lease_ms)
+            .bind::<Text, _>(process)
+            .bind::<BigInt, _>(token),
+    );
+    let turn = Prepared(
+        diesel::sql_query(
+            "SELECT pg_advisory_xact_lock(hashtextextended('actix_outbox.claim:' || $1, 0))",
+        )
+        .bind::<Text, _>(consumer),
+    );
+    guarded(conn, async |c| {
+        let (mut a, mut b) = (c, c);
+        let (turn, rows) =
+            futures_util::future::join(turn.execute(&mut a), claim.load(&mut b)).await;
+        turn?;
+        rows.map_err(Into::into)
+    })
+    .await
+}
+
+/// A new lease token: 63 bits of a UUIDv7 (a millisecond clock and random bits), unique for
+/// every purpose a lease has. Made by the claimer, not the database, so that a claim whose
+/// answer never came can still be expired by its token.
+pub(crate) fn new_token() -> i64 {
+    (uuid::Uuid::now_v7().as_u128() as u64 & i64::MAX as u64) as i64
+}
+
+/// The rows of lease `token` among `ids` that it still holds, as [`claim`] returned them, for
+/// a batch that hands them over again one per call (their payloads went to the first call).
+/// Reached from the ids by primary key, as in `settle::processed`.
+pub(crate) async fn reload(
+    conn: &mut AsyncPgConnection,
+    ids: &[i64],
+    token: i64,
+) -> Result<Vec<InboxRow>> {
+    let rows = Prepared(
+        diesel::sql_query(
+            "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
+                 i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
+                 i.causation_id, i.event_created_at, i.attempt_count, $2 AS lease_token, \
+                 i.alone, pg_backend_pid() AS backend \
+             FROM unnest($1::int8[]) AS n(id) JOIN inbox_events i ON i.id = n.id \
+             WHERE i.status IN ('RECEIVED', 'RETRY_PENDING') \
+               AND n.id IN (SELECT unnest(ids) FROM inbox_leases WHERE token = $2) \
+             ORDER BY i.next_attempt_at, i.id",
+        )
+        .bind::<Array<BigInt>, _>(ids)
+        .bind::<BigInt, _>(token),
+    )
+    .load(conn)
+    .await?;
+    Ok(rows)
+}

@@ -1,0 +1,330 @@
+//! Inbox statements: consumer registration, the per-consumer lease (claim, settle, expired
+//! leases) and the stale-event check. `RECEIVED|RETRY_PENDING` (named by a lease while in
+//! flight) `→ PROCESSED | RETRY_PENDING | DEAD_LETTER`, or back unhandled; see the migrations
+//! `inbox_lease` and `inbox_lease_table`.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `claim.rs` | the claim of a batch (`inbox_claim.sql`) and reloading its rows |
+//! | `settle.rs` | the marks that settle leased rows, fenced on their lease |
+//! | `reap.rs` | judging the leases of loops that died, expiring and extending leases |
+//! | here | the row type, subscriptions, pause, the receiving side, aggregate versions |
+
+mod claim;
+mod reap;
+mod settle;
+
+pub(crate) use claim::{claim, new_token, reload};
+pub(crate) use reap::{expire, extend, judge_dead, judged, session_alive, ExpiredRow};
+pub(crate) use settle::{settle_and_commit, settle_now, Failure, Outcome, Settle};
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{
+    Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+use crate::store::{self, Prepared};
+
+/// One claimed inbox row: everything a handler needs without re-reading the outbox.
+#[derive(Debug, Clone, QueryableByName)]
+pub(crate) struct InboxRow {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = SqlUuid)]
+    pub event_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Integer)]
+    pub event_version: i32,
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub aggregate_version: Option<i64>,
+    #[diesel(sql_type = Jsonb)]
+    pub payload: serde_json::Value,
+    #[diesel(sql_type = Jsonb)]
+    pub metadata: serde_json::Value,
+    #[diesel(sql_type = Text)]
+    pub correlation_id: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub causation_id: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub event_created_at: DateTime<Utc>,
+    /// Attempts before this one.
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+    /// The claim's lease, which every mark of the row is fenced on.
+    #[diesel(sql_type = BigInt)]
+    pub lease_token: i64,
+    /// Claimed on its own (see the migration `inbox_lease`).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub alone: bool,
+    /// The database session (backend pid) the row was claimed on, which its handler writes in.
+    #[diesel(sql_type = Integer)]
+    pub backend: i32,
+}
+
+impl InboxRow {
+    /// A copy without the (possibly large) payload and metadata.
+    pub(crate) fn clone_without_payload(&self) -> InboxRow {
+        InboxRow {
+            payload: serde_json::Value::Null,
+            metadata: serde_json::Value::Null,
+            event_type: self.event_type.clone(),
+            aggregate_type: self.aggregate_type.clone(),
+            aggregate_id: self.aggregate_id.clone(),
+            correlation_id: self.correlation_id.clone(),
+            causation_id: self.causation_id.clone(),
+            ..*self
+        }
+    }
+}
+
+impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
+    fn from(r: &'a InboxRow) -> Self {
+        crate::telemetry::EventFields {
+            consumer: None,
+            event_id: r.event_id,
+            event_type: &r.event_type,
+            aggregate_id: &r.aggregate_id,
+            correlation_id: Some(&r.correlation_id),
+            causation_id: r.causation_id.as_deref(),
+            attempt: None,
+        }
+    }
+}
+
+/// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
+/// Subscriptions are only ever added here: removing one is an operator's decision
+/// ([`unsubscribe`](crate::unsubscribe)), since another instance may still run the older code.
+/// Returns the subscriptions in the database that `event_types` no longer lists.
+pub(crate) async fn register_consumer(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    event_types: &[String],
+) -> Result<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct Subscription {
+        #[diesel(sql_type = Text)]
+        event_type: String,
+    }
+    let extra: Vec<Subscription> = Prepared(diesel::sql_query(
+        "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING), \
+              s AS (INSERT INTO consumer_subscriptions (consumer, event_type) \
+                    SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING) \
+         SELECT event_type FROM consumer_subscriptions \
+         WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<Array<Text>, _>(event_types))
+    .load(conn)
+    .await?;
+    Ok(extra.into_iter().map(|s| s.event_type).collect())
+}
+
+/// Removes one subscription. `None` when the consumer was never registered, else whether the
+/// subscription existed.
+pub(crate) async fn remove_subscription(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    event_type: &str,
+) -> Result<Option<bool>> {
+    #[derive(QueryableByName)]
+    struct Removed {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        known: bool,
+        #[diesel(sql_type = BigInt)]
+        removed: i64,
+    }
+    let r: Removed = Prepared(
+        diesel::sql_query(
+            "WITH d AS (DELETE FROM consumer_subscriptions WHERE consumer = $1 AND event_type = $2 \
+                        RETURNING 1) \
+             SELECT EXISTS (SELECT 1 FROM consumer_states WHERE consumer = $1) AS known, \
+                    (SELECT count(*) FROM d) AS removed",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(event_type),
+    )
+    .get_result(conn)
+    .await?;
+    Ok(r.known.then_some(r.removed > 0))
+}
+
+/// Runs `f` in a transaction of its own behind the [`PLAN_GUARD`](store::PLAN_GUARD), all
+/// pipelined (one round trip): the claim and the reaper's statements read the inbox through
+/// its indexes, and must not be planned into a scan of the whole inbox while it was small.
+async fn guarded<T>(
+    conn: &mut AsyncPgConnection,
+    f: impl AsyncFnOnce(&AsyncPgConnection) -> Result<T>,
+) -> Result<T> {
+    store::entered_transaction(conn)?;
+    let (b, g, r, committed) = {
+        let c: &AsyncPgConnection = conn;
+        futures_util::future::join4(
+            store::run(c, "BEGIN"),
+            store::run(c, store::PLAN_GUARD),
+            f(c),
+            store::run(c, "COMMIT"),
+        )
+        .await
+    };
+    b?;
+    g?;
+    let r = r?;
+    committed?;
+    store::left_transaction(conn)?;
+    Ok(r)
+}
+
+/// `s` as a `text` value PostgreSQL accepts: at most `max` characters (then `…`), and without
+/// NUL, which `text` refuses. An error text copied from elsewhere (a response body, a C
+/// library's message) may hold one, and a refused mark would fail the whole batch.
+pub(crate) fn truncate(s: &str, max: usize) -> String {
+    let s = match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    };
+    if s.contains('\0') {
+        s.replace('\0', "\u{FFFD}")
+    } else {
+        s
+    }
+}
+
+/// Sets a consumer's pause switch. Returns false when no such consumer was ever registered.
+pub(crate) async fn set_paused(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    paused: bool,
+    by: &str,
+    reason: Option<&str>,
+) -> Result<bool> {
+    let n = Prepared(diesel::sql_query(
+        "UPDATE consumer_states SET paused = $2, paused_by = $3, reason = $4, updated_at = now() \
+         WHERE consumer = $1",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<diesel::sql_types::Bool, _>(paused)
+    .bind::<Text, _>(by)
+    .bind::<Nullable<Text>, _>(reason))
+    .execute(conn)
+    .await?;
+    Ok(n == 1)
+}
+
+/// One subscribed consumer of a received event, and whether its inbox row is new (else it
+/// already had the event).
+#[derive(QueryableByName)]
+pub(crate) struct ReceiveRow {
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub new: bool,
+}
+
+/// The receiving side of an external transport: one inbox row per consumer subscribed to the
+/// event's type. Returns each subscribed consumer and whether its row is new.
+pub(crate) async fn receive(
+    conn: &mut AsyncPgConnection,
+    e: &crate::event::OutboxEvent,
+) -> Result<Vec<ReceiveRow>> {
+    let rows = Prepared(diesel::sql_query(
+        "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \
+         ins AS ( \
+             INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
+                 aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id, \
+                 event_created_at, external) \
+             SELECT $1, consumer, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, true FROM subs \
+             ON CONFLICT (event_id, consumer) DO NOTHING RETURNING consumer \
+         ) \
+         SELECT s.consumer, i.consumer IS NOT NULL AS new FROM subs s LEFT JOIN ins i USING (consumer)",
+    )
+    .bind::<SqlUuid, _>(e.id.as_uuid())
+    .bind::<Text, _>(&e.event_type)
+    .bind::<Integer, _>(e.event_version)
+    .bind::<Text, _>(&e.aggregate_type)
+    .bind::<Text, _>(&e.aggregate_id)
+    .bind::<Nullable<BigInt>, _>(e.aggregate_version)
+    .bind::<Jsonb, _>(&e.payload)
+    .bind::<Jsonb, _>(&e.metadata)
+    .bind::<Text, _>(&e.correlation_id)
+    .bind::<Nullable<Text>, _>(e.causation_id.as_deref())
+    .bind::<Timestamptz, _>(e.created_at))
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
+#[derive(QueryableByName)]
+struct AdvanceRow {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    locked: bool,
+    #[diesel(sql_type = BigInt)]
+    applied: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    current: Option<i64>,
+}
+
+/// The outcome of [`advance_version`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Advance {
+    /// Not older than what the consumer applied: recorded, apply the event.
+    Applied,
+    /// Older: the consumer is already at a later version.
+    Stale(i64),
+    /// Another in-flight batch of this consumer holds the aggregate: try the row later.
+    Busy,
+}
+
+/// Records that `consumer` applies `version` of an aggregate, unless it applied a later one
+/// before. An equal version is applied: one change may emit several events (`ORDER_PLACED`
+/// and `PAYMENT_REQUESTED`, both at the aggregate's version after it), and the same event
+/// delivered again never gets this far (its inbox row is unique). Runs in the delivery's savepoint, so a failed handler leaves the version
+/// where it was.
+///
+/// The aggregate is first locked with a non-blocking advisory lock held to the batch's end.
+/// Without it two concurrent batches touching two aggregates in opposite orders deadlock
+/// (each waits for the other's version row); with it the second batch defers the row instead.
+pub(crate) async fn advance_version(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    version: i64,
+) -> Result<Advance> {
+    let r: AdvanceRow = Prepared(
+        diesel::sql_query(
+            "WITH l AS ( \
+             SELECT pg_try_advisory_xact_lock( \
+                 hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 7)) AS ok \
+         ), up AS ( \
+             INSERT INTO aggregate_versions (consumer, aggregate_type, aggregate_id, version) \
+             SELECT $1, $2, $3, $4 FROM l WHERE l.ok \
+             ON CONFLICT (consumer, aggregate_type, aggregate_id) DO UPDATE \
+                 SET version = EXCLUDED.version, updated_at = now() \
+                 WHERE aggregate_versions.version <= EXCLUDED.version \
+             RETURNING 1 \
+         ) \
+         SELECT (SELECT ok FROM l) AS locked, (SELECT count(*) FROM up) AS applied, \
+                (SELECT version FROM aggregate_versions \
+                 WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3) AS current",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(aggregate_type)
+        .bind::<Text, _>(aggregate_id)
+        .bind::<BigInt, _>(version),
+    )
+    .get_result(conn)
+    .await?;
+    Ok(match (r.locked, r.applied) {
+        (false, _) => Advance::Busy,
+        (true, 1) => Advance::Applied,
+        (true, _) => Advance::Stale(r.current.unwrap_or(version)),
+    })
+}
