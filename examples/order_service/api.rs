@@ -1,18 +1,27 @@
 //! The HTTP surface. Every write is one transaction holding the business change, its audit
 //! row and its event; the outbox is woken only after the commit.
+//!
+//! Every refusal is a JSON error with a stable code ([`crate::wire::code`]) and writes nothing:
+//! bodies are checked (type, size, shape, fields) before a connection is taken, and the
+//! routes' unknown paths and methods answer in JSON too.
 
 use std::fmt;
 
 use actix_outbox::{enqueue, NewEvent, OutboxHandle, PgPool};
-use actix_web::http::StatusCode;
-use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
-use chrono::{DateTime, Utc};
-use diesel::sql_types::{BigInt, Nullable, Text, Timestamptz};
+use actix_web::error::JsonPayloadError;
+use actix_web::http::{header, StatusCode};
+use actix_web::{
+    web, FromRequest, Handler, HttpRequest, HttpResponse, Resource, Responder, ResponseError,
+};
+use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use serde::{Deserialize, Serialize};
 
+use crate::wire::{
+    code, ChangeStatus, CreateOrder, ErrorBody, ErrorDetail, Order, OrderState, OrderStatus,
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, MAX_BODY, REQUEST_ID,
+};
 use crate::ORDER_STATUS_CHANGED;
 
 pub struct AppState {
@@ -21,75 +30,93 @@ pub struct AppState {
 }
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.route("/health", web::get().to(health))
-        .route("/stats", web::get().to(crate::stats::stats))
-        .route("/orders", web::post().to(create_order))
-        .route("/orders/{id}", web::get().to(get_order))
-        .route("/orders/{id}/status", web::post().to(change_status));
+    cfg.service(get("/health", health))
+        .service(get("/stats", crate::stats::stats))
+        .service(post("/orders", create_order))
+        .service(get("/orders/{id}", get_order))
+        .service(post("/orders/{id}/status", change_status))
+        .default_service(web::to(|| async {
+            ApiError::refused(StatusCode::NOT_FOUND, code::NOT_FOUND, "no such endpoint")
+                .error_response()
+        }));
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OrderStatus {
-    Waiting,
-    Paid,
-    Completed,
-    Cancelled,
+fn get<F, Args>(path: &str, handler: F) -> Resource
+where
+    F: Handler<Args>,
+    Args: FromRequest + 'static,
+    F::Output: Responder + 'static,
+{
+    resource(path, "GET").route(web::get().to(handler))
 }
 
-impl OrderStatus {
-    pub fn parse(s: &str) -> Option<OrderStatus> {
-        Some(match s {
-            "WAITING" => OrderStatus::Waiting,
-            "PAID" => OrderStatus::Paid,
-            "COMPLETED" => OrderStatus::Completed,
-            "CANCELLED" => OrderStatus::Cancelled,
-            _ => return None,
-        })
-    }
+fn post<F, Args>(path: &str, handler: F) -> Resource
+where
+    F: Handler<Args>,
+    Args: FromRequest + 'static,
+    F::Output: Responder + 'static,
+{
+    resource(path, "POST").route(web::post().to(handler))
+}
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OrderStatus::Waiting => "WAITING",
-            OrderStatus::Paid => "PAID",
-            OrderStatus::Completed => "COMPLETED",
-            OrderStatus::Cancelled => "CANCELLED",
-        }
-    }
-
-    /// The state machine. COMPLETED and CANCELLED are terminal, and a status never moves to
-    /// itself, so a repeated request is refused instead of writing a second event.
-    pub fn can_move_to(self, to: OrderStatus) -> bool {
-        use OrderStatus::*;
-        matches!(
-            (self, to),
-            (Waiting, Paid | Completed | Cancelled) | (Paid, Completed | Cancelled)
+/// A resource whose extractors and wrong methods answer with JSON errors, never actix's
+/// plain-text ones.
+fn resource(path: &str, method: &'static str) -> Resource {
+    web::resource(path)
+        .app_data(
+            web::JsonConfig::default()
+                .limit(MAX_BODY)
+                .error_handler(|e, _| ApiError::from(e).into()),
         )
-    }
+        .app_data(web::PathConfig::default().error_handler(|e, _| {
+            ApiError::refused(StatusCode::NOT_FOUND, code::NOT_FOUND, e.to_string()).into()
+        }))
+        .default_service(web::to(move || async move {
+            let mut resp = ApiError::refused(
+                StatusCode::METHOD_NOT_ALLOWED,
+                code::METHOD_NOT_ALLOWED,
+                format!("this endpoint takes {method} only"),
+            )
+            .error_response();
+            resp.headers_mut()
+                .insert(header::ALLOW, header::HeaderValue::from_static(method));
+            resp
+        }))
 }
 
-/// An error as the API shows it: `{"error": {"code", "message"}}`.
+/// An error as the API shows it: [`ErrorBody`].
 #[derive(Debug)]
 pub enum ApiError {
-    Unprocessable { code: &'static str, message: String },
+    /// A client error: the request is refused as it is.
+    Refused {
+        status: StatusCode,
+        code: &'static str,
+        message: String,
+    },
     NotFound(String),
     Unavailable(String),
     Internal(String),
 }
 
 impl ApiError {
-    fn unprocessable(code: &'static str, message: impl Into<String>) -> Self {
-        ApiError::Unprocessable {
+    fn refused(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::Refused {
+            status,
             code,
             message: message.into(),
         }
     }
 
+    fn unprocessable(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::refused(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+    }
+
     fn code(&self) -> &'static str {
         match self {
-            ApiError::Unprocessable { code, .. } => code,
-            ApiError::NotFound(_) => "ORDER_NOT_FOUND",
-            ApiError::Unavailable(_) => "SERVICE_UNAVAILABLE",
-            ApiError::Internal(_) => "INTERNAL_ERROR",
+            ApiError::Refused { code, .. } => code,
+            ApiError::NotFound(_) => code::ORDER_NOT_FOUND,
+            ApiError::Unavailable(_) => code::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => code::INTERNAL_ERROR,
         }
     }
 }
@@ -97,7 +124,7 @@ impl ApiError {
 impl fmt::Display for ApiError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ApiError::Unprocessable { message, .. }
+            ApiError::Refused { message, .. }
             | ApiError::NotFound(message)
             | ApiError::Unavailable(message)
             | ApiError::Internal(message) => f.write_str(message),
@@ -108,7 +135,7 @@ impl fmt::Display for ApiError {
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Refused { status, .. } => *status,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -121,8 +148,44 @@ impl ResponseError for ApiError {
             ApiError::Internal(_) => "internal error".to_owned(),
             other => other.to_string(),
         };
-        HttpResponse::build(self.status_code())
-            .json(serde_json::json!({"error": {"code": self.code(), "message": message}}))
+        HttpResponse::build(self.status_code()).json(ErrorBody {
+            error: ErrorDetail {
+                code: self.code().to_owned(),
+                message,
+            },
+        })
+    }
+}
+
+/// A body the `Json` extractor refused.
+impl From<JsonPayloadError> for ApiError {
+    fn from(e: JsonPayloadError) -> Self {
+        match e {
+            JsonPayloadError::OverflowKnownLength { .. }
+            | JsonPayloadError::Overflow { .. }
+            | JsonPayloadError::Payload(actix_web::error::PayloadError::Overflow) => {
+                ApiError::refused(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    code::BODY_TOO_LARGE,
+                    format!("a body is at most {MAX_BODY} bytes"),
+                )
+            }
+            JsonPayloadError::ContentType => ApiError::refused(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                code::UNSUPPORTED_MEDIA_TYPE,
+                "the body must be JSON, sent as Content-Type: application/json",
+            ),
+            JsonPayloadError::Deserialize(e) => {
+                ApiError::unprocessable(code::INVALID_BODY, e.to_string())
+            }
+            JsonPayloadError::Payload(e) => ApiError::refused(
+                StatusCode::BAD_REQUEST,
+                code::UNREADABLE_BODY,
+                format!("the body could not be read: {e}"),
+            ),
+            // Only answers are serialised; a request never gets here.
+            other => ApiError::unprocessable(code::INVALID_BODY, other.to_string()),
+        }
     }
 }
 
@@ -156,10 +219,6 @@ pub async fn conn(pool: &PgPool) -> Result<Conn<'_>, ApiError> {
         .map_err(|e| ApiError::from(actix_outbox::Error::from(e)))
 }
 
-fn parse_body<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::unprocessable("INVALID_BODY", e.to_string()))
-}
-
 /// A header value usable as an id: short, visible ASCII. Anything else is ignored rather than
 /// refused, since these headers are optional.
 fn id_header(req: &HttpRequest, name: &str) -> Option<String> {
@@ -173,46 +232,29 @@ fn id_header(req: &HttpRequest, name: &str) -> Option<String> {
 /// retry would create a second order.
 fn idempotency_key(req: &HttpRequest) -> Result<Option<String>, ApiError> {
     match (
-        req.headers().contains_key("Idempotency-Key"),
-        id_header(req, "Idempotency-Key"),
+        req.headers().contains_key(IDEMPOTENCY_KEY),
+        id_header(req, IDEMPOTENCY_KEY),
     ) {
         (true, None) => Err(ApiError::unprocessable(
-            "INVALID_IDEMPOTENCY_KEY",
+            code::INVALID_IDEMPOTENCY_KEY,
             "Idempotency-Key must be 1-200 visible ASCII characters",
         )),
         (_, key) => Ok(key),
     }
 }
 
-#[derive(Debug, Serialize, QueryableByName)]
-pub struct Order {
-    #[diesel(sql_type = Text)]
-    id: String,
-    #[diesel(sql_type = Text)]
-    customer_id: String,
-    #[diesel(sql_type = BigInt)]
-    total_cents: i64,
-    #[diesel(sql_type = Text)]
-    status: String,
-    #[diesel(sql_type = BigInt)]
-    version: i64,
-    #[diesel(sql_type = Text)]
-    source: String,
-    #[diesel(sql_type = Timestamptz)]
-    created_at: DateTime<Utc>,
-    #[diesel(sql_type = Timestamptz)]
-    updated_at: DateTime<Utc>,
+/// An order id from the path. One PostgreSQL cannot store (text holds no NUL) names no order,
+/// and must not reach a query, which would fail with a server error.
+fn order_id(path: web::Path<String>) -> Result<String, ApiError> {
+    let id = path.into_inner();
+    if id.contains('\0') {
+        return Err(ApiError::NotFound(format!("order {id:?} does not exist")));
+    }
+    Ok(id)
 }
 
 const ORDER_COLUMNS: &str =
     "id, customer_id, total_cents, status, version, source, created_at, updated_at";
-
-#[derive(Serialize)]
-struct OrderState<'a> {
-    id: &'a str,
-    status: &'a str,
-    version: i64,
-}
 
 /// The event of one status change. Ids and states only: consumers read anything else from
 /// the database, so no personal data is copied into the outbox and the inboxes.
@@ -265,12 +307,6 @@ async fn health(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().json(serde_json::json!({"status": "ok"})))
 }
 
-#[derive(Deserialize)]
-struct CreateOrder {
-    customer_id: String,
-    total_cents: i64,
-}
-
 enum Created {
     New(Order),
     Replayed(Order),
@@ -281,24 +317,29 @@ enum Created {
 async fn create_order(
     state: web::Data<AppState>,
     req: HttpRequest,
-    body: web::Bytes,
+    body: web::Json<CreateOrder>,
 ) -> Result<HttpResponse, ApiError> {
-    let input: CreateOrder = parse_body(&body)?;
+    let input = body.into_inner();
     let customer_id = input.customer_id.trim().to_owned();
-    if customer_id.is_empty() || customer_id.len() > 100 {
+    // Control characters are refused with the rest: NUL, which a text column cannot hold,
+    // would otherwise fail the insert with a server error.
+    if customer_id.is_empty()
+        || customer_id.chars().count() > 100
+        || customer_id.chars().any(char::is_control)
+    {
         return Err(ApiError::unprocessable(
-            "VALIDATION_FAILED",
-            "customer_id must be 1-100 characters",
+            code::VALIDATION_FAILED,
+            "customer_id must be 1-100 characters, none of them a control character",
         ));
     }
     if input.total_cents < 0 {
         return Err(ApiError::unprocessable(
-            "VALIDATION_FAILED",
+            code::VALIDATION_FAILED,
             "total_cents must not be negative",
         ));
     }
     let idempotency_key = idempotency_key(&req)?;
-    let correlation = id_header(&req, "X-Request-Id");
+    let correlation = id_header(&req, REQUEST_ID);
     let id = uuid::Uuid::now_v7().to_string();
 
     let mut conn = conn(&state.pool).await?;
@@ -328,7 +369,7 @@ async fn create_order(
                 if existing.customer_id != customer_id || existing.total_cents != input.total_cents
                 {
                     return Err(ApiError::unprocessable(
-                        "IDEMPOTENCY_KEY_REUSED",
+                        code::IDEMPOTENCY_KEY_REUSED,
                         "this Idempotency-Key was used for a different order",
                     ));
                 }
@@ -354,11 +395,11 @@ async fn create_order(
     };
     let mut resp = HttpResponse::Created();
     if replayed {
-        resp.insert_header(("Idempotent-Replayed", "true"));
+        resp.insert_header((IDEMPOTENT_REPLAYED, "true"));
     }
     Ok(resp.json(OrderState {
-        id: &order.id,
-        status: &order.status,
+        id: order.id,
+        status: order.status,
         version: order.version,
     }))
 }
@@ -367,7 +408,7 @@ async fn get_order(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let id = path.into_inner();
+    let id = order_id(path)?;
     let mut conn = conn(&state.pool).await?;
     let order: Option<Order> =
         diesel::sql_query(format!("SELECT {ORDER_COLUMNS} FROM orders WHERE id = $1"))
@@ -379,11 +420,6 @@ async fn get_order(
         Some(order) => Ok(HttpResponse::Ok().json(order)),
         None => Err(ApiError::NotFound(format!("order {id} does not exist"))),
     }
-}
-
-#[derive(Deserialize)]
-struct ChangeStatus {
-    status: String,
 }
 
 #[derive(QueryableByName)]
@@ -400,20 +436,20 @@ async fn change_status(
     state: web::Data<AppState>,
     req: HttpRequest,
     path: web::Path<String>,
-    body: web::Bytes,
+    body: web::Json<ChangeStatus>,
 ) -> Result<HttpResponse, ApiError> {
-    let order_id = path.into_inner();
-    let input: ChangeStatus = parse_body(&body)?;
+    let order_id = order_id(path)?;
+    let input = body.into_inner();
     let to = OrderStatus::parse(&input.status).ok_or_else(|| {
         ApiError::unprocessable(
-            "INVALID_STATUS",
+            code::INVALID_STATUS,
             format!(
                 "unknown status {:?}; expected WAITING, PAID, COMPLETED or CANCELLED",
                 input.status
             ),
         )
     })?;
-    let correlation = id_header(&req, "X-Request-Id");
+    let correlation = id_header(&req, REQUEST_ID);
 
     let mut conn = conn(&state.pool).await?;
     let version = conn
@@ -433,7 +469,7 @@ async fn change_status(
             })?;
             if !from.can_move_to(to) {
                 return Err(ApiError::unprocessable(
-                    "INVALID_TRANSITION",
+                    code::INVALID_TRANSITION,
                     format!(
                         "order {order_id} is {} and cannot become {}",
                         from.as_str(),
@@ -474,8 +510,8 @@ async fn change_status(
         .await?;
     state.outbox.wake();
     Ok(HttpResponse::Ok().json(OrderState {
-        id: &order_id,
-        status: to.as_str(),
+        id: order_id,
+        status: to.as_str().to_owned(),
         version,
     }))
 }

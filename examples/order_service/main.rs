@@ -9,6 +9,10 @@
 //! - A reconcile rule gives COMPLETED orders that have no COMPLETED notification one, through
 //!   the same business key.
 //! - `GET /stats` reports what the demo needs; `GET /health` says the service is up.
+//! - Bodies are JSON (`Content-Type: application/json`, at most 16 KiB). Every refusal is a
+//!   JSON 4xx `{"error": {"code", "message"}}` with a stable code, and writes nothing; the
+//!   bodies, headers and codes are in `wire.rs`, which the demo's load driver
+//!   (`examples/demo_load`) shares.
 //! - With `ADMIN_TOKEN` set: the library's operator API, dashboard (`/admin/`), lag health and
 //!   Prometheus metrics under `/admin`.
 //!
@@ -28,6 +32,7 @@ mod consumers;
 mod reconcile;
 mod rng;
 mod stats;
+mod wire;
 mod worker;
 
 use std::process::ExitCode;
