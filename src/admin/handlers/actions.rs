@@ -1,505 +1,28 @@
-//! Routes and handlers of the operator API. Every data handler takes [`Operator`] first (see
-//! `auth`); every action validates its whole input before it opens a transaction, and inside
-//! the transaction locks its rows, re-checks them, changes them and writes the audit row.
+//! The actions: each validates its whole input, then locks, re-checks, changes and audits
+//! its rows in one transaction.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use actix_web::http::{header, StatusCode};
-use actix_web::{web, FromRequest, Handler, HttpResponse, Resource, Responder, Scope};
+use actix_web::http::StatusCode;
+use actix_web::{web, FromRequest};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::auth::Operator;
-use super::error::*;
-use super::{State, DASHBOARD};
+use crate::admin::auth::Operator;
+use crate::admin::error::*;
+use crate::admin::State;
 use crate::event::ConsumerName;
 use crate::inbox::{pause_consumer, resume_consumer, unsubscribe};
-use crate::maintenance::health::{self, human, HealthConfig, HealthReport, HealthState};
-use crate::store::{self, admin as stmt};
+use crate::store::admin as stmt;
 
-/// Rows per page unless `limit` says otherwise.
-const DEFAULT_LIMIT: i64 = 50;
-/// Largest page: an operator's list, not an export.
-const MAX_LIMIT: i64 = 200;
-/// Most rows one bulk action may change.
-const MAX_BULK: usize = 100;
-/// Most entries a correlation timeline shows (the library's `timeline` returns at most 1000).
-const TIMELINE_LIMIT: usize = 1000;
-/// Largest request body accepted (a bulk action of 100 UUIDs is ~4 KiB).
-const MAX_BODY: usize = 64 * 1024;
-/// Longest reason kept in the audit trail.
-const MAX_REASON_CHARS: usize = 1000;
-/// The window of the dashboard's "last hour" sums.
-const RECENT: Duration = Duration::from_secs(3600);
-
-const OUTBOX_STATUSES: &[&str] = &[
-    "PENDING",
-    "PROCESSING",
-    "PUBLISHED",
-    "RETRY_PENDING",
-    "DEAD_LETTER",
-    "IGNORED",
-];
-const INBOX_STATUSES: &[&str] = &[
-    "RECEIVED",
-    "PROCESSED",
-    "RETRY_PENDING",
-    "DEAD_LETTER",
-    "IGNORED",
-];
-
-type Reply = Result<HttpResponse, AdminError>;
-
-pub(crate) fn scope(path: &str, state: State) -> Scope {
-    web::scope(path)
-        .app_data(web::Data::new(state))
-        .app_data(web::QueryConfig::default().error_handler(|e, _| {
-            AdminError::bad_request(INVALID_QUERY, format!("invalid query: {e}")).into()
-        }))
-        .app_data(web::PathConfig::default().error_handler(|e, _| {
-            AdminError::bad_request(INVALID_ID, format!("invalid path: {e}")).into()
-        }))
-        .service(
-            web::resource(["", "/"])
-                .route(web::get().to(page))
-                .default_service(web::to(method_not_allowed)),
-        )
-        .service(get("/health", health))
-        .service(get("/overview", overview))
-        .service(get("/metrics", metrics_text))
-        .service(get("/outbox", list_outbox))
-        .service(get("/inbox", list_inbox))
-        .service(get("/consumers", consumers))
-        .service(get("/audit", audit))
-        .service(get("/timeline/{correlation_id}", timeline))
-        // The fixed paths come before `/{id}/…` so that `retry` is never read as an id.
-        .service(post("/inbox/retry", retry_inbox_set))
-        .service(post("/outbox/retry", retry_outbox_set))
-        .service(post("/inbox/{id}/retry", retry_inbox_one))
-        .service(post("/outbox/{id}/retry", retry_outbox_one))
-        .service(post("/inbox/{id}/ignore", ignore_inbox_one))
-        .service(post("/outbox/{id}/ignore", ignore_outbox_one))
-        .service(post("/consumers/{name}/pause", pause))
-        .service(post("/consumers/{name}/resume", resume))
-        .service(post(
-            "/consumers/{name}/subscriptions/{event_type}/remove",
-            remove_subscription,
-        ))
-        .default_service(web::to(not_found))
-}
-
-fn get<F, Args>(path: &str, handler: F) -> Resource
-where
-    F: Handler<Args>,
-    Args: FromRequest + 'static,
-    F::Output: Responder + 'static,
-{
-    web::resource(path)
-        .route(web::get().to(handler))
-        .default_service(web::to(method_not_allowed))
-}
-
-fn post<F, Args>(path: &str, handler: F) -> Resource
-where
-    F: Handler<Args>,
-    Args: FromRequest + 'static,
-    F::Output: Responder + 'static,
-{
-    web::resource(path)
-        .route(web::post().to(handler))
-        .default_service(web::to(method_not_allowed))
-}
-
-async fn not_found(_: Operator) -> Reply {
-    Err(AdminError::new(
-        StatusCode::NOT_FOUND,
-        NOT_FOUND,
-        "no such endpoint",
-    ))
-}
-
-async fn method_not_allowed(_: Operator) -> Reply {
-    Err(AdminError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        METHOD_NOT_ALLOWED,
-        "this endpoint does not take that method",
-    ))
-}
-
-fn ok_json(body: impl Serialize) -> HttpResponse {
-    HttpResponse::Ok()
-        .insert_header((header::CACHE_CONTROL, "no-store"))
-        .json(body)
-}
-
-/// The page holds no data (everything comes from the API with the operator's token), so it is
-/// the one response served without credentials: the token is typed into it.
-async fn page() -> HttpResponse {
-    HttpResponse::Ok()
-        .content_type("text/html; charset=utf-8")
-        .insert_header((
-            header::CONTENT_SECURITY_POLICY,
-            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
-             connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; \
-             frame-ancestors 'none'",
-        ))
-        .insert_header((header::CACHE_CONTROL, "no-store"))
-        .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
-        .insert_header((header::REFERRER_POLICY, "no-referrer"))
-        .body(DASHBOARD)
-}
-
-// ---------------------------------------------------------------------------------------------
-// Health, overview, metrics
-
-async fn health(_: Operator, st: web::Data<State>) -> Reply {
-    let mut conn = st.pool.get().await?;
-    Ok(ok_json(current_health(&mut conn).await?))
-}
-
-/// The newest sampler's report, flagged when it is too old to trust. Without any sample (no
-/// runtime has run on this database yet), a report from the live gauges and the default
-/// thresholds, flagged as such.
-async fn current_health(conn: &mut AsyncPgConnection) -> Result<HealthReport, AdminError> {
-    let latest = store::stats::latest_health(conn).await?;
-    let parsed = latest.and_then(|l| {
-        let report: HealthReport = serde_json::from_value(l.health).ok()?;
-        Some((report, l.interval_ms, l.age_seconds))
-    });
-    match parsed {
-        Some((mut report, interval_ms, age)) => {
-            let stale_after = 3.0 * interval_ms as f64 / 1000.0 + 5.0;
-            if age > stale_after {
-                report.push(
-                    HealthState::Warning,
-                    "STATS_STALE",
-                    None,
-                    format!(
-                        "the newest stats sample is {} old (expected every {}); is a runtime \
-                         running on this database?",
-                        human(age),
-                        human(interval_ms as f64 / 1000.0)
-                    ),
-                );
-            }
-            Ok(report)
-        }
-        None => {
-            let sample = store::stats::snapshot(conn).await?;
-            let mut report = health::assess(&HealthConfig::default(), &sample, &[]);
-            report.push(
-                HealthState::Warning,
-                "STATS_MISSING",
-                None,
-                "no stats sample has been stored yet; is a runtime running on this database?"
-                    .into(),
-            );
-            Ok(report)
-        }
-    }
-}
-
-/// The dashboard's numbers. Counts are read live, unlike the Prometheus gauges (which come from
-/// the sampler): an operator who just pressed "retry" expects to see it, and every count reads a
-/// partial index, so a page refreshing every 5 s costs a handful of index probes. Health and the
-/// last hour's failures and duplicates come from the stored samples.
-async fn overview(_: Operator, st: web::Data<State>) -> Reply {
-    let mut conn = st.pool.get().await?;
-    let health = current_health(&mut conn).await?;
-    let live = store::stats::snapshot(&mut conn).await?;
-    let states = stmt::consumer_states(&mut conn).await?;
-    let sums = store::stats::consumer_sums(&mut conn, RECENT).await?;
-    let consumers: Vec<_> = live
-        .consumers
-        .iter()
-        .map(|c| {
-            let state = states.iter().find(|s| s.consumer == c.consumer);
-            let (dup, failed, processed) = sums
-                .iter()
-                .find(|s| s.0 == c.consumer)
-                .map(|s| (s.1, s.2, s.3))
-                .unwrap_or_default();
-            json!({
-                "consumer": c.consumer,
-                "paused": c.paused,
-                "paused_by": state.and_then(|s| s.paused_by.clone()).filter(|_| c.paused),
-                "pause_reason": state.and_then(|s| s.reason.clone()).filter(|_| c.paused),
-                "backlog": c.backlog,
-                "retrying": c.retrying,
-                "due": c.due,
-                "oldest_due_age_seconds": c.oldest_due_age_seconds,
-                "dead_letter": c.dead_letter,
-                "last_hour": {"processed": processed, "failed": failed, "duplicates": dup},
-            })
-        })
-        .collect();
-    let o = &live.outbox;
-    Ok(ok_json(json!({
-        "checked_at": live.at,
-        "health": health,
-        "outbox": {
-            "pending": o.pending,
-            "retrying": o.retrying,
-            "processing": o.processing,
-            "dead_letter": o.dead_letter,
-            "oldest_pending_age_seconds": o.oldest_pending_age_seconds,
-        },
-        "consumers": consumers,
-    })))
-}
-
-async fn metrics_text(_: Operator, st: web::Data<State>) -> Reply {
-    let handle = st.metrics.as_ref().ok_or_else(|| {
-        AdminError::new(
-            StatusCode::NOT_FOUND,
-            METRICS_NOT_CONFIGURED,
-            "no metrics recorder was given to AdminConfig::metrics",
-        )
-    })?;
-    Ok(HttpResponse::Ok()
-        .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .insert_header((header::CACHE_CONTROL, "no-store"))
-        .body(handle.render()))
-}
-
-// ---------------------------------------------------------------------------------------------
-// Lists
-
-/// Query of `GET /outbox`. Unknown parameters are refused, so a typo does not silently list
-/// everything.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct OutboxQuery {
-    status: Option<String>,
-    #[serde(rename = "type")]
-    event_type: Option<String>,
-    before: Option<String>,
-    limit: Option<String>,
-}
-
-/// Query of `GET /inbox`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct InboxQuery {
-    status: Option<String>,
-    #[serde(rename = "type")]
-    event_type: Option<String>,
-    consumer: Option<String>,
-    before: Option<String>,
-    limit: Option<String>,
-}
-
-/// Empty parameters (`?status=`, as a form sends them) mean "no filter".
-fn given(v: Option<String>) -> Option<String> {
-    v.map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
-}
-
-fn status_filter(v: Option<String>, allowed: &[&str]) -> Result<Option<String>, AdminError> {
-    match given(v) {
-        None => Ok(None),
-        Some(s) => {
-            let upper = s.to_ascii_uppercase();
-            if allowed.contains(&upper.as_str()) {
-                Ok(Some(upper))
-            } else {
-                Err(AdminError::bad_request(
-                    INVALID_STATUS,
-                    format!("status {s:?} is not one of {}", allowed.join(", ")),
-                ))
-            }
-        }
-    }
-}
-
-fn page_size(v: Option<String>) -> Result<i64, AdminError> {
-    match given(v) {
-        None => Ok(DEFAULT_LIMIT),
-        Some(s) => s
-            .parse::<i64>()
-            .ok()
-            .filter(|n| (1..=MAX_LIMIT).contains(n))
-            .ok_or_else(|| {
-                AdminError::bad_request(
-                    INVALID_LIMIT,
-                    format!("limit {s:?} must be a whole number within 1..={MAX_LIMIT}"),
-                )
-            }),
-    }
-}
-
-fn type_filter(v: Option<String>) -> Result<Option<String>, AdminError> {
-    match given(v) {
-        Some(t) if t.len() > 200 => Err(AdminError::bad_request(
-            INVALID_QUERY,
-            "type must be at most 200 characters",
-        )),
-        t => Ok(t),
-    }
-}
-
-fn parse_inbox_id(s: &str) -> Result<i64, AdminError> {
-    s.trim()
-        .parse::<i64>()
-        .ok()
-        .filter(|n| *n > 0)
-        .ok_or_else(|| {
-            AdminError::bad_request(
-                INVALID_ID,
-                format!("{s:?} is not an inbox row id (a positive integer)"),
-            )
-        })
-}
-
-fn parse_event_id(s: &str) -> Result<uuid::Uuid, AdminError> {
-    uuid::Uuid::parse_str(s.trim()).map_err(|_| {
-        AdminError::bad_request(INVALID_ID, format!("{s:?} is not an event id (a UUID)"))
-    })
-}
-
-fn cursor<T>(
-    v: Option<String>,
-    parse: impl Fn(&str) -> Result<T, AdminError>,
-) -> Result<Option<T>, AdminError> {
-    given(v)
-        .map(|s| {
-            parse(&s).map_err(|e| {
-                AdminError::bad_request(INVALID_CURSOR, format!("before: {}", e.message))
-            })
-        })
-        .transpose()
-}
-
-async fn list_outbox(_: Operator, st: web::Data<State>, q: web::Query<OutboxQuery>) -> Reply {
-    let q = q.into_inner();
-    let filter = stmt::ListFilter {
-        status: status_filter(q.status, OUTBOX_STATUSES)?,
-        event_type: type_filter(q.event_type)?,
-        consumer: None,
-        limit: page_size(q.limit)?,
-        with_payload: st.redact.is_some(),
-    };
-    let before = cursor(q.before, parse_event_id)?;
-    let mut conn = st.pool.get().await?;
-    let items = stmt::list_outbox(&mut conn, &filter, before).await?;
-    Ok(list_page(
-        items,
-        filter.limit,
-        &st,
-        |i| (&i.event_type, &mut i.payload),
-        |i| i.id.to_string(),
-    ))
-}
-
-async fn list_inbox(_: Operator, st: web::Data<State>, q: web::Query<InboxQuery>) -> Reply {
-    let q = q.into_inner();
-    let consumer = given(q.consumer)
-        .map(|c| {
-            ConsumerName::new(c.clone())
-                .map(|_| c)
-                .map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))
-        })
-        .transpose()?;
-    let filter = stmt::ListFilter {
-        status: status_filter(q.status, INBOX_STATUSES)?,
-        event_type: type_filter(q.event_type)?,
-        consumer,
-        limit: page_size(q.limit)?,
-        with_payload: st.redact.is_some(),
-    };
-    let before = cursor(q.before, parse_inbox_id)?;
-    let mut conn = st.pool.get().await?;
-    let items = stmt::list_inbox(&mut conn, &filter, before).await?;
-    Ok(list_page(
-        items,
-        filter.limit,
-        &st,
-        |i| (&i.event_type, &mut i.payload),
-        |i| i.id.to_string(),
-    ))
-}
-
-/// One page of a list: payloads redacted when the application enabled that view (otherwise
-/// they were never selected), and the cursor of the next page when this one is full.
-fn list_page<T: Serialize>(
-    mut items: Vec<T>,
-    limit: i64,
-    st: &State,
-    payload: impl Fn(&mut T) -> (&String, &mut Option<serde_json::Value>),
-    id: impl Fn(&T) -> String,
-) -> HttpResponse {
-    if let Some(redact) = &st.redact {
-        for item in &mut items {
-            let (event_type, p) = payload(item);
-            *p = p.take().map(|v| redact(event_type, &v));
-        }
-    }
-    let next = (items.len() as i64 == limit)
-        .then(|| items.last().map(&id))
-        .flatten();
-    ok_json(json!({"items": items, "next_before": next}))
-}
-
-async fn timeline(_: Operator, st: web::Data<State>, path: web::Path<String>) -> Reply {
-    let correlation_id = path.into_inner();
-    if correlation_id.is_empty() || correlation_id.len() > 200 {
-        return Err(AdminError::bad_request(
-            INVALID_ID,
-            "a correlation id is 1-200 characters",
-        ));
-    }
-    let mut conn = st.pool.get().await?;
-    let mut entries = crate::outbox::timeline(&mut conn, &correlation_id).await?;
-    // The library's timeline stops at its own bound; reaching it means there may be more.
-    let truncated = entries.len() >= TIMELINE_LIMIT;
-    entries.truncate(TIMELINE_LIMIT);
-    if entries.is_empty() {
-        return Err(AdminError::new(
-            StatusCode::NOT_FOUND,
-            CORRELATION_NOT_FOUND,
-            format!("no outbox or inbox row has correlation id {correlation_id:?}"),
-        ));
-    }
-    Ok(ok_json(json!({
-        "correlation_id": correlation_id,
-        "entries": entries,
-        "truncated": truncated,
-    })))
-}
-
-async fn consumers(_: Operator, st: web::Data<State>) -> Reply {
-    let mut conn = st.pool.get().await?;
-    let items = stmt::consumer_states(&mut conn).await?;
-    Ok(ok_json(json!({ "items": items })))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AuditQuery {
-    before: Option<String>,
-    limit: Option<String>,
-}
-
-async fn audit(_: Operator, st: web::Data<State>, q: web::Query<AuditQuery>) -> Reply {
-    let q = q.into_inner();
-    let limit = page_size(q.limit)?;
-    let before = cursor(q.before, parse_inbox_id)?;
-    let mut conn = st.pool.get().await?;
-    let items = stmt::list_audit(&mut conn, before, limit).await?;
-    let next = (items.len() as i64 == limit)
-        .then(|| items.last().map(|i| i.id.to_string()))
-        .flatten();
-    Ok(ok_json(json!({"items": items, "next_before": next})))
-}
-
-// ---------------------------------------------------------------------------------------------
-// Actions
+use super::*;
 
 /// An action's body, read up to [`MAX_BODY`] bytes. Past that, a JSON 413 `BODY_TOO_LARGE`
 /// (actix's own limit would answer in plain text, without a code).
-struct Body(web::Bytes);
+pub(super) struct Body(web::Bytes);
 
 impl FromRequest for Body {
     type Error = AdminError;
@@ -536,13 +59,13 @@ impl FromRequest for Body {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ReasonBody {
+pub(super) struct ReasonBody {
     reason: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct BulkBody<T> {
+pub(super) struct BulkBody<T> {
     #[serde(default = "Vec::new")]
     ids: Vec<T>,
     confirm: Option<String>,
@@ -550,7 +73,7 @@ struct BulkBody<T> {
 }
 
 /// Parses an optional JSON body: an empty body is the default (no reason, no ids).
-fn parse_body<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, AdminError> {
+pub(super) fn parse_body<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, AdminError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
@@ -562,7 +85,7 @@ fn parse_body<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, AdminErro
     })
 }
 
-fn reason(v: Option<String>, required: bool) -> Result<Option<String>, AdminError> {
+pub(super) fn reason(v: Option<String>, required: bool) -> Result<Option<String>, AdminError> {
     match given(v) {
         None if required => Err(AdminError::bad_request(
             REASON_REQUIRED,
@@ -581,7 +104,7 @@ fn reason(v: Option<String>, required: bool) -> Result<Option<String>, AdminErro
 }
 
 /// Checks a bulk action's ids and confirmation before anything is read.
-fn check_bulk(ids: &[String], confirm: Option<&str>) -> Result<(), AdminError> {
+pub(super) fn check_bulk(ids: &[String], confirm: Option<&str>) -> Result<(), AdminError> {
     let n = ids.len();
     if n == 0 {
         return Err(AdminError::bad_request(
@@ -612,7 +135,7 @@ fn check_bulk(ids: &[String], confirm: Option<&str>) -> Result<(), AdminError> {
 }
 
 /// The rows an action is about.
-enum Ids {
+pub(super) enum Ids {
     Inbox(Vec<i64>),
     Outbox(Vec<uuid::Uuid>),
 }
@@ -633,14 +156,14 @@ impl Ids {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Change {
+pub(super) enum Change {
     Retry,
     Ignore,
 }
 
 /// What an action did: returned to the caller and, as `details`, kept in the audit row.
 #[derive(Debug, Serialize)]
-struct Outcome {
+pub(super) struct Outcome {
     action: String,
     target: String,
     changed: usize,
@@ -651,7 +174,7 @@ struct Outcome {
 
 /// Retry or ignore, in one transaction: lock the rows, refuse the whole action if any row is
 /// missing or in the wrong state, change them, write the audit row.
-async fn apply(
+pub(super) async fn apply(
     st: &State,
     who: &str,
     ids: Ids,
@@ -730,13 +253,13 @@ async fn apply(
 }
 
 /// How long an action waits for rows that a batch in progress holds.
-const ROW_WAIT: Duration = Duration::from_secs(2);
+pub(super) const ROW_WAIT: Duration = Duration::from_secs(2);
 
 /// Locks the action's rows, waiting up to [`ROW_WAIT`] for those a consumer batch or a
 /// publisher holds (normally milliseconds). Past that — a handler hanging past its timeout
 /// keeps its rows for as long as it hangs — the action is refused with `ROW_BUSY` rather than
 /// left waiting with a connection taken from the pool.
-async fn lock_rows(
+pub(super) async fn lock_rows(
     conn: &mut AsyncPgConnection,
     ids: &Ids,
 ) -> Result<Vec<stmt::LockedRow>, AdminError> {
@@ -761,7 +284,7 @@ async fn lock_rows(
     }
 }
 
-fn log_action(who: &str, o: &Outcome, reason: Option<&str>) {
+pub(super) fn log_action(who: &str, o: &Outcome, reason: Option<&str>) {
     tracing::info!(
         name: "admin.action",
         who, action = %o.action, target = %o.target, changed = o.changed, audit_id = o.audit_id,
@@ -771,7 +294,7 @@ fn log_action(who: &str, o: &Outcome, reason: Option<&str>) {
 }
 
 /// One row, retried or ignored; ignoring needs a reason.
-async fn act_on_one(
+pub(super) async fn act_on_one(
     op: Operator,
     st: web::Data<State>,
     ids: Ids,
@@ -784,7 +307,7 @@ async fn act_on_one(
     Ok(ok_json(out))
 }
 
-async fn retry_inbox_one(
+pub(super) async fn retry_inbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -794,7 +317,7 @@ async fn retry_inbox_one(
     act_on_one(op, st, ids, &body, Change::Retry).await
 }
 
-async fn retry_outbox_one(
+pub(super) async fn retry_outbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -804,7 +327,7 @@ async fn retry_outbox_one(
     act_on_one(op, st, ids, &body, Change::Retry).await
 }
 
-async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
+pub(super) async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
     let body: BulkBody<i64> = parse_body(&body)?;
     let strings: Vec<String> = body.ids.iter().map(i64::to_string).collect();
     check_bulk(&strings, body.confirm.as_deref())?;
@@ -827,7 +350,11 @@ async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -
     Ok(ok_json(out))
 }
 
-async fn retry_outbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
+pub(super) async fn retry_outbox_set(
+    op: Operator,
+    st: web::Data<State>,
+    Body(body): Body,
+) -> Reply {
     let body: BulkBody<uuid::Uuid> = parse_body(&body)?;
     let strings: Vec<String> = body.ids.iter().map(uuid::Uuid::to_string).collect();
     check_bulk(&strings, body.confirm.as_deref())?;
@@ -844,7 +371,7 @@ async fn retry_outbox_set(op: Operator, st: web::Data<State>, Body(body): Body) 
     Ok(ok_json(out))
 }
 
-async fn ignore_inbox_one(
+pub(super) async fn ignore_inbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -854,7 +381,7 @@ async fn ignore_inbox_one(
     act_on_one(op, st, ids, &body, Change::Ignore).await
 }
 
-async fn ignore_outbox_one(
+pub(super) async fn ignore_outbox_one(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -864,7 +391,7 @@ async fn ignore_outbox_one(
     act_on_one(op, st, ids, &body, Change::Ignore).await
 }
 
-async fn pause(
+pub(super) async fn pause(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -873,7 +400,7 @@ async fn pause(
     set_pause(op, st, path, body, true).await
 }
 
-async fn resume(
+pub(super) async fn resume(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -883,7 +410,7 @@ async fn resume(
 }
 
 /// The pause switch through the library's own [`pause_consumer`] / [`resume_consumer`].
-async fn set_pause(
+pub(super) async fn set_pause(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
@@ -904,7 +431,7 @@ async fn set_pause(
 /// Removes a consumer's subscription through the library's own [`unsubscribe`]. Needs a
 /// reason: events of that type stop reaching the consumer, which is only right once no
 /// instance runs code that handles them.
-async fn remove_subscription(
+pub(super) async fn remove_subscription(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<(String, String)>,
@@ -924,12 +451,12 @@ async fn remove_subscription(
     .await
 }
 
-fn consumer_name(name: String) -> Result<ConsumerName, AdminError> {
+pub(super) fn consumer_name(name: String) -> Result<ConsumerName, AdminError> {
     ConsumerName::new(name).map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))
 }
 
 /// What an action does to a consumer.
-enum ConsumerChange {
+pub(super) enum ConsumerChange {
     Pause,
     Resume,
     Unsubscribe(String),
@@ -937,7 +464,7 @@ enum ConsumerChange {
 
 /// An action on a consumer, in one transaction with its audit row: lock the consumer's state
 /// row (404 for a consumer never registered), make the change, write the audit row.
-async fn consumer_action(
+pub(super) async fn consumer_action(
     op: &Operator,
     st: &State,
     name: &ConsumerName,
