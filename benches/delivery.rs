@@ -1070,7 +1070,7 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     let rss = peak_rss_mib();
     let p = |v: &[f64], q: f64| percentile(v, q);
     let opt = |w: Option<f64>| w.map_or("n/a".to_owned(), |w| format!("{w:.0}"));
-    let big = if rows % 1_000_000 == 0 {
+    let big = if rows.is_multiple_of(1_000_000) {
         format!("{}M", rows / 1_000_000)
     } else {
         format!("{}k", rows / 1_000)

@@ -156,6 +156,8 @@ mod inbox;
 mod layers;
 mod maintenance;
 mod messages;
+#[cfg(test)]
+mod msrv;
 mod outbox;
 mod publisher;
 mod reconciler;

@@ -553,7 +553,7 @@ async fn cmd_quiet(opts: &Opts) -> Result<ExitCode, Fatal> {
             return Ok(ExitCode::SUCCESS);
         }
         let text = report::join(in_flight.iter().map(|(k, n)| format!("{k} {n}")), ", ");
-        if last_print.map_or(true, |t| t.elapsed() >= progress_every) {
+        if last_print.is_none_or(|t| t.elapsed() >= progress_every) {
             println!("[quiet] {text}");
             last_print = Some(Instant::now());
         }

@@ -55,7 +55,7 @@ impl StatsConfig {
         let window = u32::try_from(self.health.trend_samples)
             .ok()
             .and_then(|n| self.interval.checked_mul(n));
-        if window.map_or(true, |w| self.history < w) {
+        if window.is_none_or(|w| self.history < w) {
             return Err(Error::Config(
                 "stats history must cover at least trend_samples intervals".into(),
             ));
