@@ -9,6 +9,9 @@
 //! effects stay), consumers and rows are driven one at a time. `tests/harness.rs` runs one
 //! scripted scenario through this model and through the runtime on PostgreSQL and compares
 //! every inbox row, which keeps the model honest. The user-facing docs are on [`Harness`].
+//!
+//! Here: [`Harness`] and its public steps. `model.rs`: the rows and views it keeps.
+//! `cycle.rs`: one delivery, marked as the runtime marks it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,165 +19,19 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use chrono::{DateTime, TimeDelta, Utc};
-use tokio::sync::Mutex;
 
 use crate::consumer::actor::HandlerRef;
-use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
-use crate::consumer::upcast;
-use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
-use crate::error::{Error, ErrorCode, Result};
-use crate::event::{ConsumerName, EventId, EventRegistry, NewEvent, PayloadRules};
-use crate::store::inbox::{truncate, Failure, InboxRow};
+use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch};
+use crate::error::{Error, Result};
+use crate::event::{EventId, EventRegistry, NewEvent, PayloadRules};
+use crate::store::inbox::InboxRow;
 
-/// An inbox row's state, as in the `inbox_events.status` column.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum InboxStatus {
-    /// Written by the fan-out, not yet attempted.
-    Received,
-    /// Handled (or recorded as stale); never delivered again.
-    Processed,
-    /// Failed; due again at its `next_attempt_at`.
-    RetryPending,
-    /// Failed for good: attempts ran out or the error was permanent.
-    DeadLetter,
-}
+mod cycle;
+mod model;
 
-impl InboxStatus {
-    /// The value stored in the database.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            InboxStatus::Received => "RECEIVED",
-            InboxStatus::Processed => "PROCESSED",
-            InboxStatus::RetryPending => "RETRY_PENDING",
-            InboxStatus::DeadLetter => "DEAD_LETTER",
-        }
-    }
-
-    /// Whether a claim may still pick the row (`status IN ('RECEIVED', 'RETRY_PENDING')`).
-    fn claimable(self) -> bool {
-        matches!(self, InboxStatus::Received | InboxStatus::RetryPending)
-    }
-}
-
-/// An outbox row's state, as in the `outbox_events.status` column. The harness models the
-/// in-process transport only, where a claim publishes and fans out in one statement.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum OutboxStatus {
-    /// Committed, not yet published.
-    Pending,
-    /// Fanned out to the subscribed consumers' inboxes.
-    Published,
-}
-
-impl OutboxStatus {
-    /// The value stored in the database.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            OutboxStatus::Pending => "PENDING",
-            OutboxStatus::Published => "PUBLISHED",
-        }
-    }
-}
-
-/// One consumer's inbox row, as an operator would see it.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct InboxView {
-    /// The event.
-    pub event_id: EventId,
-    /// The event type.
-    pub event_type: String,
-    /// The row's state.
-    pub status: InboxStatus,
-    /// Attempts made so far (`attempt_count`).
-    pub attempts: u32,
-    /// The last failure's code; cleared when the row is processed (except `EVENT_STALE`).
-    pub error_code: Option<ErrorCode>,
-    /// The last failure's message, cut at 2000 characters as in the database.
-    pub last_error: Option<String>,
-    /// When a claim may pick the row (for RECEIVED rows: when it was received).
-    pub next_attempt_at: DateTime<Utc>,
-}
-
-/// One outbox row.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct OutboxView {
-    /// The event.
-    pub event_id: EventId,
-    /// The event type.
-    pub event_type: String,
-    /// The row's state.
-    pub status: OutboxStatus,
-    /// Publish cycles that took the row (`attempt_count`).
-    pub attempts: u32,
-    /// When the row was last published.
-    pub published_at: Option<DateTime<Utc>>,
-}
-
-/// What one delivery of one inbox row did.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct Outcome {
-    /// The consumer.
-    pub consumer: ConsumerName,
-    /// The event.
-    pub event_id: EventId,
-    /// The attempt number the delivery carried ([`Delivery::attempt`]).
-    pub attempt: u32,
-    /// What the handler returned, or the error the runtime records in its place (the handler
-    /// actor stopped, the handler overran its timeout, the event's version cannot be read).
-    /// `Ok` for an event recorded as stale.
-    pub result: std::result::Result<(), HandlerError>,
-    /// The row's state after the delivery.
-    pub status: InboxStatus,
-    /// Whether the handler actor was called (not for a stale or unreadable event).
-    pub handler_ran: bool,
-    /// The handler actor stopped while handling (a panic in `handle`); it is rebuilt from its
-    /// factory before the next delivery.
-    pub handler_lost: bool,
-    /// The delivery's transaction was rolled back ([`Harness::redeliver`]): the row is as it
-    /// was before.
-    pub rolled_back: bool,
-}
-
-struct OutboxEntry {
-    event: NewEvent,
-    correlation_id: String,
-    created_at: DateTime<Utc>,
-    status: OutboxStatus,
-    attempts: i32,
-    published_at: Option<DateTime<Utc>>,
-}
-
-struct InboxEntry {
-    /// The row as a claim returns it; `row.id` orders claims like the `bigserial` does.
-    row: InboxRow,
-    consumer: ConsumerName,
-    status: InboxStatus,
-    next_attempt_at: DateTime<Utc>,
-    error_code: Option<String>,
-    last_error: Option<String>,
-}
-
-/// Builds a consumer's handler actor, as `OutboxBuilder::consumer`'s factory does.
-type Factory = Box<dyn Fn() -> HandlerRef>;
-
-struct ConsumerSlot {
-    cfg: ConsumerConfig,
-    factory: Factory,
-    /// The live handler; replaced through `factory` once found disconnected, at the points
-    /// where the runtime's `ConsumerActor::pump` looks.
-    handler: HandlerRef,
-    /// The `consumer_states.paused` switch.
-    paused: bool,
-    restarts: u32,
-    duplicates: usize,
-    /// `aggregate_versions` for this consumer: (aggregate type, aggregate id) → last applied.
-    versions: HashMap<(String, String), i64>,
-}
+use cycle::{unique_violation, view};
+use model::*;
+pub use model::{InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 
 /// An in-memory outbox, inbox and consumer runtime with a manual clock: the runtime's
 /// delivery logic without PostgreSQL and without real time, for fast, deterministic tests of
@@ -209,7 +66,7 @@ struct ConsumerSlot {
 ///
 /// - **No database in handlers.** A [`Delivery`] made by the harness has no connection:
 ///   [`Delivery::conn`] (and everything built on it, such as [`Delivery::enqueue`]) returns a
-///   retryable [`HandlerError`], so such an attempt fails. Keep the decision logic of a consumer
+///   retryable [`HandlerError`](crate::HandlerError), so such an attempt fails. Keep the decision logic of a consumer
 ///   in code that takes its inputs from the delivery and writes through a port the test can
 ///   observe, and test the database writes with the real runtime against PostgreSQL.
 /// - **Transactions are not modelled.** A failed attempt's in-memory side effects stay; in the
@@ -715,211 +572,4 @@ impl Harness {
         self.slot(consumer)
             .map_or(0, |c| self.consumers[c].duplicates)
     }
-
-    fn slot(&self, consumer: &str) -> Option<usize> {
-        self.consumers
-            .iter()
-            .position(|c| c.cfg.name.as_str() == consumer)
-    }
-
-    fn row_index(&self, c: usize, event_id: EventId) -> Option<usize> {
-        let name = &self.consumers[c].cfg.name;
-        self.inbox
-            .iter()
-            .position(|i| &i.consumer == name && i.row.event_id == event_id.as_uuid())
-    }
-
-    fn set_paused(&mut self, consumer: &str, paused: bool) -> Result<()> {
-        let c = self
-            .slot(consumer)
-            .ok_or_else(|| Error::UnknownConsumer(consumer.to_owned()))?;
-        self.consumers[c].paused = paused;
-        Ok(())
-    }
-
-    /// `claim_due` without the limit: the consumer's due rows by (`next_attempt_at`, `id`).
-    fn due_rows(&self, c: usize) -> Vec<usize> {
-        let name = &self.consumers[c].cfg.name;
-        let mut due: Vec<usize> = (0..self.inbox.len())
-            .filter(|&i| {
-                let e = &self.inbox[i];
-                &e.consumer == name && e.status.claimable() && e.next_attempt_at <= self.now
-            })
-            .collect();
-        due.sort_by_key(|&i| (self.inbox[i].next_attempt_at, self.inbox[i].row.id));
-        due
-    }
-
-    /// What the runtime does before each delivery: a handler found stopped is replaced (the
-    /// batch ends, the actor's next pump rebuilds it and claims the rest), so a handler that
-    /// stopped itself after its last reply costs the next event no attempt.
-    fn ensure_handler(&mut self, c: usize) {
-        let slot = &mut self.consumers[c];
-        if !slot.handler.connected() {
-            tracing::warn!(consumer = %slot.cfg.name, "handler actor stopped; starting a new one");
-            slot.handler = (slot.factory)();
-            slot.restarts += 1;
-        }
-    }
-
-    /// One consumer's batch loop over `rows`. A lost handler ends the runtime's loop and the
-    /// actor's next pump replaces the handler and claims the rest; here the rest follows at once.
-    async fn run_cycle(&mut self, c: usize, rows: Vec<usize>, out: &mut Vec<Outcome>) {
-        for i in rows {
-            self.ensure_handler(c);
-            let outcome = self.attempt(c, i, true).await;
-            if outcome.handler_lost {
-                // The runtime's actor rebuilds at once after a lost handler, too.
-                self.ensure_handler(c);
-            }
-            out.push(outcome);
-        }
-    }
-
-    /// One row through the steps of `consumer::batch`: upcast, stale check, handler, mark.
-    /// With `commit` false the attempt's marks are dropped, as a rolled-back transaction's are.
-    async fn attempt(&mut self, c: usize, i: usize, commit: bool) -> Outcome {
-        let cfg = self.consumers[c].cfg.clone();
-        let mut row = self.inbox[i].row.clone();
-        let mut outcome = Outcome {
-            consumer: cfg.name.clone(),
-            event_id: EventId::from_uuid(row.event_id),
-            attempt: (row.attempt_count + 1).max(1) as u32,
-            result: Ok(()),
-            status: self.inbox[i].status,
-            handler_ran: false,
-            handler_lost: false,
-            rolled_back: !commit,
-        };
-
-        if let Err(err) = upcast(&cfg, &mut row) {
-            if commit {
-                self.mark_failed(i, decide(&cfg.retry, &row, &err));
-            }
-            outcome.result = Err(err);
-            outcome.status = self.inbox[i].status;
-            return outcome;
-        }
-
-        let aggregate = (row.aggregate_type.clone(), row.aggregate_id.clone());
-        let version = row.aggregate_version.filter(|_| cfg.skip_stale);
-        if let Some(version) = version {
-            let current = self.consumers[c].versions.get(&aggregate).copied();
-            if let Some(current) = current.filter(|&cur| cur > version) {
-                if commit {
-                    self.mark_stale(i, current);
-                }
-                outcome.status = self.inbox[i].status;
-                return outcome;
-            }
-        }
-
-        // No connection: `Delivery::conn` reports the delivery as finished.
-        let slot = Arc::new(Mutex::new(None));
-        let delivery = Delivery {
-            row: row.clone(),
-            consumer: cfg.name.clone(),
-            slot: slot.clone(),
-            events: cfg.events.clone(),
-        };
-        let handler = self.consumers[c].handler.clone();
-        let sent = match &handler {
-            HandlerRef::One(h) => tokio::time::timeout(cfg.handler_timeout, h.send(delivery)).await,
-            HandlerRef::Batch(h) => {
-                let batch = DeliveryBatch {
-                    deliveries: vec![delivery],
-                    slot,
-                };
-                tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
-            }
-        };
-        outcome.handler_ran = true;
-        // The same errors as `consumer::batch` makes: they are stored.
-        let result = match sent {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => {
-                outcome.handler_lost = !handler.connected();
-                Err(HandlerError::retry(HANDLER_LOST))
-            }
-            Err(_) => Err(handler_timed_out(&cfg)),
-        };
-        if commit {
-            match &result {
-                Ok(()) => {
-                    if let Some(version) = version {
-                        // Written in the handler's savepoint: kept only when the handler succeeded.
-                        self.consumers[c].versions.insert(aggregate, version);
-                    }
-                    self.mark_processed(i);
-                }
-                Err(err) => self.mark_failed(i, decide(&cfg.retry, &row, err)),
-            }
-        }
-        outcome.result = result;
-        outcome.status = self.inbox[i].status;
-        outcome
-    }
-
-    /// `store::inbox::mark_processed`.
-    fn mark_processed(&mut self, i: usize) {
-        let e = &mut self.inbox[i];
-        e.status = InboxStatus::Processed;
-        e.row.attempt_count += 1;
-        e.error_code = None;
-        e.last_error = None;
-    }
-
-    /// `store::inbox::mark_stale`.
-    fn mark_stale(&mut self, i: usize, current: i64) {
-        let e = &mut self.inbox[i];
-        e.status = InboxStatus::Processed;
-        e.row.attempt_count += 1;
-        e.error_code = Some("EVENT_STALE".to_owned());
-        e.last_error = Some(format!(
-            "stale: the consumer already applied aggregate version {current}"
-        ));
-    }
-
-    /// `Settle::Failed` of `store::inbox::settle`; the harness has one attempt in flight at a
-    /// time, so it needs no lease to fence on.
-    fn mark_failed(&mut self, i: usize, f: Failure) {
-        let now = self.now;
-        let e = &mut self.inbox[i];
-        if !e.status.claimable() {
-            return;
-        }
-        e.row.attempt_count += 1;
-        e.status = if f.dead {
-            InboxStatus::DeadLetter
-        } else {
-            InboxStatus::RetryPending
-        };
-        let delay = TimeDelta::try_milliseconds(f.delay_ms).unwrap_or(TimeDelta::MAX);
-        e.next_attempt_at = now
-            .checked_add_signed(delay)
-            .unwrap_or(DateTime::<Utc>::MAX_UTC);
-        e.error_code = Some(truncate(&f.code, 200));
-        e.last_error = Some(truncate(&f.message, 2000));
-    }
-}
-
-fn view(e: &InboxEntry) -> InboxView {
-    InboxView {
-        event_id: EventId::from_uuid(e.row.event_id),
-        event_type: e.row.event_type.clone(),
-        status: e.status,
-        attempts: e.row.attempt_count.max(0) as u32,
-        error_code: e.error_code.clone().map(ErrorCode::new),
-        last_error: e.last_error.clone(),
-        next_attempt_at: e.next_attempt_at,
-    }
-}
-
-/// The error PostgreSQL's unique constraint gives a second event with the same id.
-fn unique_violation(message: String) -> Error {
-    use diesel::result::{DatabaseErrorKind, Error as D};
-    Error::Database(D::DatabaseError(
-        DatabaseErrorKind::UniqueViolation,
-        Box::new(message),
-    ))
 }
