@@ -1,6 +1,8 @@
 //! The runtime: configuration, the builder that registers consumers, the handle the
 //! application keeps, and the supervisor that owns the actors.
 
+#[cfg(feature = "testing")]
+mod fault;
 mod listener;
 mod supervisor;
 
@@ -380,7 +382,7 @@ impl OutboxRuntime {
     /// would. Returns whether the actor was running.
     #[cfg(feature = "testing")]
     pub async fn inject_fault(&self, fault: Fault) -> bool {
-        use supervisor::{Child, StopChild};
+        use fault::{Child, StopChild};
         let (child, panic) = match fault {
             Fault::StopPublisher => (Child::Publisher, false),
             Fault::PanicPublisher => (Child::Publisher, true),

@@ -50,12 +50,12 @@ pub(crate) struct ConsumerSlot {
 pub(crate) struct SupervisorActor {
     pool: PgPool,
     config: RuntimeConfig,
-    consumers: Vec<ConsumerSlot>,
+    pub(super) consumers: Vec<ConsumerSlot>,
     rules: Vec<Rc<dyn ReconcileRule>>,
     route: Route,
-    registry: Option<Addr<ConsumerRegistry>>,
-    publisher: Option<Addr<PublisherActor>>,
-    reconciler: Option<Addr<ReconcilerActor>>,
+    pub(super) registry: Option<Addr<ConsumerRegistry>>,
+    pub(super) publisher: Option<Addr<PublisherActor>>,
+    pub(super) reconciler: Option<Addr<ReconcilerActor>>,
     /// Holds a connection in LISTEN when `RuntimeConfig::listen` is on.
     listener: Option<Addr<ListenerActor>>,
     /// This runtime's id in notifications, so it can ignore its own.
@@ -353,42 +353,6 @@ impl Handler<ReconcileNow> for SupervisorActor {
                 None => Vec::new(),
             }
         })
-    }
-}
-
-/// Which child a fault-injection `Stop` goes to.
-#[cfg_attr(not(feature = "testing"), allow(dead_code))]
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Child {
-    Publisher,
-    Registry,
-    Reconciler,
-    Consumer(String),
-}
-
-#[derive(Message)]
-#[rtype(result = "bool")]
-pub(crate) struct StopChild {
-    pub child: Child,
-    pub panic: bool,
-}
-
-impl Handler<StopChild> for SupervisorActor {
-    type Result = bool;
-    fn handle(&mut self, msg: StopChild, _: &mut Context<Self>) -> bool {
-        let stop = Stop { panic: msg.panic };
-        let sent = match &msg.child {
-            Child::Publisher => self.publisher.as_ref().map(|a| a.try_send(stop)),
-            Child::Registry => self.registry.as_ref().map(|a| a.try_send(stop)),
-            Child::Reconciler => self.reconciler.as_ref().map(|a| a.try_send(stop)),
-            Child::Consumer(name) => self
-                .consumers
-                .iter()
-                .find(|s| s.cfg.name.as_str() == name)
-                .and_then(|s| s.addr.as_ref())
-                .map(|a| a.try_send(stop)),
-        };
-        matches!(sent, Some(Ok(())))
     }
 }
 
