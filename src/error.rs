@@ -36,6 +36,8 @@ impl ErrorCode {
     pub const DATABASE_ERROR: ErrorCode = ErrorCode::from_static("DATABASE_ERROR");
     /// No connection could be taken from the pool in time.
     pub const POOL_TIMEOUT: ErrorCode = ErrorCode::from_static("POOL_TIMEOUT");
+    /// The pool could not open a connection: the server refused it or could not be reached.
+    pub const POOL_CONNECT_FAILED: ErrorCode = ErrorCode::from_static("POOL_CONNECT_FAILED");
     /// A database round trip did not answer within its bound; its connection was closed.
     pub const DATABASE_TIMEOUT: ErrorCode = ErrorCode::from_static("DATABASE_TIMEOUT");
     /// The library's migrations could not be applied.
@@ -81,9 +83,11 @@ pub enum Error {
     /// serialization race; otherwise the statement itself is wrong.
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),
-    /// No connection could be taken from the pool.
-    #[error("connection pool error: {0}")]
-    Pool(String),
+    /// No connection could be taken from the pool: none came free in time
+    /// (`POOL_TIMEOUT`), or a new one could not be opened (`POOL_CONNECT_FAILED`, with the
+    /// cause as its [`source`](std::error::Error::source)).
+    #[error("connection pool: {0}")]
+    Pool(#[source] PoolError),
     /// The event was rejected before it was written; the caller's transaction must fail.
     #[error("invalid event: {0}")]
     InvalidEvent(String),
@@ -113,7 +117,8 @@ impl Error {
     pub fn code(&self) -> ErrorCode {
         match self {
             Error::Database(_) => ErrorCode::DATABASE_ERROR,
-            Error::Pool(_) => ErrorCode::POOL_TIMEOUT,
+            Error::Pool(e) if e.timed_out => ErrorCode::POOL_TIMEOUT,
+            Error::Pool(_) => ErrorCode::POOL_CONNECT_FAILED,
             Error::InvalidEvent(_) => ErrorCode::EVENT_SCHEMA_INVALID,
             Error::InvalidKey(_) => ErrorCode::IDEMPOTENCY_KEY_INVALID,
             Error::Config(_) => ErrorCode::CONFIG_INVALID,
@@ -161,11 +166,73 @@ pub(crate) fn is_transient_db_error(e: &diesel::result::Error) -> bool {
     )
 }
 
-impl<E: std::error::Error + 'static> From<bb8::RunError<E>> for Error {
+/// Why the pool could not lend a connection (see [`Error::Pool`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{}", if self.timed_out { "no connection came free in time" } else { "could not open a connection" })]
+pub struct PoolError {
+    timed_out: bool,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl PoolError {
+    /// No connection came free within the pool's connection timeout.
+    pub fn timed_out(&self) -> bool {
+        self.timed_out
+    }
+
+    /// A connection could not be opened, because of `source`.
+    pub(crate) fn connect(source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        PoolError {
+            timed_out: false,
+            source: Some(Box::new(source)),
+        }
+    }
+}
+
+/// A connection that could not be opened, as the pool reports one: `POOL_CONNECT_FAILED`,
+/// transient. For code that opens a connection of its own beside the pool.
+impl From<diesel::ConnectionError> for Error {
+    fn from(e: diesel::ConnectionError) -> Self {
+        Error::Pool(PoolError::connect(e))
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<bb8::RunError<E>> for Error {
     fn from(e: bb8::RunError<E>) -> Self {
-        Error::Pool(e.to_string())
+        Error::Pool(match e {
+            bb8::RunError::TimedOut => PoolError {
+                timed_out: true,
+                source: None,
+            },
+            bb8::RunError::User(e) => PoolError::connect(e),
+        })
     }
 }
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn pool_errors_say_which_and_keep_their_cause() {
+        let timed_out = Error::from(bb8::RunError::<std::io::Error>::TimedOut);
+        assert_eq!(timed_out.code(), ErrorCode::POOL_TIMEOUT);
+        assert!(timed_out.is_transient());
+        let refused = Error::from(bb8::RunError::User(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "connection refused",
+        )));
+        assert_eq!(refused.code(), ErrorCode::POOL_CONNECT_FAILED);
+        assert!(refused.is_transient());
+        let pool = refused.source().expect("the pool error");
+        assert_eq!(
+            pool.source().map(|e| e.to_string()).as_deref(),
+            Some("connection refused")
+        );
+    }
+}

@@ -171,7 +171,7 @@ pub mod testing;
 #[cfg(feature = "admin")]
 pub use admin::{admin_scope, install_prometheus_recorder, AdminConfig};
 pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, TxConn};
-pub use error::{Error, ErrorCode, Result};
+pub use error::{Error, ErrorCode, PoolError, Result};
 pub use event::{
     ConsumerName, Event, EventId, EventRegistry, NewEvent, OutboxEvent, DEFAULT_SENSITIVE_KEYS,
     MAX_PAYLOAD_BYTES,

@@ -128,7 +128,7 @@ async fn count(url: &str, sql: &str) -> i64 {
 async fn place(url: &str, order: &str) -> Result<(), actix_outbox::Error> {
     let mut conn = AsyncPgConnection::establish(url)
         .await
-        .map_err(|e| actix_outbox::Error::Pool(e.to_string()))?;
+        .map_err(actix_outbox::Error::from)?;
     conn.transaction(async |conn| {
         let new = diesel::sql_query(
             "INSERT INTO orders (id, status, version) VALUES ($1, 'COMPLETED', 2) \

@@ -199,8 +199,8 @@ impl From<diesel::result::Error> for ApiError {
 impl From<actix_outbox::Error> for ApiError {
     fn from(e: actix_outbox::Error) -> Self {
         match e {
-            actix_outbox::Error::Pool(m) => {
-                tracing::warn!(error = %m, "no database connection");
+            e @ actix_outbox::Error::Pool(_) => {
+                tracing::warn!(error = %e, code = %e.code(), "no database connection");
                 ApiError::Unavailable("the database is unavailable; try again".into())
             }
             other => {

@@ -133,7 +133,7 @@ impl From<diesel::result::Error> for AdminError {
     }
 }
 
-impl<E: std::error::Error + 'static> From<bb8::RunError<E>> for AdminError {
+impl<E: std::error::Error + Send + Sync + 'static> From<bb8::RunError<E>> for AdminError {
     fn from(e: bb8::RunError<E>) -> Self {
         Error::from(e).into()
     }

@@ -18,6 +18,7 @@
 //! | `reap.rs` | settling the leases that loops which died left behind |
 //! | `decide.rs` | the pure decisions: retry or dead letter, who is charged, whether a call fits in the lease |
 //! | `delivery.rs`, `handler_error.rs`, `config.rs` | the public types |
+//! | `function.rs` | the actor behind a consumer written as an async function |
 //!
 //! # One invariant
 //!
@@ -66,6 +67,7 @@ mod batch;
 mod config;
 pub(crate) mod decide;
 mod delivery;
+pub(crate) mod function;
 mod handler_error;
 mod lend;
 mod log;

@@ -75,7 +75,7 @@ async fn listen(pool: &PgPool, me: &str, supervisor: &Recipient<Heard>) -> Resul
     let mut conn = match store::timed(store::DB_TIMEOUT, async {
         pool.dedicated_connection()
             .await
-            .map_err(|e| Error::Pool(e.to_string()))
+            .map_err(|e| Error::Pool(crate::error::PoolError::connect(e)))
     })
     .await
     {

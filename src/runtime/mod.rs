@@ -14,7 +14,8 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use crate::consumer::actor::{HandlerFactory, HandlerRef};
-use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch};
+use crate::consumer::function::{FnBatchConsumer, FnConsumer};
+use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
 use crate::maintenance::{Retention, RetentionConfig, StatsConfig};
@@ -191,6 +192,43 @@ impl OutboxBuilder {
             Rc::new(move || HandlerRef::Batch(make().start().recipient()));
         self.consumers.push((config, factory));
         self
+    }
+
+    /// Registers a consumer written as a plain async function of its [`Delivery`], for a
+    /// handler that keeps no state between events; everything else is as for
+    /// [`OutboxBuilder::consumer`] (the function's effects go through [`Delivery::conn`] and
+    /// commit with the inbox mark). The function is cloned into each handler actor.
+    ///
+    /// ```no_run
+    /// # use actix_outbox::{ConsumerConfig, HandlerError, OutboxRuntime, PgPool};
+    /// # fn f(pool: PgPool) -> actix_outbox::Result<()> {
+    /// let builder = OutboxRuntime::builder(pool).consumer_fn(
+    ///     ConsumerConfig::new("audit")?.subscribe("ORDER_PLACED"),
+    ///     |d| async move {
+    ///         let _conn = d.conn().await?;
+    ///         // … write the effect through `_conn` …
+    ///         Ok::<(), HandlerError>(())
+    ///     },
+    /// );
+    /// # Ok(()) }
+    /// ```
+    pub fn consumer_fn<F, Fut>(self, config: ConsumerConfig, f: F) -> Self
+    where
+        F: Fn(Delivery) -> Fut + Clone + 'static,
+        Fut: std::future::Future<Output = std::result::Result<(), HandlerError>> + 'static,
+    {
+        self.consumer(config, move || FnConsumer(Box::new(f.clone())))
+    }
+
+    /// Registers a batch consumer written as a plain async function of its
+    /// [`DeliveryBatch`]; see [`OutboxBuilder::consumer_fn`] and
+    /// [`OutboxBuilder::batch_consumer`].
+    pub fn batch_consumer_fn<F, Fut>(self, config: ConsumerConfig, f: F) -> Self
+    where
+        F: Fn(DeliveryBatch) -> Fut + Clone + 'static,
+        Fut: std::future::Future<Output = std::result::Result<(), HandlerError>> + 'static,
+    {
+        self.batch_consumer(config, move || FnBatchConsumer(Box::new(f.clone())))
     }
 
     /// Records the consumers' subscriptions in the database and starts the actors; returns once

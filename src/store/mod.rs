@@ -65,7 +65,7 @@ pub async fn connect_with(
         .connection_timeout(config.acquire_timeout)
         .build(config.manager(database_url))
         .await
-        .map_err(|e| crate::Error::Pool(e.to_string()))
+        .map_err(|e| crate::Error::Pool(crate::error::PoolError::connect(e)))
 }
 
 /// A raw SQL statement whose text never changes, marked so that diesel-async prepares it once
