@@ -7,6 +7,7 @@
 
 #![cfg(feature = "admin")]
 
+use super::status::InboxStatus;
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{
     Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
@@ -275,7 +276,13 @@ pub(crate) async fn retry_outbox(
 }
 
 /// Statuses an operator may mark IGNORED: the event will not be delivered (to this consumer).
-pub(crate) const IGNORABLE: &[&str] = &["DEAD_LETTER", "RETRY_PENDING"];
+pub(crate) const IGNORABLE: &[&str] = &[
+    InboxStatus::DeadLetter.as_str(),
+    InboxStatus::RetryPending.as_str(),
+];
+
+/// Statuses an operator may retry: dead letters (outbox and inbox spell them alike).
+pub(crate) const RETRYABLE: &[&str] = &[InboxStatus::DeadLetter.as_str()];
 
 pub(crate) async fn ignore_inbox(conn: &mut AsyncPgConnection, id: i64) -> Result<usize> {
     let n = diesel::sql_query(

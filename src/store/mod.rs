@@ -10,6 +10,7 @@ pub(crate) mod lease;
 pub(crate) mod migrate;
 pub(crate) mod outbox;
 pub(crate) mod stats;
+pub(crate) mod status;
 pub(crate) mod timeline;
 
 use diesel::connection::TransactionDepthChange;

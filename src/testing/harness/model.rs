@@ -9,57 +9,7 @@ use crate::error::ErrorCode;
 use crate::event::{ConsumerName, EventId, NewEvent};
 use crate::store::inbox::InboxRow;
 
-/// An inbox row's state, as in the `inbox_events.status` column.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum InboxStatus {
-    /// Written by the fan-out, not yet attempted.
-    Received,
-    /// Handled (or recorded as stale); never delivered again.
-    Processed,
-    /// Failed; due again at its `next_attempt_at`.
-    RetryPending,
-    /// Failed for good: attempts ran out or the error was permanent.
-    DeadLetter,
-}
-
-impl InboxStatus {
-    /// The value stored in the database.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            InboxStatus::Received => "RECEIVED",
-            InboxStatus::Processed => "PROCESSED",
-            InboxStatus::RetryPending => "RETRY_PENDING",
-            InboxStatus::DeadLetter => "DEAD_LETTER",
-        }
-    }
-
-    /// Whether a claim may still pick the row (`status IN ('RECEIVED', 'RETRY_PENDING')`).
-    pub(super) fn claimable(self) -> bool {
-        matches!(self, InboxStatus::Received | InboxStatus::RetryPending)
-    }
-}
-
-/// An outbox row's state, as in the `outbox_events.status` column. The harness models the
-/// in-process transport only, where a claim publishes and fans out in one statement.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum OutboxStatus {
-    /// Committed, not yet published.
-    Pending,
-    /// Fanned out to the subscribed consumers' inboxes.
-    Published,
-}
-
-impl OutboxStatus {
-    /// The value stored in the database.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            OutboxStatus::Pending => "PENDING",
-            OutboxStatus::Published => "PUBLISHED",
-        }
-    }
-}
+pub use crate::store::status::{InboxStatus, OutboxStatus};
 
 /// One consumer's inbox row, as an operator would see it.
 #[derive(Debug, Clone, PartialEq)]
