@@ -147,10 +147,10 @@
 
 #![warn(missing_docs)]
 
-mod admin;
+pub mod admin;
 mod consumer;
 mod error;
-mod event;
+pub mod event;
 mod inbox;
 #[cfg(test)]
 mod layers;
@@ -195,3 +195,59 @@ pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, Run
 pub use store::migrate::{migrate, MIGRATIONS};
 pub use store::timeline::TimelineEntry;
 pub use store::{connect, connect_with, ConnectionConfig, PgPool, Prepared};
+
+pub mod db {
+    //! The database: pools and their connection settings, the library's migrations, a
+    //! prepared statement marker, and the connection a delivery lends its handler.
+    pub use crate::consumer::TxConn;
+    pub use crate::error::PoolError;
+    pub use crate::store::migrate::{migrate, MIGRATIONS};
+    pub use crate::store::{connect, connect_with, ConnectionConfig, PgPool, Prepared};
+}
+
+pub mod health {
+    //! Lag health and the stats sampler ([`HealthReport`], served by
+    //! [`admin_scope`](crate::admin::admin_scope) too), and the runtime's own status.
+    pub use crate::maintenance::{
+        ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth,
+        StatsConfig, StatsSampler, Trend,
+    };
+    pub use crate::runtime::RuntimeStatus;
+}
+
+pub mod retention {
+    //! Bounded deletes of delivered history and old idempotency keys (off by default;
+    //! [`RuntimeConfig::retention`](crate::RuntimeConfig::retention)).
+    pub use crate::maintenance::{Retention, RetentionConfig, RetentionReport};
+}
+
+pub mod transport {
+    //! External transports: publishing to a broker under leases ([`Transport`],
+    //! [`ExternalConfig`]), and the receiving side's inbox ([`receive`]).
+    pub use crate::event::OutboxEvent;
+    pub use crate::inbox::{receive, Received};
+    pub use crate::messages::BoxFuture;
+    pub use crate::publisher::{ExternalConfig, Transport, TransportError};
+}
+
+pub mod reconcile {
+    //! Reconcile rules: desired-vs-actual checks whose repairs go through the same business
+    //! idempotency keys as the consumers.
+    pub use crate::messages::BoxFuture;
+    pub use crate::reconciler::{DriftReport, ReconcileReport, ReconcileRule};
+}
+
+pub mod keys {
+    //! Business idempotency keys: two different events never cause the same effect.
+    pub use crate::inbox::{claim_key, KeyClaim, MAX_KEY_BYTES};
+}
+
+pub mod ops {
+    //! Operator actions in code (the operator API offers them too): pause and resume a
+    //! consumer, remove a subscription, follow one correlation id, wake the publishers of
+    //! other processes; and the names of the rows' states, as stored.
+    pub use crate::inbox::{pause_consumer, resume_consumer, unsubscribe};
+    pub use crate::outbox::{notify_publishers, timeline};
+    pub use crate::store::status::{InboxStatus, OutboxStatus};
+    pub use crate::store::timeline::TimelineEntry;
+}

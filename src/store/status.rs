@@ -38,7 +38,9 @@ impl InboxStatus {
         }
     }
 
-    /// Whether a claim may pick the row (`status IN ('RECEIVED', 'RETRY_PENDING')`).
+    /// Whether a claim may pick the row (`status IN ('RECEIVED', 'RETRY_PENDING')`); the
+    /// harness's model of the claim asks.
+    #[cfg(feature = "testing")]
     pub(crate) fn claimable(self) -> bool {
         matches!(self, InboxStatus::Received | InboxStatus::RetryPending)
     }
