@@ -1,8 +1,6 @@
 //! Shared test setup: a fresh database per test, business tables, a configurable consumer
 //! actor, and polling helpers with deadlines (never a bare sleep).
 
-#![allow(dead_code)]
-
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -562,8 +560,8 @@ pub async fn inbox_states(
 }
 
 /// The Prometheus recorder of this test process, installed by the first test that asks. A
-/// process has one recorder, and `cargo test` runs a file's tests in one process: tests that
-/// read it use consumer names of their own.
+/// process has one recorder, and `cargo test` runs every integration test in one process
+/// (nextest runs each in its own): tests that read it use consumer names of their own.
 pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
     static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
         std::sync::OnceLock::new();
@@ -577,7 +575,9 @@ pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
 
 /// Runs the `#[ignore]`d test `entry` of the current test binary as a child process, with the
 /// database URL in `AO_CHILD_DB` and `env`: a runtime in a process of its own, for tests that
-/// kill it.
+/// kill it. `entry` is the test's full name in the one integration test crate, module path
+/// included (`failure::child_process_entry`): the child runs exactly that test, so a name
+/// without its module would match nothing and the child would exit at once.
 pub fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> std::process::Child {
     std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", entry, "--ignored", "--nocapture"])
