@@ -20,6 +20,7 @@ pub fn base_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+mod template;
 mod url;
 pub use url::with_database;
 
@@ -36,8 +37,9 @@ struct Count {
 }
 
 impl TestDb {
-    /// Creates `ao_test_<random>`, applies the library's migrations and the test's business
-    /// tables. `effects` has no unique constraint on purpose: a duplicate effect must show.
+    /// Creates `ao_test_<random>`, a clone of the template (see `template`): the library's
+    /// migrations and the test's business tables. `effects` has no unique constraint on
+    /// purpose: a duplicate effect must show.
     pub async fn new() -> TestDb {
         TestDb::new_on(&base_url()).await
     }
@@ -45,26 +47,9 @@ impl TestDb {
     /// The same on the server at `server_url` (a test's own cluster).
     pub async fn new_on(server_url: &str) -> TestDb {
         let name = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = AsyncPgConnection::establish(server_url)
-            .await
-            .expect("connect to the server");
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .expect("create test database");
+        template::create(server_url, &name).await;
         let url = with_database(server_url, &name);
-        actix_outbox::migrate(&url).await.expect("migrate");
         let pool = actix_outbox::connect(&url, 30).await.expect("pool");
-        let mut conn = pool.get().await.unwrap();
-        conn.batch_execute(
-            "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL DEFAULT 1);
-             CREATE TABLE audit_logs (id bigserial PRIMARY KEY, order_id text NOT NULL, action text NOT NULL);
-             CREATE TABLE effects (id bigserial PRIMARY KEY, consumer text NOT NULL, event_id uuid NOT NULL,
-                                   attempt int NOT NULL);",
-        )
-        .await
-        .unwrap();
-        drop(conn);
         TestDb { name, url, pool }
     }
 
