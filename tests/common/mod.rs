@@ -1,8 +1,6 @@
 //! Shared test setup: a fresh database per test, business tables, a configurable consumer
 //! actor, and polling helpers with deadlines (never a bare sleep).
 
-#![allow(dead_code)]
-
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -22,6 +20,7 @@ pub fn base_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+mod template;
 mod url;
 pub use url::with_database;
 
@@ -38,8 +37,9 @@ struct Count {
 }
 
 impl TestDb {
-    /// Creates `ao_test_<random>`, applies the library's migrations and the test's business
-    /// tables. `effects` has no unique constraint on purpose: a duplicate effect must show.
+    /// Creates `ao_test_<random>`, a clone of the template (see `template`): the library's
+    /// migrations and the test's business tables. `effects` has no unique constraint on
+    /// purpose: a duplicate effect must show.
     pub async fn new() -> TestDb {
         TestDb::new_on(&base_url()).await
     }
@@ -47,26 +47,9 @@ impl TestDb {
     /// The same on the server at `server_url` (a test's own cluster).
     pub async fn new_on(server_url: &str) -> TestDb {
         let name = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = AsyncPgConnection::establish(server_url)
-            .await
-            .expect("connect to the server");
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .expect("create test database");
+        template::create(server_url, &name).await;
         let url = with_database(server_url, &name);
-        actix_outbox::migrate(&url).await.expect("migrate");
         let pool = actix_outbox::connect(&url, 30).await.expect("pool");
-        let mut conn = pool.get().await.unwrap();
-        conn.batch_execute(
-            "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL DEFAULT 1);
-             CREATE TABLE audit_logs (id bigserial PRIMARY KEY, order_id text NOT NULL, action text NOT NULL);
-             CREATE TABLE effects (id bigserial PRIMARY KEY, consumer text NOT NULL, event_id uuid NOT NULL,
-                                   attempt int NOT NULL);",
-        )
-        .await
-        .unwrap();
-        drop(conn);
         TestDb { name, url, pool }
     }
 
@@ -562,8 +545,8 @@ pub async fn inbox_states(
 }
 
 /// The Prometheus recorder of this test process, installed by the first test that asks. A
-/// process has one recorder, and `cargo test` runs a file's tests in one process: tests that
-/// read it use consumer names of their own.
+/// process has one recorder, and `cargo test` runs every integration test in one process
+/// (nextest runs each in its own): tests that read it use consumer names of their own.
 pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
     static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
         std::sync::OnceLock::new();
@@ -577,7 +560,9 @@ pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
 
 /// Runs the `#[ignore]`d test `entry` of the current test binary as a child process, with the
 /// database URL in `AO_CHILD_DB` and `env`: a runtime in a process of its own, for tests that
-/// kill it.
+/// kill it. `entry` is the test's full name in the one integration test crate, module path
+/// included (`failure::child_process_entry`): the child runs exactly that test, so a name
+/// without its module would match nothing and the child would exit at once.
 pub fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> std::process::Child {
     std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", entry, "--ignored", "--nocapture"])

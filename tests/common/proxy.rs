@@ -4,8 +4,6 @@
 //! forwarded normally. Runs on a thread of its own, so that it keeps going whatever the test's
 //! runtime does.
 
-#![allow(dead_code)]
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -78,11 +76,6 @@ impl Proxy {
             shared,
             _stop: stop,
         }
-    }
-
-    /// `host:port` of the proxy.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
     }
 
     /// `url` (`postgres://user@host:port/db?…`) pointed at the proxy.

@@ -12,7 +12,7 @@
 //! The test runs its own throwaway cluster (crashing the shared server would break every other
 //! test), from the system's PostgreSQL binaries.
 
-mod common;
+use crate::common;
 
 use std::net::TcpListener;
 use std::process::Command;

@@ -1,8 +1,8 @@
 //! Operations against real PostgreSQL: lag health from stored samples, the Prometheus endpoint,
 //! retention, and the dashboard driven in headless Chromium.
 
-mod common;
-#[path = "browser/webdriver.rs"]
+use crate::common;
+#[path = "../browser/webdriver.rs"]
 mod webdriver;
 
 use std::time::Duration;

@@ -7,8 +7,8 @@
 //! The proxy acknowledges everything it receives, so TCP keepalive and `tcp_user_timeout`
 //! cannot notice the freeze: these tests exercise the runtime's own bound on each round trip.
 
-mod common;
-#[path = "common/proxy.rs"]
+use crate::common;
+#[path = "../common/proxy.rs"]
 mod proxy;
 
 use std::time::{Duration, Instant};

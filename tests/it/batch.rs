@@ -2,7 +2,7 @@
 //! batch that fails as a whole (an error, a panic that kills the actor, a hang past the
 //! timeout) narrowed down to the event that causes it. Every assertion counts rows.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! conformance check that keeps the fake faithful: one scripted scenario runs through the
 //! harness and through the real runtime on PostgreSQL, and every inbox row must end the same.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -12,7 +12,7 @@
 //! The statement is not copied: it is included from `src/store/claim.sql`, the file the
 //! library includes, so the plan asserted here is the plan of what the publisher runs.
 
-mod common;
+use crate::common;
 
 use common::*;
 use diesel::sql_types::{BigInt, Json, Nullable, Text};
@@ -21,11 +21,11 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde_json::Value;
 
 /// The claim statement exactly as the library runs it.
-const CLAIM_SQL: &str = include_str!("../src/store/claim.sql");
+const CLAIM_SQL: &str = include_str!("../../src/store/claim.sql");
 /// What the library runs before it in the same transaction.
-const PLAN_GUARD: &str = include_str!("../src/store/plan_guard.sql");
+const PLAN_GUARD: &str = include_str!("../../src/store/plan_guard.sql");
 /// The consumer's claim on the inbox, exactly as the library runs it (without a guard).
-const INBOX_CLAIM_SQL: &str = include_str!("../src/store/inbox_claim.sql");
+const INBOX_CLAIM_SQL: &str = include_str!("../../src/store/inbox_claim.sql");
 
 #[derive(QueryableByName)]
 struct ExplainRow {

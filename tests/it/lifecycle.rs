@@ -5,7 +5,7 @@
 //! `#[actix_web::main]` does, because the panics they guard against happen when the system is
 //! dropped, after the application's own code has returned.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};

@@ -2,7 +2,7 @@
 //! about "nothing changed" compares a fingerprint of every outbox, inbox, consumer and audit row
 //! taken before and after the request.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

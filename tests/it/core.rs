@@ -1,7 +1,7 @@
 //! The core runtime against real PostgreSQL: outbox → publisher → registry → inbox → consumer.
 //! Every assertion counts rows; none reads logs or measures time.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

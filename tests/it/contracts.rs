@@ -1,7 +1,7 @@
 //! Event contracts against real PostgreSQL: validation at enqueue, versions and upcasting,
 //! stale events, business idempotency keys, correlation and causation.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Business idempotency keys and reconcile rules against real PostgreSQL.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! External transports against real PostgreSQL: leases, timeouts, crashes after publish,
 //! fencing and dead letters. Effects are counted in the database.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

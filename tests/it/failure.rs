@@ -1,7 +1,7 @@
 //! Failure semantics against real PostgreSQL: pause, poison events, graceful shutdown and
 //! SIGKILL of a process running the runtime. Every assertion counts rows.
 
-mod common;
+use crate::common;
 
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -426,7 +426,7 @@ async fn aborting_child_entry() {
 }
 
 fn spawn_child(url: &str) -> Child {
-    spawn_entry(url, "child_process_entry", &[])
+    spawn_entry(url, "failure::child_process_entry", &[])
 }
 
 /// The process the two-consumer abort test restarts: `c1` aborts the process on the poison
@@ -549,7 +549,7 @@ async fn an_event_that_kills_its_process(batch: bool) {
         &[]
     };
     let until = [(POISON_DEAD, 1), (HEALTHY_ONCE, 201)];
-    let deaths = restart_until(&db, "aborting_child_entry", env, &until).await;
+    let deaths = restart_until(&db, "failure::aborting_child_entry", env, &until).await;
     // One death per counted attempt at least; more when it died inside a batch first.
     assert_survived(db, deaths, 2, (POISON_DEAD, 1), 201).await;
 }
@@ -591,7 +591,7 @@ async fn two_events_that_kill_their_process_in_one_batch_are_both_dead_lettered(
     produce_with_poison(&db, 2, 100).await;
 
     let until = [(POISON_DEAD, 2), (HEALTHY_ONCE, 101)];
-    let deaths = restart_until(&db, "aborting_child_entry", &[], &until).await;
+    let deaths = restart_until(&db, "failure::aborting_child_entry", &[], &until).await;
     // One death in the batch, which charges neither (it held other rows), then one death of
     // each alone, which is charged with the death it was suspected of.
     assert_survived(db, deaths, 3, (POISON_DEAD, 2), 101).await;
@@ -610,7 +610,7 @@ async fn a_handler_that_kills_its_process_after_its_timeout_charges_no_other_eve
     let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
         AND status = 'DEAD_LETTER' AND attempt_count = 5";
     let until = [(dead, 1), (HEALTHY_ONCE, 41)];
-    let deaths = restart_until(&db, "late_aborting_child_entry", &[], &until).await;
+    let deaths = restart_until(&db, "failure::late_aborting_child_entry", &[], &until).await;
     assert_survived(db, deaths, 1, (dead, 1), 41).await;
 }
 
@@ -639,7 +639,13 @@ async fn a_process_death_is_not_counted_against_another_consumers_events() {
     let c2_once = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c2' \
         AND status = 'PROCESSED' AND attempt_count = 1";
     let until = [(c1_dead, 1), (c1_healthy, 41), (c2_once, 42)];
-    let deaths = restart_until(&db, "two_consumers_aborting_child_entry", &[], &until).await;
+    let deaths = restart_until(
+        &db,
+        "failure::two_consumers_aborting_child_entry",
+        &[],
+        &until,
+    )
+    .await;
 
     assert_eq!(
         db.count(c1_dead).await,

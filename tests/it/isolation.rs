@@ -7,7 +7,7 @@
 //! `2 × concurrency` connections however its handlers hang, and the publisher and the other
 //! consumers never wait for it.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::process::Child;
@@ -562,7 +562,7 @@ async fn a_process_killed_while_a_handler_hangs_loses_and_repeats_nothing_of_ano
             child.id()
         )
     };
-    let mut child = spawn_entry(&db.url, "hanging_child_entry", &[]);
+    let mut child = spawn_entry(&db.url, "isolation::hanging_child_entry", &[]);
     let (mut kills, mut killed_in_flight) = (0, 0);
     let deadline = Instant::now() + WAIT;
     while kills < 2 && Instant::now() < deadline {
@@ -576,7 +576,7 @@ async fn a_process_killed_while_a_handler_hangs_loses_and_repeats_nothing_of_ano
             child.wait().unwrap();
             kills += 1;
             killed_in_flight += db.count(&held_by("ok", &child)).await;
-            child = spawn_entry(&db.url, "hanging_child_entry", &[]);
+            child = spawn_entry(&db.url, "isolation::hanging_child_entry", &[]);
         }
         actix_rt::time::sleep(Duration::from_millis(5)).await;
     }

@@ -1,0 +1,24 @@
+//! The integration tests, one crate (Cargo.toml: `autotests = false`, `[[test]] name = "it"`)
+//! so the library and the dev-dependencies are linked once. Each module is a former
+//! `tests/<name>.rs`; a test's full name is `<module>::<test>`, which is what the child-process
+//! tests pass to `common::spawn_entry`.
+//!
+//! `tests/common/` stays outside this folder: the benchmark includes `tests/common/url.rs`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod admin;
+mod batch;
+mod contracts;
+mod core;
+mod failure;
+mod harness;
+mod isolation;
+mod lifecycle;
+mod network;
+mod ops;
+mod plan;
+mod reconcile;
+mod server_crash;
+mod transport;
