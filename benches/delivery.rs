@@ -35,7 +35,7 @@
 //!   by the events, as the peers measure it: anything else the server writes meanwhile counts
 //!   too. "this db" is the share of this benchmark's database, read with `pg_walinspect` when
 //!   the extension is available (n/a otherwise).
-//! - The handler writes its effect with a `diesel::sql_query` wrapped in `actix_outbox::Prepared`
+//! - The handler writes its effect with a `diesel::sql_query` wrapped in `actix_outbox::db::Prepared`
 //!   (prepared once per connection), as the crate's quick start does; the batch handler writes
 //!   its batch's effects with one such `INSERT … SELECT … FROM unnest(…)`.
 //! - `history` times the claim statement itself: `src/store/claim.sql`, the file the library
@@ -70,8 +70,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actix_outbox::{
-    enqueue, enqueue_many, enqueue_with, ConsumerConfig, Delivery, DeliveryBatch, HandlerError,
-    NewEvent, OutboxHandle, OutboxRuntime, PgPool, Prepared, RetryPolicy, RuntimeConfig,
+    db::Prepared, enqueue, enqueue_many, enqueue_with, ConsumerConfig, Delivery, DeliveryBatch,
+    HandlerError, NewEvent, OutboxHandle, OutboxRuntime, PgPool, RetryPolicy, RuntimeConfig,
 };
 use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;

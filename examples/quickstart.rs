@@ -22,7 +22,7 @@ impl Handler<Delivery> for Notifier {
         let handled = self.handled.clone();
         Box::pin(async move {
             let mut conn = d.conn().await?; // the open inbox transaction
-            actix_outbox::Prepared(
+            actix_outbox::db::Prepared(
                 // a constant statement: prepared once per connection
                 diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
                     .bind::<diesel::sql_types::Text, _>(d.aggregate_id()),

@@ -45,7 +45,7 @@ impl ErrorCode {
     /// The runtime was configured with invalid values.
     pub const CONFIG_INVALID: ErrorCode = ErrorCode::from_static("CONFIG_INVALID");
     /// A business idempotency key (or its `claimed_by`) refused before it was written: empty,
-    /// holding a NUL, or longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES).
+    /// holding a NUL, or longer than [`MAX_KEY_BYTES`](crate::keys::MAX_KEY_BYTES).
     pub const IDEMPOTENCY_KEY_INVALID: ErrorCode =
         ErrorCode::from_static("IDEMPOTENCY_KEY_INVALID");
     /// No consumer of that name was ever registered.

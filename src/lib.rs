@@ -47,7 +47,7 @@
 //!         Box::pin(async move {
 //!             let mut conn = d.conn().await?;
 //!             // `Prepared`: a constant statement is prepared once per connection.
-//!             actix_outbox::Prepared(
+//!             actix_outbox::db::Prepared(
 //!                 diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
 //!                     .bind::<diesel::sql_types::Text, _>(d.aggregate_id()),
 //!             )
@@ -118,7 +118,7 @@
 //! 0  error       the error enum and its stable codes
 //! ```
 //!
-//! - `event/`: ids, the envelope, typed [`Event`]s, the [`EventRegistry`], [`OutboxEvent`].
+//! - `event/`: ids, the envelope, typed [`Event`]s, the [`EventRegistry`], [`OutboxEvent`](event::OutboxEvent).
 //! - `messages`: what actors say to each other (wake, drain, stop, "inbox rows written") and
 //!   the `NOTIFY` channels between instances; an actor depends on the messages it handles,
 //!   never on the actor at the other end.
@@ -127,12 +127,12 @@
 //! - `consumer/`: the delivery message, handler errors and the consumer engine (its module
 //!   docs say how leases and death accounting work). `publisher/`: the claim loop and external
 //!   transports. `reconciler/`: rules and drift checks. `maintenance/`: the stats sampler, lag
-//!   health ([`HealthReport`]) and retention.
+//!   health ([`HealthReport`](health::HealthReport)) and retention.
 //!
 //! ## Features
 //!
 //! - `testing`: the harness and fault injection below.
-//! - `admin` (default): [`admin_scope`], the operator API with its dashboard, health and
+//! - `admin` (default): [`admin_scope`](admin::admin_scope), the operator API with its dashboard, health and
 //!   Prometheus endpoint; adds actix-web and metrics-exporter-prometheus.
 
 //!
@@ -168,33 +168,16 @@ mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-#[cfg(feature = "admin")]
-pub use admin::{admin_scope, install_prometheus_recorder, AdminConfig};
-pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError, TxConn};
-pub use error::{Error, ErrorCode, PoolError, Result};
-pub use event::{
-    ConsumerName, Event, EventId, EventRegistry, NewEvent, OutboxEvent, DEFAULT_SENSITIVE_KEYS,
-    MAX_PAYLOAD_BYTES,
-};
-pub use inbox::{
-    claim_key, pause_consumer, receive, resume_consumer, unsubscribe, KeyClaim, Received,
-    MAX_KEY_BYTES,
-};
-pub use maintenance::{
-    ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Retention,
-    RetentionConfig, RetentionReport, StatsConfig, StatsSampler, Trend,
-};
-pub use messages::BoxFuture;
-pub use outbox::{enqueue, enqueue_many, enqueue_with, notify_publishers, timeline};
-pub use publisher::{ExternalConfig, Transport, TransportError};
-pub use reconciler::{DriftReport, ReconcileReport, ReconcileRule};
+// The names of the quick start; the rest live in the public modules below.
+pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
+pub use error::{Error, ErrorCode, Result};
+pub use event::{Event, EventId, EventRegistry, NewEvent};
+pub use outbox::{enqueue, enqueue_many, enqueue_with};
 pub use retry::RetryPolicy;
-#[cfg(feature = "testing")]
-pub use runtime::Fault;
-pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig, RuntimeStatus};
-pub use store::migrate::{migrate, MIGRATIONS};
-pub use store::timeline::TimelineEntry;
-pub use store::{connect, connect_with, ConnectionConfig, PgPool, Prepared};
+pub use runtime::{OutboxBuilder, OutboxHandle, OutboxRuntime, RuntimeConfig};
+pub use store::connect;
+pub use store::migrate::migrate;
+pub use store::PgPool;
 
 pub mod db {
     //! The database: pools and their connection settings, the library's migrations, a

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use actix::prelude::*;
 
 /// A boxed, sendable future, as returned by the methods of the traits an application
-/// implements ([`ReconcileRule`](crate::ReconcileRule), [`Transport`](crate::Transport)).
+/// implements ([`ReconcileRule`](crate::reconcile::ReconcileRule), [`Transport`](crate::transport::Transport)).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// There may be work: claim now instead of at the next poll.
@@ -39,7 +39,7 @@ pub(crate) struct InboxRowsWritten {
     pub consumers: Vec<(String, usize)>,
 }
 
-/// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::notify_publishers)).
+/// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::ops::notify_publishers)).
 pub(crate) const OUTBOX_CHANNEL: &str = "actix_outbox_outbox";
 /// Channel for "inbox rows were written"; the payload is `instance|consumer,consumer,…`, or
 /// `instance|*` for every consumer when the names would not fit in one notification.

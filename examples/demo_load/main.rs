@@ -584,7 +584,7 @@ async fn cmd_admin_health(opts: &Opts) -> Result<ExitCode, Fatal> {
             resp.text()
         )));
     }
-    let health: actix_outbox::HealthReport = resp.json().map_err(Fatal)?;
+    let health: actix_outbox::health::HealthReport = resp.json().map_err(Fatal)?;
     let state = serde_json::to_value(health.state).expect("a state serialises");
     let reasons = report::join(health.reasons.iter().map(|r| r.message.clone()), "; ");
     println!(

@@ -3,7 +3,9 @@
 //! inbox's PROCESSED mark or not at all.
 
 use actix::prelude::*;
-use actix_outbox::{claim_key, Delivery, DeliveryBatch, HandlerError, KeyClaim, PgPool, Prepared};
+use actix_outbox::{
+    db::Prepared, keys::claim_key, keys::KeyClaim, Delivery, DeliveryBatch, HandlerError, PgPool,
+};
 use diesel::sql_types::{Array, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde::Deserialize;

@@ -40,7 +40,8 @@ use std::time::Duration;
 
 use actix::Actor;
 use actix_outbox::{
-    admin_scope, AdminConfig, ConsumerConfig, OutboxRuntime, PgPool, RetryPolicy, RuntimeConfig,
+    admin::admin_scope, admin::AdminConfig, ConsumerConfig, OutboxRuntime, PgPool, RetryPolicy,
+    RuntimeConfig,
 };
 use actix_web::{web, App, HttpServer};
 use diesel::sql_types::BigInt;
@@ -155,7 +156,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     // The operator API, dashboard, health and Prometheus metrics under /admin, when a token is
     // configured (at least 16 characters). Its queries use the runtime's pool. Checked before
     // anything starts, so that a bad token stops the service before it runs.
-    let prometheus = actix_outbox::install_prometheus_recorder()?;
+    let prometheus = actix_outbox::admin::install_prometheus_recorder()?;
     let admin = match cfg.admin_token.as_deref() {
         Some(token) => Some(
             AdminConfig::new(outbox_pool.clone())

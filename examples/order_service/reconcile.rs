@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use actix_outbox::{claim_key, BoxFuture, KeyClaim, ReconcileRule};
+use actix_outbox::{
+    keys::claim_key, keys::KeyClaim, reconcile::ReconcileRule, transport::BoxFuture,
+};
 use diesel::sql_types::{BigInt, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};

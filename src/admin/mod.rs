@@ -141,7 +141,7 @@ impl AdminConfig {
 ///
 /// ```no_run
 /// # async fn run(pool: actix_outbox::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// use actix_outbox::{admin_scope, install_prometheus_recorder, AdminConfig};
+/// use actix_outbox::{admin::admin_scope, admin::install_prometheus_recorder, admin::AdminConfig};
 /// use actix_web::{App, HttpServer};
 ///
 /// let metrics = install_prometheus_recorder()?;
@@ -171,7 +171,7 @@ impl AdminConfig {
 /// | method & path | what |
 /// |---|---|
 /// | `GET /` | the dashboard page |
-/// | `GET /health` | [`HealthReport`](crate::HealthReport) from the latest stats sample |
+/// | `GET /health` | [`HealthReport`](crate::health::HealthReport) from the latest stats sample |
 /// | `GET /overview` | live counts per consumer, last hour's failures and duplicates, health |
 /// | `GET /metrics` | Prometheus text (needs [`AdminConfig::metrics`]) |
 /// | `GET /outbox?status=&type=&before=&limit=` | outbox rows, newest first (limit ≤ 200) |

@@ -225,7 +225,7 @@ async fn lend(slot: &Slot) -> Result<TxConn, HandlerError> {
 ///
 /// ```no_run
 /// use actix::prelude::*;
-/// use actix_outbox::{DeliveryBatch, HandlerError, Prepared};
+/// use actix_outbox::{DeliveryBatch, HandlerError, db::Prepared};
 /// use diesel::sql_types::{Array, Text};
 /// use diesel_async::RunQueryDsl;
 ///

@@ -126,7 +126,7 @@ impl EventRegistry {
         self
     }
 
-    /// Replaces the rejected key fragments (default [`DEFAULT_SENSITIVE_KEYS`](crate::DEFAULT_SENSITIVE_KEYS)).
+    /// Replaces the rejected key fragments (default [`DEFAULT_SENSITIVE_KEYS`](crate::event::DEFAULT_SENSITIVE_KEYS)).
     pub fn sensitive_keys(mut self, keys: &[&str]) -> Self {
         self.rules.sensitive_keys = keys.iter().map(|k| normalize_key(k)).collect();
         self

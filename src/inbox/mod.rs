@@ -156,7 +156,7 @@ pub struct Received {
 /// The receiving side of an external transport: records `event` in the inbox of every consumer
 /// subscribed to its type, in the caller's transaction. Receiving the same event again changes
 /// nothing while its inbox rows exist, so a broker may redeliver freely; acknowledge the broker
-/// only after this commits. Once [`Retention`](crate::Retention) has deleted a PROCESSED row
+/// only after this commits. Once [`Retention`](crate::retention::Retention) has deleted a PROCESSED row
 /// (after `processed_inbox_after`, 7 days by default), the same event is new again: keep the
 /// broker's redelivery window shorter than that.
 ///

@@ -89,7 +89,7 @@ pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Resu
 /// with [`enqueue`], call [`OutboxHandle::wake`](crate::OutboxHandle::wake) after it returns
 /// (outside a transaction, that is when it committed) for immediate delivery.
 ///
-/// Wrap a business statement whose SQL text never changes in [`Prepared`](crate::Prepared):
+/// Wrap a business statement whose SQL text never changes in [`Prepared`](crate::db::Prepared):
 /// a plain `sql_query`, and diesel's `update(…)`, upserts and inserts with optional fields,
 /// are otherwise prepared again on every call, which costs the round trip this saves. Never
 /// wrap text that varies (built with `format!`, or a multi-row insert of varying length):
@@ -97,7 +97,7 @@ pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Resu
 /// bind every `$n` it uses; numbers beyond its own binds would refer to the events' arrays.
 ///
 /// ```no_run
-/// # use actix_outbox::{enqueue_with, NewEvent, Prepared};
+/// # use actix_outbox::{enqueue_with, NewEvent, db::Prepared};
 /// # use diesel::sql_types::Text;
 /// # async fn place(conn: &mut diesel_async::AsyncPgConnection, event: NewEvent) -> actix_outbox::Result<()> {
 /// let order = Prepared(

@@ -5,7 +5,7 @@
 //! publisher may die after the broker accepted the event and before the row was marked. The
 //! lease makes that safe: the row stays PROCESSING until the lease expires, the reaper returns
 //! it to RETRY_PENDING, and the event is published again. That duplicate is expected; the
-//! receiving side ([`receive`](crate::receive)) writes into an inbox that absorbs it.
+//! receiving side ([`receive`](crate::transport::receive)) writes into an inbox that absorbs it.
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! (a code path that forgot to enqueue, a consumer bug, a dead letter someone ignored).
 //!
 //! Applications register [`ReconcileRule`]s. A repair runs in a transaction and must go through
-//! the same business idempotency key as the normal path ([`claim_key`](crate::claim_key)), so
+//! the same business idempotency key as the normal path ([`claim_key`](crate::keys::claim_key)), so
 //! a repair racing the normal path never duplicates an effect. Built-in checks report outbox and
 //! inbox rows older than the consistency window and dead letters.
 

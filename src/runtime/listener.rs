@@ -71,7 +71,7 @@ async fn listen(pool: &PgPool, me: &str, supervisor: &Recipient<Heard>) -> Resul
     // A connection of its own, outside the pool: when the actor stops, dropping it closes it.
     // A pooled one would go back to the pool still listening, and its notifications would pile
     // up there unread. Bounded here too: a pool built without
-    // [`ConnectionConfig`](crate::ConnectionConfig) does not bound establishing one.
+    // [`ConnectionConfig`](crate::db::ConnectionConfig) does not bound establishing one.
     let mut conn = match store::timed(store::DB_TIMEOUT, async {
         pool.dedicated_connection()
             .await

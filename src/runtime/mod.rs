@@ -59,14 +59,14 @@ pub struct RuntimeConfig {
     pub reconcile_dry_run: bool,
     /// Hold one connection in `LISTEN` (opened through the pool's manager, outside the
     /// pool, and closed when the runtime stops), so other instances' fan-outs (and
-    /// [`notify_publishers`](crate::notify_publishers) calls) wake this one at once instead of
+    /// [`notify_publishers`](crate::ops::notify_publishers) calls) wake this one at once instead of
     /// at its next poll. Default true.
     pub listen: bool,
     /// The stats sampler behind metrics gauges and lag health. Default [`StatsConfig::default`].
     pub stats: StatsConfig,
     /// Deletes old PUBLISHED outbox rows, PROCESSED inbox rows and idempotency keys on
     /// `retention_interval`; dead letters are never deleted. Default `None`: keep everything
-    /// (enable it, or run [`Retention::run_once`](crate::Retention::run_once) on a schedule of
+    /// (enable it, or run [`Retention::run_once`](crate::retention::Retention::run_once) on a schedule of
     /// your own).
     pub retention: Option<RetentionConfig>,
     /// How often retention runs when enabled: at start, then at this interval, and every second
@@ -147,7 +147,7 @@ impl OutboxBuilder {
 
     /// Publishes events through an external `transport` (a broker) under leases, instead of
     /// fanning them out to this database's inboxes. Consumers in this process then receive
-    /// events through the transport's receiving side ([`receive`](crate::receive)).
+    /// events through the transport's receiving side ([`receive`](crate::transport::receive)).
     pub fn external_transport(mut self, transport: impl Transport, config: ExternalConfig) -> Self {
         self.route = Route::External(Rc::new(transport), Rc::new(config));
         self
@@ -288,7 +288,7 @@ impl OutboxBuilder {
                     // Still fanned out to this consumer, whose handler no longer expects them.
                     tracing::warn!(consumer = %cfg.name, event_types = ?extra,
                         "subscribed in the database but not in this consumer's config; \
-                         actix_outbox::unsubscribe removes a subscription once no instance needs it");
+                         actix_outbox::ops::unsubscribe removes a subscription once no instance needs it");
                 }
             }
         }

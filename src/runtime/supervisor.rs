@@ -385,7 +385,7 @@ answers_ping!(
 );
 
 /// Every child stops on [`Stop`]: one copy, here, since only the supervisor sends it. With
-/// the `testing` feature, `panic` makes the child panic instead ([`Fault`](crate::Fault)),
+/// the `testing` feature, `panic` makes the child panic instead ([`Fault`](crate::testing::Fault)),
 /// which is how the tests exercise the restart.
 macro_rules! stops {
     ($($actor:ty),* $(,)?) => {$(

@@ -1,6 +1,6 @@
 //! Statements of the operator API: bounded lists, the status changes operators may make and
 //! the audit rows written with them. (The correlation timeline is the library's own
-//! [`timeline`](crate::timeline).)
+//! [`timeline`](crate::ops::timeline).)
 //!
 //! Lists never read `payload` unless the caller asks for it (the application enabled a
 //! redacted view): a column that is not selected cannot leak.

@@ -13,7 +13,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
 use crate::error::{Error, Result};
 
-/// Network settings for the connections of a pool built by [`connect_with`](crate::connect_with)
+/// Network settings for the connections of a pool built by [`connect_with`](crate::db::connect_with)
 /// (and [`connect`](crate::connect), with the defaults).
 ///
 /// Each is applied only where nothing else set it: a URL parameter of the same name wins over
@@ -77,7 +77,7 @@ pub struct ConnectionConfig {
     /// it runs, and a handler that must keep its transaction idle for longer needs a longer
     /// value here. `None` leaves the server's setting alone.
     pub idle_in_transaction_timeout: Option<Duration>,
-    /// How long [`connect_with`](crate::connect_with)'s pool waits for a connection (bb8's
+    /// How long [`connect_with`](crate::db::connect_with)'s pool waits for a connection (bb8's
     /// `connection_timeout`): for a free one, or for a new one to be established, retries
     /// included. Default 30 s.
     pub acquire_timeout: Duration,

@@ -79,7 +79,7 @@ pub async fn connect_with(
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
 /// use diesel_async::RunQueryDsl;
-/// actix_outbox::Prepared(
+/// actix_outbox::db::Prepared(
 ///     diesel::sql_query("INSERT INTO notifications (order_id) VALUES ($1)")
 ///         .bind::<diesel::sql_types::Text, _>("o1"),
 /// )

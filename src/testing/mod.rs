@@ -3,11 +3,13 @@
 //! [`ScriptedTransport`] is an external [`Transport`] whose every publish follows a script:
 //! succeed, fail, hang past the timeout, or "crash" after a successful publish and before the
 //! mark. A successful publish records the event in this database's inboxes through
-//! [`receive`](crate::receive), as a broker delivering to a consumer service would.
+//! [`receive`](crate::transport::receive), as a broker delivering to a consumer service would.
 //!
 //! [`Harness`] runs consumer actors against an in-memory outbox and inbox with a manual clock.
 
 mod harness;
+#[doc(inline)]
+pub use crate::runtime::Fault;
 pub use harness::{Harness, InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 
 use std::collections::VecDeque;
@@ -101,7 +103,7 @@ impl ScriptedTransport {
             .get()
             .await
             .map_err(|e| TransportError::Retryable(e.to_string()))?;
-        crate::receive(&mut conn, event)
+        crate::transport::receive(&mut conn, event)
             .await
             .map_err(|e| TransportError::Retryable(e.to_string()))?;
         Ok(())

@@ -552,7 +552,7 @@ pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
         std::sync::OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            actix_outbox::install_prometheus_recorder()
+            actix_outbox::admin::install_prometheus_recorder()
                 .expect("no other recorder in this test process")
         })
         .clone()

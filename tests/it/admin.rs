@@ -6,7 +6,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use actix_outbox::{admin_scope, AdminConfig};
+use actix_outbox::{admin::admin_scope, admin::AdminConfig};
 use actix_web::test::{call_service, init_service, read_body, TestRequest};
 use actix_web::App;
 use common::*;

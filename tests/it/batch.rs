@@ -111,9 +111,9 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
         ],
     )
     .await;
-    let c = actix_outbox::ConsumerName::new("c").unwrap();
+    let c = actix_outbox::event::ConsumerName::new("c").unwrap();
     let mut conn = db.pool.get().await.unwrap();
-    actix_outbox::pause_consumer(&mut conn, &c, "ops", "kills its process")
+    actix_outbox::ops::pause_consumer(&mut conn, &c, "ops", "kills its process")
         .await
         .unwrap();
     db.produce(1, "x").await;
@@ -135,7 +135,7 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
         db.produce(1, &format!("y{i}")).await;
         assert_eq!(db.wait_for(d_done, 2 + i, WAIT).await, 2 + i);
     }
-    actix_outbox::resume_consumer(&mut conn, &c, "ops")
+    actix_outbox::ops::resume_consumer(&mut conn, &c, "ops")
         .await
         .unwrap();
     drop(conn);

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use actix_outbox::{
-    claim_key, enqueue, ConsumerConfig, Delivery, Error, Event, EventRegistry, HandlerError,
-    KeyClaim, NewEvent, OutboxRuntime, RetryPolicy,
+    enqueue, keys::claim_key, keys::KeyClaim, ConsumerConfig, Delivery, Error, Event,
+    EventRegistry, HandlerError, NewEvent, OutboxRuntime, RetryPolicy,
 };
 use common::*;
 use diesel::sql_types::{BigInt, Text};
@@ -558,7 +558,9 @@ async fn a_chain_keeps_one_correlation_id_and_links_causation() {
     assert_eq!(db.count(&second).await, 1);
 
     let mut conn = db.pool.get().await.unwrap();
-    let timeline = actix_outbox::timeline(&mut conn, "req-123").await.unwrap();
+    let timeline = actix_outbox::ops::timeline(&mut conn, "req-123")
+        .await
+        .unwrap();
     drop(conn);
     let kinds: Vec<(String, String, Option<String>)> = timeline
         .iter()

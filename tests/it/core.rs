@@ -5,7 +5,9 @@ use crate::common;
 
 use std::time::Duration;
 
-use actix_outbox::{enqueue, enqueue_many, enqueue_with, Error, Fault, NewEvent, Prepared};
+use actix_outbox::{
+    db::Prepared, enqueue, enqueue_many, enqueue_with, testing::Fault, Error, NewEvent,
+};
 use common::*;
 use diesel::sql_types::{BigInt, Text};
 use diesel::ExpressionMethods;
@@ -666,7 +668,7 @@ async fn invalid_configuration_is_rejected_with_a_stable_code() {
     assert_eq!(dup.code().as_str(), "CONFIG_INVALID");
     // Retention and stats settings are checked at start too: an invalid one turned retention
     // off, or the sampler to its defaults, with a log line at most.
-    let mut retention = actix_outbox::RetentionConfig::default();
+    let mut retention = actix_outbox::retention::RetentionConfig::default();
     retention.batch_size = 0;
     let mut bad_retention = fast_runtime();
     bad_retention.retention = Some(retention);
@@ -717,10 +719,11 @@ async fn migrations_run_concurrently_and_twice_without_harm() {
     .await;
     a.unwrap();
     b.unwrap();
-    let shipped =
-        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS)
-            .unwrap()
-            .len();
+    let shipped = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(
+        &actix_outbox::db::MIGRATIONS,
+    )
+    .unwrap()
+    .len();
     assert!(shipped >= 2);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM __diesel_schema_migrations")
@@ -762,7 +765,7 @@ async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_t
             .is_some_and(|v: &String| v.ends_with("000007"))
         {
             let v = conn
-                .revert_last_migration(actix_outbox::MIGRATIONS)
+                .revert_last_migration(actix_outbox::db::MIGRATIONS)
                 .unwrap();
             reverted.push(v.to_string());
         }
@@ -797,7 +800,9 @@ async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_t
         "only the row without a local outbox event is marked received"
     );
     let mut conn = db.pool.get().await.unwrap();
-    let timeline = actix_outbox::timeline(&mut conn, "corr-up").await.unwrap();
+    let timeline = actix_outbox::ops::timeline(&mut conn, "corr-up")
+        .await
+        .unwrap();
     drop(conn);
     let mut seen: Vec<(String, String)> = timeline
         .iter()
@@ -939,19 +944,21 @@ async fn an_unsubscribed_event_type_is_no_longer_fanned_out_to_that_consumer() {
         "the new config removes nothing"
     );
 
-    let c1 = actix_outbox::ConsumerName::new("c1").unwrap();
+    let c1 = actix_outbox::event::ConsumerName::new("c1").unwrap();
     let mut conn = db.pool.get().await.unwrap();
-    assert!(actix_outbox::unsubscribe(&mut conn, &c1, "ORDER_CANCELLED")
-        .await
-        .unwrap());
     assert!(
-        !actix_outbox::unsubscribe(&mut conn, &c1, "ORDER_CANCELLED")
+        actix_outbox::ops::unsubscribe(&mut conn, &c1, "ORDER_CANCELLED")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !actix_outbox::ops::unsubscribe(&mut conn, &c1, "ORDER_CANCELLED")
             .await
             .unwrap(),
         "already removed"
     );
-    let nobody = actix_outbox::ConsumerName::new("nobody").unwrap();
-    let unknown = actix_outbox::unsubscribe(&mut conn, &nobody, "ORDER_CANCELLED").await;
+    let nobody = actix_outbox::event::ConsumerName::new("nobody").unwrap();
+    let unknown = actix_outbox::ops::unsubscribe(&mut conn, &nobody, "ORDER_CANCELLED").await;
     assert_eq!(unknown.unwrap_err().code().as_str(), "CONSUMER_UNKNOWN");
     let cancelled = NewEvent::new("ORDER_CANCELLED", "order", "o2", serde_json::json!({}));
     enqueue(&conn, &cancelled).await.unwrap();

@@ -7,7 +7,8 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use actix_outbox::{
-    pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Fault, OutboxRuntime,
+    event::ConsumerName, ops::pause_consumer, ops::resume_consumer, testing::Fault, ConsumerConfig,
+    OutboxRuntime,
 };
 use common::*;
 

@@ -15,8 +15,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use actix_outbox::testing::{Harness, InboxStatus, OutboxStatus};
 use actix_outbox::{
-    pause_consumer, resume_consumer, ConsumerConfig, ConsumerName, Delivery, DeliveryBatch,
-    ErrorCode, Event, EventId, EventRegistry, HandlerError, NewEvent, OutboxRuntime, RetryPolicy,
+    event::ConsumerName, ops::pause_consumer, ops::resume_consumer, ConsumerConfig, Delivery,
+    DeliveryBatch, ErrorCode, Event, EventId, EventRegistry, HandlerError, NewEvent, OutboxRuntime,
+    RetryPolicy,
 };
 use common::{fast_runtime, inbox_states, InboxState, TestDb, WAIT};
 use diesel_async::AsyncConnection;

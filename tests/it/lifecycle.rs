@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use actix_outbox::testing::{ScriptedTransport, Step};
 use actix_outbox::{
-    AdminConfig, Delivery, Error, ExternalConfig, HandlerError, OutboxRuntime, RuntimeConfig,
+    admin::AdminConfig, transport::ExternalConfig, Delivery, Error, HandlerError, OutboxRuntime,
+    RuntimeConfig,
 };
 use common::{consumer, fast_runtime, Behaviour, Recorder, TestDb};
 use diesel::sql_types::{Integer, Text, Uuid as SqlUuid};

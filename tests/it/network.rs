@@ -13,7 +13,7 @@ mod proxy;
 
 use std::time::{Duration, Instant};
 
-use actix_outbox::{ConnectionConfig, ExternalConfig, OutboxRuntime};
+use actix_outbox::{db::ConnectionConfig, transport::ExternalConfig, OutboxRuntime};
 use common::*;
 use proxy::Proxy;
 
@@ -121,7 +121,7 @@ async fn a_publisher_on_a_black_holed_connection_resumes_on_a_new_one_within_its
     let db = TestDb::new().await;
     subscribe_bystanders(&db).await;
     let proxy = Proxy::start(&server_addr(&db.url));
-    let pool = actix_outbox::connect_with(&proxy.url(&db.url), 6, &network())
+    let pool = actix_outbox::db::connect_with(&proxy.url(&db.url), 6, &network())
         .await
         .expect("pool through the proxy");
     let rt = OutboxRuntime::builder(pool)
@@ -180,7 +180,7 @@ async fn the_external_route_on_a_black_holed_connection_resumes_within_its_bound
     let db = TestDb::new().await;
     subscribe_bystanders(&db).await;
     let proxy = Proxy::start(&server_addr(&db.url));
-    let pool = actix_outbox::connect_with(&proxy.url(&db.url), 12, &network())
+    let pool = actix_outbox::db::connect_with(&proxy.url(&db.url), 12, &network())
         .await
         .expect("pool through the proxy");
     // The broker side writes through a connection of its own, not through the proxy.
@@ -231,7 +231,7 @@ async fn a_black_holed_network_is_left_behind_and_nothing_is_lost_or_doubled() {
         .try_init();
     let db = TestDb::new().await;
     let proxy = Proxy::start(&server_addr(&db.url));
-    let pool = actix_outbox::connect_with(&proxy.url(&db.url), 12, &network())
+    let pool = actix_outbox::db::connect_with(&proxy.url(&db.url), 12, &network())
         .await
         .expect("pool through the proxy");
     // Per-event deliveries of 10 ms in transactions of ten: a batch is open most of the time.
@@ -368,7 +368,7 @@ async fn settings(pool: &actix_outbox::PgPool) -> (String, String, String) {
 async fn connections_get_the_server_side_settings_the_server_does_not_set_itself() {
     use diesel_async::SimpleAsyncConnection;
     let db = TestDb::new().await;
-    let pool = actix_outbox::connect_with(&db.url, 2, &network())
+    let pool = actix_outbox::db::connect_with(&db.url, 2, &network())
         .await
         .unwrap();
     assert_eq!(
@@ -385,7 +385,7 @@ async fn connections_get_the_server_side_settings_the_server_does_not_set_itself
         ))
         .await
         .unwrap();
-    let pool = actix_outbox::connect_with(&db.url, 2, &network())
+    let pool = actix_outbox::db::connect_with(&db.url, 2, &network())
         .await
         .unwrap();
     assert_eq!(settings(&pool).await.0, "7min");

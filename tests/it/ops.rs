@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use actix_outbox::{
-    admin_scope, AdminConfig, Delivery, ErrorCode, HandlerError, HealthState, OutboxRuntime,
-    Retention, RetentionConfig, StatsConfig, StatsSampler, Trend,
+    admin::admin_scope, admin::AdminConfig, health::HealthState, health::StatsConfig,
+    health::StatsSampler, health::Trend, retention::Retention, retention::RetentionConfig,
+    Delivery, ErrorCode, HandlerError, OutboxRuntime,
 };
 use actix_web::test::{call_service, init_service, read_body, TestRequest};
 use actix_web::{App, HttpServer};
@@ -34,7 +35,7 @@ fn sampler(db: &TestDb, trend_samples: usize) -> StatsSampler {
     StatsSampler::new(db.pool.clone(), cfg).unwrap()
 }
 
-fn codes(r: &actix_outbox::HealthReport) -> Vec<&str> {
+fn codes(r: &actix_outbox::health::HealthReport) -> Vec<&str> {
     r.reasons.iter().map(|r| r.code.as_str()).collect()
 }
 
@@ -422,7 +423,7 @@ async fn the_timeline_keeps_inbox_rows_whose_outbox_row_retention_deleted() {
     assert_eq!((report.outbox_deleted, report.inbox_deleted), (1, 1));
 
     let mut conn = db.pool.get().await.unwrap();
-    let entries = actix_outbox::timeline(&mut conn, "corr-kept")
+    let entries = actix_outbox::ops::timeline(&mut conn, "corr-kept")
         .await
         .unwrap();
     drop(conn);

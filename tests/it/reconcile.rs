@@ -4,7 +4,10 @@ use crate::common;
 
 use std::time::Duration;
 
-use actix_outbox::{claim_key, BoxFuture, KeyClaim, OutboxRuntime, ReconcileRule, RuntimeConfig};
+use actix_outbox::{
+    keys::claim_key, keys::KeyClaim, reconcile::ReconcileRule, transport::BoxFuture, OutboxRuntime,
+    RuntimeConfig,
+};
 use common::*;
 use diesel::sql_types::Text;
 use diesel::QueryableByName;
@@ -38,7 +41,7 @@ async fn two_claims_of_one_key_give_one_effect_and_a_rolled_back_claim_frees_it(
     );
     // Keys PostgreSQL cannot store or index fail with their own code, before any write; the
     // longest accepted one is stored.
-    let longest = "k".repeat(actix_outbox::MAX_KEY_BYTES);
+    let longest = "k".repeat(actix_outbox::keys::MAX_KEY_BYTES);
     for (key, by) in [
         ("", "test"),
         ("k\0", "test"),

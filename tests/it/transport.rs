@@ -6,7 +6,7 @@ use crate::common;
 use std::time::Duration;
 
 use actix_outbox::testing::{ScriptedTransport, Step};
-use actix_outbox::{ExternalConfig, OutboxRuntime, RetryPolicy};
+use actix_outbox::{transport::ExternalConfig, OutboxRuntime, RetryPolicy};
 use common::*;
 
 fn external(lease_ms: u64, timeout_ms: u64, max_attempts: u32) -> ExternalConfig {
@@ -18,7 +18,7 @@ fn external(lease_ms: u64, timeout_ms: u64, max_attempts: u32) -> ExternalConfig
     cfg
 }
 
-async fn start_external<T: actix_outbox::Transport + Clone>(
+async fn start_external<T: actix_outbox::transport::Transport + Clone>(
     db: &TestDb,
     transport: &T,
     cfg: ExternalConfig,
@@ -195,15 +195,16 @@ struct PoisonTransport {
     inner: ScriptedTransport,
 }
 
-impl actix_outbox::Transport for PoisonTransport {
+impl actix_outbox::transport::Transport for PoisonTransport {
     fn publish<'a>(
         &'a self,
-        event: &'a actix_outbox::OutboxEvent,
-    ) -> actix_outbox::BoxFuture<'a, Result<(), actix_outbox::TransportError>> {
+        event: &'a actix_outbox::transport::OutboxEvent,
+    ) -> actix_outbox::transport::BoxFuture<'a, Result<(), actix_outbox::transport::TransportError>>
+    {
         if event.aggregate_id == self.poison {
             panic!("fault injection: the transport dies on {}", self.poison);
         }
-        actix_outbox::Transport::publish(&self.inner, event)
+        actix_outbox::transport::Transport::publish(&self.inner, event)
     }
 }
 
@@ -338,7 +339,7 @@ async fn the_timeline_of_a_receiving_database_shows_what_it_received_and_what_fo
     .correlation_id(correlation.as_str())
     .causation_id(correlation.as_str());
     actix_outbox::enqueue(&conn, &follow_up).await.unwrap();
-    let timeline = actix_outbox::timeline(&mut conn, &correlation)
+    let timeline = actix_outbox::ops::timeline(&mut conn, &correlation)
         .await
         .unwrap();
     drop(conn);
@@ -375,7 +376,7 @@ async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
     )
     .await
     .unwrap();
-    let event: actix_outbox::OutboxEvent = serde_json::from_value(serde_json::json!({
+    let event: actix_outbox::transport::OutboxEvent = serde_json::from_value(serde_json::json!({
         "id": uuid::Uuid::now_v7(), "event_type": "ORDER_STATUS_CHANGED", "event_version": 1,
         "aggregate_type": "order", "aggregate_id": "o-1", "aggregate_version": null,
         "payload": {"order_id": "o-1", "status": "COMPLETED"}, "metadata": {},
@@ -384,7 +385,9 @@ async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
     }))
     .unwrap();
     for _ in 0..30 {
-        actix_outbox::receive(&mut conn, &event).await.unwrap();
+        actix_outbox::transport::receive(&mut conn, &event)
+            .await
+            .unwrap();
     }
     drop(conn);
     // Read from the recorder: the stats sampler's tally is shared by every runtime of this

@@ -101,7 +101,7 @@ impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
 
 /// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
 /// Subscriptions are only ever added here: removing one is an operator's decision
-/// ([`unsubscribe`](crate::unsubscribe)), since another instance may still run the older code.
+/// ([`unsubscribe`](crate::ops::unsubscribe)), since another instance may still run the older code.
 /// Returns the subscriptions in the database that `event_types` no longer lists.
 pub(crate) async fn register_consumer(
     conn: &mut AsyncPgConnection,
