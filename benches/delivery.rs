@@ -230,7 +230,6 @@ impl Opts {
 
     fn consumer_config(&self, name: &str) -> ConsumerConfig {
         ConsumerConfig::new(name)
-            .expect("valid consumer name")
             .subscribe(EVENT_TYPE)
             .batch_size(self.consumer_batch)
             .concurrency(self.concurrency)

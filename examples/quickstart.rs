@@ -50,7 +50,7 @@ async fn main() -> actix_outbox::Result<()> {
     let (handled, mut handled_rx) = tokio::sync::mpsc::unbounded_channel();
     let runtime = OutboxRuntime::builder(actix_outbox::connect(&url, 8).await?) // a pool of its own
         .consumer(
-            ConsumerConfig::new("notification")?.subscribe("ORDER_COMPLETED"),
+            ConsumerConfig::new("notification").subscribe("ORDER_COMPLETED"),
             move || Notifier {
                 handled: handled.clone(),
             },

@@ -63,7 +63,7 @@
 //! actix_outbox::migrate(url).await?;
 //! let pool = actix_outbox::connect(url, 10).await?;
 //! let runtime = OutboxRuntime::builder(actix_outbox::connect(url, 8).await?)
-//!     .consumer(ConsumerConfig::new("notification")?.subscribe("ORDER_COMPLETED"), || Notifier)
+//!     .consumer(ConsumerConfig::new("notification").subscribe("ORDER_COMPLETED"), || Notifier)
 //!     .start()
 //!     .await?;
 //! let outbox = runtime.handle();

@@ -134,7 +134,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     runtime_cfg.consistency_window = Duration::from_secs(30);
 
     let fail_rate = cfg.consumer_fail_rate;
-    let notification = ConsumerConfig::new("notification")?
+    let notification = ConsumerConfig::new("notification")
         .subscribe(ORDER_STATUS_CHANGED)
         // A job insert is cheap and independent per order: retry soon, many times.
         .retry(RetryPolicy {
@@ -148,7 +148,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         .concurrency(2);
     // Analytics is one hot row per status: a batch consumer (one upsert per status per batch),
     // a single batch at a time, retried at a steady pace.
-    let analytics = ConsumerConfig::new("analytics")?
+    let analytics = ConsumerConfig::new("analytics")
         .subscribe(ORDER_STATUS_CHANGED)
         .retry(RetryPolicy::fixed(10, Duration::from_millis(250)))
         .batch_size(200);

@@ -30,11 +30,12 @@ impl ConsumerConfig {
     /// rows per transaction, one batch at a time, a mailbox of 64, a 30 s handler timeout and
     /// a 1 s poll for rows the mailbox never announced.
     ///
-    /// # Errors
-    /// [`Error::Config`] for an invalid name.
-    pub fn new(name: &str) -> crate::Result<Self> {
-        Ok(ConsumerConfig {
-            name: ConsumerName::new(name)?,
+    /// The name is checked with every other setting, when the runtime starts
+    /// ([`Error::Config`] for a name that is not 1–100 characters of `[A-Za-z0-9_.-]`), so
+    /// that building a configuration never fails half-way through its setters.
+    pub fn new(name: &str) -> Self {
+        ConsumerConfig {
+            name: ConsumerName::unchecked(name),
             event_types: Vec::new(),
             retry: RetryPolicy::default(),
             batch_size: 32,
@@ -46,7 +47,7 @@ impl ConsumerConfig {
             rate_limit: None,
             lease: None,
             events: None,
-        })
+        }
     }
     /// Subscribes to an event type.
     pub fn subscribe(mut self, event_type: &str) -> Self {
@@ -130,6 +131,7 @@ impl ConsumerConfig {
     }
 
     pub(crate) fn validate(&self) -> crate::Result<()> {
+        ConsumerName::new(self.name.as_str())?;
         let bad = |why: &str| Err(Error::Config(format!("consumer {}: {why}", self.name)));
         if self.event_types.is_empty() {
             return bad("subscribes to no event type");

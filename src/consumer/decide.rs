@@ -372,7 +372,6 @@ mod tests {
     #[test]
     fn calls_stop_before_the_lease_runs_out() {
         let cfg = ConsumerConfig::new("c")
-            .unwrap()
             .handler_timeout(Duration::from_secs(1))
             .lease(Duration::from_secs(8));
         assert!(fits(Duration::ZERO, &cfg));

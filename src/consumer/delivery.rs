@@ -250,7 +250,7 @@ async fn lend(slot: &Slot) -> Result<TxConn, HandlerError> {
 ///         })
 ///     }
 /// }
-/// // OutboxRuntime::builder(pool).batch_consumer(ConsumerConfig::new("ledger")?
+/// // OutboxRuntime::builder(pool).batch_consumer(ConsumerConfig::new("ledger")
 /// //     .subscribe("ORDER_PLACED").batch_size(500), || Ledger)
 /// ```
 pub struct DeliveryBatch {

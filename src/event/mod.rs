@@ -76,6 +76,12 @@ impl ConsumerName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// `name` as given, to be checked later ([`ConsumerConfig`](crate::ConsumerConfig) checks
+    /// its name with every other setting, at start).
+    pub(crate) fn unchecked(name: &str) -> Self {
+        ConsumerName(name.to_owned())
+    }
 }
 
 impl fmt::Display for ConsumerName {

@@ -203,7 +203,7 @@ impl OutboxBuilder {
     /// # use actix_outbox::{ConsumerConfig, HandlerError, OutboxRuntime, PgPool};
     /// # fn f(pool: PgPool) -> actix_outbox::Result<()> {
     /// let builder = OutboxRuntime::builder(pool).consumer_fn(
-    ///     ConsumerConfig::new("audit")?.subscribe("ORDER_PLACED"),
+    ///     ConsumerConfig::new("audit").subscribe("ORDER_PLACED"),
     ///     |d| async move {
     ///         let _conn = d.conn().await?;
     ///         // … write the effect through `_conn` …

@@ -434,7 +434,6 @@ impl Handler<DeliveryBatch> for BatchRecorder {
 /// A consumer config for tests: fast polls and millisecond retries.
 pub fn consumer(name: &str, max_attempts: u32) -> ConsumerConfig {
     ConsumerConfig::new(name)
-        .unwrap()
         .subscribe("ORDER_STATUS_CHANGED")
         .retry(RetryPolicy::fixed(max_attempts, Duration::from_millis(20)))
         .poll_interval(Duration::from_millis(100))

@@ -157,7 +157,6 @@ async fn setup(db: &TestDb) {
 
 fn projector_config(name: &str) -> ConsumerConfig {
     ConsumerConfig::new(name)
-        .unwrap()
         .subscribe("ORDER_STATUS_CHANGED")
         .retry(RetryPolicy::fixed(3, Duration::from_millis(20)))
         .poll_interval(Duration::from_millis(50))

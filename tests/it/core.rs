@@ -646,7 +646,7 @@ async fn a_publisher_that_never_polls_still_publishes_on_wake_ups() {
 #[actix_rt::test]
 async fn invalid_configuration_is_rejected_with_a_stable_code() {
     let db = TestDb::new().await;
-    let no_subscription = actix_outbox::ConsumerConfig::new("lonely").unwrap();
+    let no_subscription = actix_outbox::ConsumerConfig::new("lonely");
     let err = actix_outbox::OutboxRuntime::builder(db.pool.clone())
         .consumer(no_subscription, || Recorder {
             name: "lonely".into(),
@@ -657,13 +657,18 @@ async fn invalid_configuration_is_rejected_with_a_stable_code() {
         .err()
         .expect("a consumer without subscriptions is rejected");
     assert_eq!(err.code().as_str(), "CONFIG_INVALID");
-    assert_eq!(
-        actix_outbox::ConsumerConfig::new("bad name!")
-            .unwrap_err()
-            .code()
-            .as_str(),
-        "CONFIG_INVALID"
-    );
+    // A bad name is refused with every other setting, at start.
+    let bad_name = actix_outbox::ConsumerConfig::new("bad name!").subscribe("ORDER_PLACED");
+    let err = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .consumer(bad_name, || Recorder {
+            name: "bad name!".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .err()
+        .expect("a consumer with an invalid name is rejected");
+    assert_eq!(err.code().as_str(), "CONFIG_INVALID");
     let dup = start_twice(&db).await;
     assert_eq!(dup.code().as_str(), "CONFIG_INVALID");
     // Retention and stats settings are checked at start too: an invalid one turned retention
@@ -976,5 +981,46 @@ async fn an_unsubscribed_event_type_is_no_longer_fanned_out_to_that_consumer() {
         0
     );
     assert_eq!(db.count(subscribed).await, 1);
+    db.finish(&[&rt]).await;
+}
+
+/// A consumer written as a plain async function (`consumer_fn`) gets every event, writes its
+/// effect through the delivery's connection, and is retried like an actor: every event's
+/// first attempt writes its effect and then fails, so a failed attempt's effect that
+/// committed would show as a second effect row.
+#[actix_rt::test]
+async fn a_function_consumer_commits_each_effect_once_through_its_retries() {
+    const EVENTS: i64 = 20;
+    let db = TestDb::new().await;
+    let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer_fn(consumer("fn", 3), |d: actix_outbox::Delivery| async move {
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ('fn', $1, $2)",
+            )
+            .bind::<diesel::sql_types::Uuid, _>(d.event_id().as_uuid())
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+            .execute(&mut *conn)
+            .await?;
+            if d.attempt() == 1 {
+                return Err(actix_outbox::HandlerError::retry("the first attempt fails"));
+            }
+            Ok(())
+        })
+        .start()
+        .await
+        .unwrap();
+    db.produce(EVENTS as usize, "f").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+                AND attempt_count = 2";
+    assert_eq!(db.wait_for(done, EVENTS, WAIT).await, EVENTS);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects WHERE attempt = 2")
+            .await,
+        EVENTS
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, EVENTS);
     db.finish(&[&rt]).await;
 }

@@ -133,7 +133,6 @@ impl Probe {
 
 fn config(name: &str, policy: RetryPolicy) -> ConsumerConfig {
     ConsumerConfig::new(name)
-        .unwrap()
         .subscribe("ORDER_STATUS_CHANGED")
         .retry(policy)
 }
@@ -565,7 +564,6 @@ async fn fan_out_gives_each_subscribed_consumer_one_row_and_absorbs_repeats() {
     .unwrap();
     h.consumer(
         ConsumerConfig::new("c")
-            .unwrap()
             .subscribe("SHIPMENT_SENT")
             .retry(policy),
         c.factory(),
@@ -804,7 +802,6 @@ async fn old_versions_are_upcast_and_newer_ones_retried_for_a_newer_build() {
     ));
     h.consumer(
         ConsumerConfig::new("billing")
-            .unwrap()
             .subscribe("ORDER_PLACED")
             .retry(RetryPolicy::fixed(5, Duration::from_secs(1))),
         move || Totals(seen.clone()),
@@ -867,7 +864,6 @@ fn conformance_step(consumer: &str, aggregate: &str, attempt: u32) -> Step {
 fn conformance_consumers() -> Vec<(ConsumerConfig, Probe)> {
     let cfg = |name: &str, attempts: u32| {
         ConsumerConfig::new(name)
-            .unwrap()
             .subscribe("ORDER_STATUS_CHANGED")
             .retry(RetryPolicy::fixed(attempts, Duration::from_millis(20)))
             .poll_interval(Duration::from_millis(100))

@@ -118,7 +118,7 @@ pub use model::{InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 /// actix_rt::System::new().block_on(async {
 ///     let mut h = Harness::new();
 ///     let retry = RetryPolicy::fixed(3, Duration::from_secs(60));
-///     h.consumer(ConsumerConfig::new("mailer")?.subscribe("ORDER_PLACED").retry(retry), || Mailer)?;
+///     h.consumer(ConsumerConfig::new("mailer").subscribe("ORDER_PLACED").retry(retry), || Mailer)?;
 ///
 ///     let id = h.enqueue(&NewEvent::new("ORDER_PLACED", "order", "o1", serde_json::json!({})))?;
 ///     assert_eq!(h.publish(), 1);
