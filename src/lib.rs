@@ -32,6 +32,10 @@
 //!
 //! ## Quick start
 //!
+//! The shape of an application; `examples/quickstart.rs` (the README's quick start) is the
+//! same as a whole program that runs against an empty database and waits until its event is
+//! delivered before it shuts down.
+//!
 //! ```no_run
 //! use actix::prelude::*;
 //! use actix_outbox::{enqueue, ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime};
@@ -79,7 +83,8 @@
 //! })
 //! .await?;
 //! outbox.wake(); // deliver now rather than at the next poll
-//! # runtime.shutdown().await;
+//! // … and at the application's end: in-flight batches finish, nothing new is claimed.
+//! runtime.shutdown().await;
 //! # Ok(()) }
 //! ```
 //!
