@@ -84,6 +84,9 @@ type Res<T> = Result<T, BoxError>;
 const EVENT_TYPE: &str = "ORDER_PLACED";
 /// Longest wait for one scenario's deliveries before it is reported incomplete.
 const SCENARIO_LIMIT: Duration = Duration::from_secs(300);
+/// `RuntimeConfig::default()`'s `publish_batch_size`, the claim size `history` times unless
+/// `--publish-batch` says otherwise.
+const DEFAULT_PUBLISH_BATCH: u32 = 1000;
 const ALL: &[&str] = &[
     "drain",
     "single",
@@ -106,12 +109,13 @@ struct Opts {
     paced_rate: f64,
     batch_per_tx: usize,
     history_rows: u64,
-    publish_batch: u32,
+    /// `--publish-batch`; the library's default unless given.
+    publish_batch: Option<u32>,
     consumer_batch: u32,
     concurrency: u32,
-    listen: bool,
+    listen: Option<bool>,
     /// `RuntimeConfig::publish_gap` (`--publish-gap-us`), the default unless given.
-    publish_gap: Duration,
+    publish_gap: Option<Duration>,
     /// Batch consumers (`--handler batch`) instead of one event per handler call.
     batch_handler: bool,
     /// One-event business transactions as one `enqueue_with` statement (`--producer
@@ -130,12 +134,12 @@ impl Opts {
             paced_rate: 200.0,
             batch_per_tx: 500,
             history_rows: 5_000_000,
-            publish_batch: RuntimeConfig::default().publish_batch_size,
+            publish_batch: None,
             // Set after the arguments, by handler kind, unless given.
             consumer_batch: 0,
             concurrency: 0,
-            listen: RuntimeConfig::default().listen,
-            publish_gap: RuntimeConfig::default().publish_gap,
+            listen: None,
+            publish_gap: None,
             batch_handler: false,
             one_statement: true,
         };
@@ -163,11 +167,13 @@ impl Opts {
                 ),
                 "--json" => o.json = Some(value()?),
                 "--events" => o.events = value()?.parse()?,
-                "--publish-batch" => o.publish_batch = value()?.parse()?,
+                "--publish-batch" => o.publish_batch = Some(value()?.parse()?),
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
-                "--listen" => o.listen = value()? != "off",
-                "--publish-gap-us" => o.publish_gap = Duration::from_micros(value()?.parse()?),
+                "--listen" => o.listen = Some(value()? != "off"),
+                "--publish-gap-us" => {
+                    o.publish_gap = Some(Duration::from_micros(value()?.parse()?))
+                }
                 "--handler" => {
                     o.batch_handler = match value()?.as_str() {
                         "each" => false,
@@ -215,16 +221,22 @@ impl Opts {
 
     fn runtime_config(&self) -> RuntimeConfig {
         let mut c = RuntimeConfig::default();
-        c.publish_batch_size = self.publish_batch;
-        c.publish_gap = self.publish_gap;
+        if let Some(n) = self.publish_batch {
+            c = c.publish_batch_size(n);
+        }
+        if let Some(gap) = self.publish_gap {
+            c = c.publish_gap(gap);
+        }
         // Wake-ups carry the load; the poll is only the backstop.
-        c.poll_interval = Duration::from_millis(100);
+        c = c.poll_interval(Duration::from_millis(100));
         // Nothing to reconcile here; keep its queries out of the figures.
-        c.reconcile_interval = Duration::from_secs(3600);
-        c.shutdown_timeout = Duration::from_secs(10);
+        c = c.reconcile_interval(Duration::from_secs(3600));
+        c = c.shutdown_timeout(Duration::from_secs(10));
         // On by default: several instances are the normal case. Off, a single instance saves
         // the NOTIFY the publisher sends after each fan-out.
-        c.listen = self.listen;
+        if let Some(listen) = self.listen {
+            c = c.listen(listen);
+        }
         c
     }
 
@@ -1037,7 +1049,7 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     // p99 of a few hundred ~1 ms claims moves with any scheduling hiccup on two cores.
     const ITERATIONS: usize = 1_000;
     let sql = CLAIM_SQL;
-    let batch = i64::from(ctx.opts.publish_batch);
+    let batch = i64::from(ctx.opts.publish_batch.unwrap_or(DEFAULT_PUBLISH_BATCH));
     let rows = ctx.opts.history_rows;
     let mut conn = ctx.pool.get().await?;
     conn.batch_execute(&format!(

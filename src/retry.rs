@@ -13,16 +13,51 @@ use crate::error::Error;
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     /// Attempts in all, including the first (≥ 1). Past it the event is dead-lettered.
-    pub max_attempts: u32,
+    pub(crate) max_attempts: u32,
     /// Wait after the first failure.
-    pub base: Duration,
+    pub(crate) base: Duration,
     /// Growth per further failure (≥ 1.0).
-    pub factor: f64,
+    pub(crate) factor: f64,
     /// Longest wait.
-    pub cap: Duration,
+    pub(crate) cap: Duration,
     /// Fraction of the wait (0.0–1.0) spread over events, so a burst of failures is not
     /// retried as a burst.
-    pub jitter: f64,
+    pub(crate) jitter: f64,
+}
+
+/// Setters, one per setting: start from the default and chain them; the runtime checks the
+/// whole at start.
+impl RetryPolicy {
+    /// Attempts in all, including the first (≥ 1). Past it the event is dead-lettered.
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// Wait after the first failure.
+    pub fn base(mut self, base: Duration) -> Self {
+        self.base = base;
+        self
+    }
+
+    /// Growth per further failure (≥ 1.0).
+    pub fn factor(mut self, factor: f64) -> Self {
+        self.factor = factor;
+        self
+    }
+
+    /// Longest wait.
+    pub fn cap(mut self, cap: Duration) -> Self {
+        self.cap = cap;
+        self
+    }
+
+    /// Fraction of the wait (0.0–1.0) spread over events, so a burst of failures is not
+    /// retried as a burst.
+    pub fn jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
 }
 
 impl Default for RetryPolicy {

@@ -128,22 +128,23 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let metrics_pool = actix_outbox::connect(&cfg.database_url, 4).await?;
     apply_schema(&outbox_pool).await?;
 
-    let mut runtime_cfg = RuntimeConfig::default();
-    runtime_cfg.shutdown_timeout = Duration::from_secs(10);
-    runtime_cfg.reconcile_interval = Duration::from_secs(10);
-    runtime_cfg.consistency_window = Duration::from_secs(30);
+    let runtime_cfg = RuntimeConfig::default()
+        .shutdown_timeout(Duration::from_secs(10))
+        .reconcile_interval(Duration::from_secs(10))
+        .consistency_window(Duration::from_secs(30));
 
     let fail_rate = cfg.consumer_fail_rate;
     let notification = ConsumerConfig::new("notification")
         .subscribe(ORDER_STATUS_CHANGED)
         // A job insert is cheap and independent per order: retry soon, many times.
-        .retry(RetryPolicy {
-            max_attempts: 10,
-            base: Duration::from_millis(100),
-            factor: 2.0,
-            cap: Duration::from_secs(5),
-            jitter: 0.2,
-        })
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(10)
+                .base(Duration::from_millis(100))
+                .factor(2.0)
+                .cap(Duration::from_secs(5))
+                .jitter(0.2),
+        )
         .batch_size(50)
         .concurrency(2);
     // Analytics is one hot row per status: a batch consumer (one upsert per status per batch),

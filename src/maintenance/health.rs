@@ -57,27 +57,81 @@ impl std::fmt::Display for HealthState {
 
 /// Thresholds of the lag health check. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
 pub struct HealthConfig {
     /// An outbox event waiting this long is a WARNING. Default 1 min.
-    pub outbox_warn_after: Duration,
+    pub(crate) outbox_warn_after: Duration,
     /// … and this long CRITICAL. Default 5 min.
-    pub outbox_critical_after: Duration,
+    pub(crate) outbox_critical_after: Duration,
     /// A consumer's oldest due inbox row waiting this long is a WARNING. Default 1 min.
-    pub inbox_warn_after: Duration,
+    pub(crate) inbox_warn_after: Duration,
     /// … and this long CRITICAL (a paused consumer stays at WARNING). Default 5 min.
-    pub inbox_critical_after: Duration,
+    pub(crate) inbox_critical_after: Duration,
     /// Samples of this instance (this one included) over which the outbox backlog must move:
     /// pending in all of them and the same oldest event at the head is CRITICAL
     /// (`OUTBOX_STUCK`); pending in all of them and growing is a WARNING (`OUTBOX_GROWING`).
     /// Default 5.
-    pub trend_samples: usize,
+    pub(crate) trend_samples: usize,
     /// The recent duplicate rate must be this many times the usual rate to warn. Default 10.
-    pub duplicate_rate_factor: f64,
+    pub(crate) duplicate_rate_factor: f64,
     /// … and at least this share of deliveries (0.0–1.0). Default 0.05.
-    pub duplicate_rate_floor: f64,
+    pub(crate) duplicate_rate_floor: f64,
     /// … and at least this many duplicates in the recent samples. Default 20.
-    pub duplicate_min_count: u64,
+    pub(crate) duplicate_min_count: u64,
+}
+
+/// Setters, one per setting: start from the default and chain them; the runtime checks the
+/// whole at start.
+impl HealthConfig {
+    /// An outbox event waiting this long is a WARNING. Default 1 min.
+    pub fn outbox_warn_after(mut self, outbox_warn_after: Duration) -> Self {
+        self.outbox_warn_after = outbox_warn_after;
+        self
+    }
+
+    /// … and this long CRITICAL. Default 5 min.
+    pub fn outbox_critical_after(mut self, outbox_critical_after: Duration) -> Self {
+        self.outbox_critical_after = outbox_critical_after;
+        self
+    }
+
+    /// A consumer's oldest due inbox row waiting this long is a WARNING. Default 1 min.
+    pub fn inbox_warn_after(mut self, inbox_warn_after: Duration) -> Self {
+        self.inbox_warn_after = inbox_warn_after;
+        self
+    }
+
+    /// … and this long CRITICAL (a paused consumer stays at WARNING). Default 5 min.
+    pub fn inbox_critical_after(mut self, inbox_critical_after: Duration) -> Self {
+        self.inbox_critical_after = inbox_critical_after;
+        self
+    }
+
+    /// Samples of this instance (this one included) over which the outbox backlog must move:
+    /// pending in all of them and the same oldest event at the head is CRITICAL
+    /// (`OUTBOX_STUCK`); pending in all of them and growing is a WARNING (`OUTBOX_GROWING`).
+    /// Default 5.
+    pub fn trend_samples(mut self, trend_samples: usize) -> Self {
+        self.trend_samples = trend_samples;
+        self
+    }
+
+    /// The recent duplicate rate must be this many times the usual rate to warn. Default 10.
+    pub fn duplicate_rate_factor(mut self, duplicate_rate_factor: f64) -> Self {
+        self.duplicate_rate_factor = duplicate_rate_factor;
+        self
+    }
+
+    /// … and at least this share of deliveries (0.0–1.0). Default 0.05.
+    pub fn duplicate_rate_floor(mut self, duplicate_rate_floor: f64) -> Self {
+        self.duplicate_rate_floor = duplicate_rate_floor;
+        self
+    }
+
+    /// … and at least this many duplicates in the recent samples. Default 20.
+    pub fn duplicate_min_count(mut self, duplicate_min_count: u64) -> Self {
+        self.duplicate_min_count = duplicate_min_count;
+        self
+    }
 }
 
 impl Default for HealthConfig {

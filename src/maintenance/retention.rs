@@ -21,19 +21,53 @@ use crate::store::{self, PgPool};
 /// What retention keeps. Every field has a documented default. An age over a century counts
 /// as a century: `Duration::MAX` keeps rows for ever in practice, and is not an error.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct RetentionConfig {
     /// PUBLISHED outbox rows older than this (by `published_at`) are deleted. Default 7 days.
-    pub published_outbox_after: Duration,
+    pub(crate) published_outbox_after: Duration,
     /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 7 days.
-    pub processed_inbox_after: Duration,
+    pub(crate) processed_inbox_after: Duration,
     /// Idempotency keys older than this are deleted. Default 30 days.
-    pub idempotency_keys_after: Duration,
+    pub(crate) idempotency_keys_after: Duration,
     /// Rows per delete statement: each batch is its own short transaction. Default 1000.
-    pub batch_size: u32,
+    pub(crate) batch_size: u32,
     /// Batches per table and run, so one run has a bounded cost; the rest waits for the next
     /// run. Default 100.
-    pub max_batches: u32,
+    pub(crate) max_batches: u32,
+}
+
+/// Setters, one per setting: start from the default and chain them; the runtime checks the
+/// whole at start.
+impl RetentionConfig {
+    /// PUBLISHED outbox rows older than this (by `published_at`) are deleted. Default 7 days.
+    pub fn published_outbox_after(mut self, published_outbox_after: Duration) -> Self {
+        self.published_outbox_after = published_outbox_after;
+        self
+    }
+
+    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 7 days.
+    pub fn processed_inbox_after(mut self, processed_inbox_after: Duration) -> Self {
+        self.processed_inbox_after = processed_inbox_after;
+        self
+    }
+
+    /// Idempotency keys older than this are deleted. Default 30 days.
+    pub fn idempotency_keys_after(mut self, idempotency_keys_after: Duration) -> Self {
+        self.idempotency_keys_after = idempotency_keys_after;
+        self
+    }
+
+    /// Rows per delete statement: each batch is its own short transaction. Default 1000.
+    pub fn batch_size(mut self, batch_size: u32) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// Batches per table and run, so one run has a bounded cost; the rest waits for the next
+    /// run. Default 100.
+    pub fn max_batches(mut self, max_batches: u32) -> Self {
+        self.max_batches = max_batches;
+        self
+    }
 }
 
 impl Default for RetentionConfig {

@@ -22,14 +22,35 @@ use crate::telemetry::metrics as m;
 
 /// How the stats sampler runs. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
 pub struct StatsConfig {
     /// How often the database gauges are sampled and health is assessed. Default 15 s.
-    pub interval: Duration,
+    pub(crate) interval: Duration,
     /// How far back the "usual" duplicate rate looks; older samples are deleted. Default 1 h.
-    pub history: Duration,
+    pub(crate) history: Duration,
     /// Health thresholds.
-    pub health: HealthConfig,
+    pub(crate) health: HealthConfig,
+}
+
+/// Setters, one per setting: start from the default and chain them; the runtime checks the
+/// whole at start.
+impl StatsConfig {
+    /// How often the database gauges are sampled and health is assessed. Default 15 s.
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// How far back the "usual" duplicate rate looks; older samples are deleted. Default 1 h.
+    pub fn history(mut self, history: Duration) -> Self {
+        self.history = history;
+        self
+    }
+
+    /// Health thresholds.
+    pub fn health(mut self, health: HealthConfig) -> Self {
+        self.health = health;
+        self
+    }
 }
 
 impl Default for StatsConfig {

@@ -61,20 +61,59 @@ pub trait Transport: 'static {
 
 /// How the publisher uses an external transport.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct ExternalConfig {
     /// This publisher's name in `locked_by`. Default `publisher-<random>`.
-    pub owner: String,
+    pub(crate) owner: String,
     /// How long a claim holds a row. Must be well above `publish_timeout`. Default 60 s.
-    pub lease: Duration,
+    pub(crate) lease: Duration,
     /// How long one publish may take. Default 10 s.
-    pub publish_timeout: Duration,
+    pub(crate) publish_timeout: Duration,
     /// Retry policy for failed publishes. Default [`RetryPolicy::default`].
-    pub retry: RetryPolicy,
+    pub(crate) retry: RetryPolicy,
     /// How often expired leases are reaped. Default 5 s.
-    pub reap_interval: Duration,
+    pub(crate) reap_interval: Duration,
     /// Rows claimed per lease. Default 100.
-    pub batch_size: u32,
+    pub(crate) batch_size: u32,
+}
+
+/// Setters, one per setting: start from the default and chain them; the runtime checks the
+/// whole at start.
+impl ExternalConfig {
+    /// This publisher's name in `locked_by`. Default `publisher-<random>`.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = owner.into();
+        self
+    }
+
+    /// How long a claim holds a row. Must be well above `publish_timeout`. Default 60 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long one publish may take. Default 10 s.
+    pub fn publish_timeout(mut self, publish_timeout: Duration) -> Self {
+        self.publish_timeout = publish_timeout;
+        self
+    }
+
+    /// Retry policy for failed publishes. Default [`RetryPolicy::default`].
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How often expired leases are reaped. Default 5 s.
+    pub fn reap_interval(mut self, reap_interval: Duration) -> Self {
+        self.reap_interval = reap_interval;
+        self
+    }
+
+    /// Rows claimed per lease. Default 100.
+    pub fn batch_size(mut self, batch_size: u32) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
 }
 
 impl Default for ExternalConfig {

@@ -440,11 +440,10 @@ pub fn consumer(name: &str, max_attempts: u32) -> ConsumerConfig {
 }
 
 pub fn fast_runtime() -> RuntimeConfig {
-    let mut cfg = RuntimeConfig::default();
-    cfg.poll_interval = Duration::from_millis(100);
-    cfg.supervise_interval = Duration::from_millis(20);
-    cfg.shutdown_timeout = Duration::from_secs(10);
-    cfg
+    RuntimeConfig::default()
+        .poll_interval(Duration::from_millis(100))
+        .supervise_interval(Duration::from_millis(20))
+        .shutdown_timeout(Duration::from_secs(10))
 }
 
 pub async fn start(db: &TestDb, consumers: Vec<(ConsumerConfig, Behaviour)>) -> OutboxRuntime {

@@ -520,8 +520,7 @@ async fn a_follow_up_the_registry_refuses_fails_its_delivery_and_is_not_enqueued
 async fn a_chain_keeps_one_correlation_id_and_links_causation() {
     let db = TestDb::new().await;
     setup(&db).await;
-    let mut config = fast_runtime();
-    config.poll_interval = Duration::MAX;
+    let config = fast_runtime().poll_interval(Duration::MAX);
     let rt = OutboxRuntime::builder(db.pool.clone())
         .config(config)
         .events(registry())

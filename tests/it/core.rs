@@ -628,8 +628,7 @@ async fn a_consumer_registered_on_another_instance_still_gets_inbox_rows() {
 #[actix_rt::test]
 async fn a_publisher_that_never_polls_still_publishes_on_wake_ups() {
     let db = TestDb::new().await;
-    let mut config = fast_runtime();
-    config.poll_interval = Duration::MAX;
+    let config = fast_runtime().poll_interval(Duration::MAX);
     let rt = start_with(
         db.pool.clone(),
         config,
@@ -673,12 +672,11 @@ async fn invalid_configuration_is_rejected_with_a_stable_code() {
     assert_eq!(dup.code().as_str(), "CONFIG_INVALID");
     // Retention and stats settings are checked at start too: an invalid one turned retention
     // off, or the sampler to its defaults, with a log line at most.
-    let mut retention = actix_outbox::retention::RetentionConfig::default();
-    retention.batch_size = 0;
-    let mut bad_retention = fast_runtime();
-    bad_retention.retention = Some(retention);
+    let retention = actix_outbox::retention::RetentionConfig::default().batch_size(0);
+    let bad_retention = fast_runtime().retention(retention);
     let mut bad_stats = fast_runtime();
-    bad_stats.stats.interval = Duration::from_micros(500);
+    bad_stats = bad_stats
+        .stats(actix_outbox::health::StatsConfig::default().interval(Duration::from_micros(500)));
     for config in [bad_retention, bad_stats] {
         let refused = actix_outbox::OutboxRuntime::builder(db.pool.clone())
             .config(config)
@@ -831,10 +829,10 @@ async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_t
 #[actix_rt::test]
 async fn a_wake_up_within_the_publish_gap_is_deferred_not_lost() {
     let db = TestDb::new().await;
-    let mut cfg = fast_runtime();
-    cfg.poll_interval = Duration::from_secs(30);
-    cfg.publish_gap = Duration::from_secs(2);
-    cfg.listen = false;
+    let cfg = fast_runtime()
+        .poll_interval(Duration::from_secs(30))
+        .publish_gap(Duration::from_secs(2))
+        .listen(false);
     let slow_poll = consumer("c1", 3).poll_interval(Duration::from_secs(30));
     let rt = start_with(
         db.pool.clone(),
@@ -857,8 +855,7 @@ async fn a_wake_up_within_the_publish_gap_is_deferred_not_lost() {
 /// Instance B, on a pool of its own, running consumer `b`; it and its consumer poll every 30 s,
 /// so only the LISTEN/NOTIFY path wakes them within a test's deadline.
 async fn slow_polling_instance(db: &TestDb) -> actix_outbox::OutboxRuntime {
-    let mut slow = fast_runtime();
-    slow.poll_interval = Duration::from_secs(30);
+    let slow = fast_runtime().poll_interval(Duration::from_secs(30));
     let other_pool = actix_outbox::connect(&db.url, 10).await.unwrap();
     let slow_poll = consumer("b", 3).poll_interval(Duration::from_secs(30));
     start_with(other_pool, slow, vec![(slow_poll, Behaviour::default())]).await

@@ -787,8 +787,7 @@ async fn a_rate_limited_consumer_drains_a_backlog_at_its_rate() {
 async fn a_shutdown_does_not_wait_out_a_rate_limit_pause() {
     let db = TestDb::new().await;
     db.produce(100, "o").await;
-    let mut config = fast_runtime();
-    config.shutdown_timeout = Duration::from_secs(10);
+    let config = fast_runtime().shutdown_timeout(Duration::from_secs(10));
     let cfg = consumer("c1", 3).batch_size(32).rate_limit(1.0);
     let rt = start_with(db.pool.clone(), config, vec![(cfg, Behaviour::default())]).await;
     let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";

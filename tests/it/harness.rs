@@ -160,11 +160,9 @@ fn code(view: &actix_outbox::testing::InboxView) -> Option<&str> {
 #[actix_rt::test]
 async fn a_retry_is_not_due_before_its_backoff_and_is_due_right_after() {
     // The default shape, jitter included: the harness must wait exactly what the runtime waits.
-    let policy = RetryPolicy {
-        max_attempts: 4,
-        base: Duration::from_secs(10),
-        ..RetryPolicy::default()
-    };
+    let policy = RetryPolicy::default()
+        .max_attempts(4)
+        .base(Duration::from_secs(10));
     let probe = Probe::new(|_| Step::Retry);
     let mut h = Harness::new();
     h.consumer(config("c", policy.clone()), probe.factory())

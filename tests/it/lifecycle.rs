@@ -97,8 +97,9 @@ fn a_start_that_fails_after_another_runtime_started_returns_the_error_and_panics
         let names = vec![orders.name.clone(), billing.name.clone()];
         let app = async {
             let _orders = builder(orders.pool.clone(), "orders").start().await?;
-            let mut invalid = fast_runtime();
-            invalid.publish_gap = invalid.poll_interval;
+            // A publish gap as long as the poll interval.
+            let gap = Duration::from_millis(100);
+            let invalid = fast_runtime().poll_interval(gap).publish_gap(gap);
             let _billing = builder(billing.pool.clone(), "billing")
                 .config(invalid)
                 .start()
@@ -311,11 +312,11 @@ fn shutdown_drains_the_consumers_while_the_publisher_hangs_on_its_broker() {
         let transport = ScriptedTransport::new(db.pool.clone());
         // Two events are published; the third hangs for longer than any deadline here.
         transport.script([Step::Ok, Step::Ok, Step::Hang(Duration::from_secs(3600))]);
-        let mut external = ExternalConfig::default();
-        external.publish_timeout = Duration::from_secs(60);
-        external.lease = Duration::from_secs(120);
-        let mut config: RuntimeConfig = fast_runtime();
-        config.shutdown_timeout = Duration::from_secs(5);
+        let external = ExternalConfig::default()
+            .publish_timeout(Duration::from_secs(60))
+            .lease(Duration::from_secs(120));
+        let deadline = Duration::from_secs(5);
+        let config: RuntimeConfig = fast_runtime().shutdown_timeout(deadline);
         let handler = SlowHandler::default();
         let runtime = OutboxRuntime::builder(db.pool.clone())
             .config(config.clone())
@@ -360,7 +361,7 @@ fn shutdown_drains_the_consumers_while_the_publisher_hangs_on_its_broker() {
         let took = began.elapsed();
         assert!(!finished, "the hung publish did not finish");
         assert!(
-            took < config.shutdown_timeout + Duration::from_secs(1),
+            took < deadline + Duration::from_secs(1),
             "shutdown returned within its deadline (took {took:?})"
         );
         assert_eq!(

@@ -185,11 +185,11 @@ async fn the_external_route_on_a_black_holed_connection_resumes_within_its_bound
         .expect("pool through the proxy");
     // The broker side writes through a connection of its own, not through the proxy.
     let transport = ScriptedTransport::new(db.pool.clone());
-    let mut external = ExternalConfig::default();
-    external.lease = Duration::from_secs(3);
-    external.publish_timeout = Duration::from_secs(1);
-    external.reap_interval = Duration::from_millis(200);
-    external.batch_size = 20;
+    let external = ExternalConfig::default()
+        .lease(Duration::from_secs(3))
+        .publish_timeout(Duration::from_secs(1))
+        .reap_interval(Duration::from_millis(200))
+        .batch_size(20);
     let rt = OutboxRuntime::builder(pool)
         .config(fast_runtime())
         .external_transport(transport, external)

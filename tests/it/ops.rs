@@ -30,8 +30,8 @@ async fn exec(db: &TestDb, sql: &str) {
 }
 
 fn sampler(db: &TestDb, trend_samples: usize) -> StatsSampler {
-    let mut cfg = StatsConfig::default();
-    cfg.health.trend_samples = trend_samples;
+    let cfg = StatsConfig::default()
+        .health(actix_outbox::health::HealthConfig::default().trend_samples(trend_samples));
     StatsSampler::new(db.pool.clone(), cfg).unwrap()
 }
 
@@ -223,9 +223,7 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     )
     .await;
     // 5 expired outbox rows, 4 expired inbox rows, 4 expired keys (31..34 days).
-    let mut small = RetentionConfig::default();
-    small.batch_size = 2;
-    small.max_batches = 1;
+    let mut small = RetentionConfig::default().batch_size(2).max_batches(1);
     let partial = Retention::new(db.pool.clone(), small.clone())
         .unwrap()
         .run_once()
@@ -242,7 +240,7 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     );
     assert!(partial.more_left);
 
-    small.max_batches = 10;
+    small = small.max_batches(10);
     let rest = Retention::new(db.pool.clone(), small)
         .unwrap()
         .run_once()
@@ -283,8 +281,7 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
         ),
         (0, 0, 0)
     );
-    let mut bad = RetentionConfig::default();
-    bad.batch_size = 0;
+    let bad = RetentionConfig::default().batch_size(0);
     assert!(Retention::new(db.pool.clone(), bad).is_err());
     db.finish(&[]).await;
 }
@@ -305,13 +302,13 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
          INSERT INTO idempotency_keys (key, created_at) VALUES ('old', now() - interval '9000 days');",
     )
     .await;
-    let mut retention = RetentionConfig::default();
-    retention.batch_size = 100;
-    retention.max_batches = 2;
-    retention.idempotency_keys_after = Duration::MAX;
-    let mut config = fast_runtime();
-    config.retention = Some(retention.clone());
-    config.retention_interval = Duration::from_secs(3600);
+    let retention = RetentionConfig::default()
+        .batch_size(100)
+        .max_batches(2)
+        .idempotency_keys_after(Duration::MAX);
+    let config = fast_runtime()
+        .retention(retention.clone())
+        .retention_interval(Duration::from_secs(3600));
     let rt = start_with(db.pool.clone(), config, vec![]).await;
     let left = "SELECT count(*) AS n FROM inbox_events";
     assert_eq!(db.wait_for(left, 0, WAIT).await, 0);
@@ -325,14 +322,12 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
         db.count("SELECT count(*) AS n FROM idempotency_keys").await,
         1
     );
-    let mut stats = StatsConfig::default();
-    stats.interval = Duration::from_micros(500);
+    let stats = StatsConfig::default().interval(Duration::from_micros(500));
     assert_eq!(
         stats.validate().unwrap_err().code(),
         ErrorCode::CONFIG_INVALID
     );
-    let mut config = fast_runtime();
-    config.retention_interval = Duration::ZERO;
+    let config = fast_runtime().retention_interval(Duration::ZERO);
     let refused = OutboxRuntime::builder(db.pool.clone())
         .config(config)
         .start()
@@ -375,9 +370,7 @@ async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
         .await
         .unwrap();
     // Event 2, the oldest, is all the first one-row batch sees.
-    let mut one = RetentionConfig::default();
-    one.batch_size = 1;
-    one.max_batches = 10;
+    let one = RetentionConfig::default().batch_size(1).max_batches(10);
     let retention = Retention::new(db.pool.clone(), one).unwrap();
     let report = within(WAIT, retention.run_once()).await.unwrap();
     assert_eq!((report.outbox_deleted, report.more_left), (2, false));

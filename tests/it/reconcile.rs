@@ -114,8 +114,7 @@ impl ReconcileRule for MissingNotification {
 }
 
 async fn runtime_with_rule(db: &TestDb, dry_run: bool) -> OutboxRuntime {
-    let mut cfg = RuntimeConfig::default();
-    cfg.reconcile_dry_run = dry_run;
+    let cfg = RuntimeConfig::default().reconcile_dry_run(dry_run);
     OutboxRuntime::builder(db.pool.clone())
         .config(cfg)
         .reconcile(MissingNotification)

@@ -10,12 +10,11 @@ use actix_outbox::{transport::ExternalConfig, OutboxRuntime, RetryPolicy};
 use common::*;
 
 fn external(lease_ms: u64, timeout_ms: u64, max_attempts: u32) -> ExternalConfig {
-    let mut cfg = ExternalConfig::default();
-    cfg.lease = Duration::from_millis(lease_ms);
-    cfg.publish_timeout = Duration::from_millis(timeout_ms);
-    cfg.retry = RetryPolicy::fixed(max_attempts, Duration::from_millis(150));
-    cfg.reap_interval = Duration::from_millis(50);
-    cfg
+    ExternalConfig::default()
+        .lease(Duration::from_millis(lease_ms))
+        .publish_timeout(Duration::from_millis(timeout_ms))
+        .retry(RetryPolicy::fixed(max_attempts, Duration::from_millis(150)))
+        .reap_interval(Duration::from_millis(50))
 }
 
 async fn start_external<T: actix_outbox::transport::Transport + Clone>(
@@ -116,8 +115,7 @@ async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
     let slow = ScriptedTransport::new(db.pool.clone());
     slow.script([Step::Hang(Duration::from_millis(300))]);
     // No LISTEN connection: the publisher's one connection is the only one A has.
-    let mut no_listen = fast_runtime();
-    no_listen.listen = false;
+    let no_listen = fast_runtime().listen(false);
     let rt_a = OutboxRuntime::builder(pool_a.clone())
         .config(no_listen)
         .external_transport(slow.clone(), external(600, 500, 5))
@@ -219,8 +217,7 @@ async fn an_event_that_kills_its_publisher_is_dead_lettered_alone_and_its_batch_
         poison: "o-0",
         inner: ScriptedTransport::new(db.pool.clone()),
     };
-    let mut cfg = external(300, 100, 3);
-    cfg.batch_size = 10;
+    let cfg = external(300, 100, 3).batch_size(10);
     // The events exist before the publisher starts, so its first claim leases all ten.
     db.produce(10, "o").await;
     let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
@@ -281,8 +278,7 @@ async fn exhausted_publishes_and_rejections_are_dead_lettered_with_their_codes()
     let transport = ScriptedTransport::new(db.pool.clone());
     // Event 1 fails three times (the limit); event 2 is rejected outright.
     transport.script([Step::Fail, Step::Reject, Step::Fail, Step::Fail]);
-    let mut cfg = external(2_000, 100, 3);
-    cfg.batch_size = 1;
+    let cfg = external(2_000, 100, 3).batch_size(1);
     let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
     db.produce(2, "o").await;
 
