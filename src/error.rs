@@ -99,7 +99,7 @@ pub enum Error {
     Config(String),
     /// Applying the library's migrations failed.
     #[error("migration failed: {0}")]
-    Migration(String),
+    Migration(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// No consumer of that name was ever registered.
     #[error("unknown consumer {0}")]
     UnknownConsumer(String),

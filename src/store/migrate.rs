@@ -32,7 +32,7 @@ pub async fn migrate(database_url: &str) -> Result<()> {
         .spawn(move || {
             let _ = tx.send(run_blocking(&url));
         })
-        .map_err(|e| Error::Migration(e.to_string()))?;
+        .map_err(|e| Error::Migration(e.into()))?;
     rx.await
         .map_err(|_| Error::Migration("the migration thread panicked".into()))?
 }
@@ -40,14 +40,14 @@ pub async fn migrate(database_url: &str) -> Result<()> {
 fn run_blocking(url: &str) -> Result<()> {
     use diesel::{Connection, RunQueryDsl};
     let mut conn = AsyncConnectionWrapper::<AsyncPgConnection>::establish(url)
-        .map_err(|e| Error::Migration(e.to_string()))?;
+        .map_err(|e| Error::Migration(e.into()))?;
     diesel::sql_query(format!("SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"))
         .execute(&mut conn)
-        .map_err(|e| Error::Migration(e.to_string()))?;
+        .map_err(|e| Error::Migration(e.into()))?;
     let applied = conn
         .run_pending_migrations(MIGRATIONS)
         .map(|_| ())
-        .map_err(|e| Error::Migration(e.to_string()));
+        .map_err(Error::Migration);
     // Closing the connection would release the lock too; unlocking says so explicitly.
     let _ = diesel::sql_query(format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"))
         .execute(&mut conn);
