@@ -12,16 +12,10 @@ use crate::error::Error;
 /// next step, 32 minutes, would only be used with more attempts).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
-    /// Attempts in all, including the first (≥ 1). Past it the event is dead-lettered.
     pub(crate) max_attempts: u32,
-    /// Wait after the first failure.
     pub(crate) base: Duration,
-    /// Growth per further failure (≥ 1.0).
     pub(crate) factor: f64,
-    /// Longest wait.
     pub(crate) cap: Duration,
-    /// Fraction of the wait (0.0–1.0) spread over events, so a burst of failures is not
-    /// retried as a burst.
     pub(crate) jitter: f64,
 }
 

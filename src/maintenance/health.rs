@@ -55,27 +55,16 @@ impl std::fmt::Display for HealthState {
     }
 }
 
-/// Thresholds of the lag health check. Every field has a documented default.
+/// Thresholds of the lag health check. Every setting has a setter that documents its default.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthConfig {
-    /// An outbox event waiting this long is a WARNING. Default 1 min.
     pub(crate) outbox_warn_after: Duration,
-    /// … and this long CRITICAL. Default 5 min.
     pub(crate) outbox_critical_after: Duration,
-    /// A consumer's oldest due inbox row waiting this long is a WARNING. Default 1 min.
     pub(crate) inbox_warn_after: Duration,
-    /// … and this long CRITICAL (a paused consumer stays at WARNING). Default 5 min.
     pub(crate) inbox_critical_after: Duration,
-    /// Samples of this instance (this one included) over which the outbox backlog must move:
-    /// pending in all of them and the same oldest event at the head is CRITICAL
-    /// (`OUTBOX_STUCK`); pending in all of them and growing is a WARNING (`OUTBOX_GROWING`).
-    /// Default 5.
     pub(crate) trend_samples: usize,
-    /// The recent duplicate rate must be this many times the usual rate to warn. Default 10.
     pub(crate) duplicate_rate_factor: f64,
-    /// … and at least this share of deliveries (0.0–1.0). Default 0.05.
     pub(crate) duplicate_rate_floor: f64,
-    /// … and at least this many duplicates in the recent samples. Default 20.
     pub(crate) duplicate_min_count: u64,
 }
 

@@ -18,20 +18,15 @@ use crate::error::{Error, Result};
 use crate::store::stats::{self as stmt, Expired};
 use crate::store::{self, PgPool};
 
-/// What retention keeps. Every field has a documented default. An age over a century counts
-/// as a century: `Duration::MAX` keeps rows for ever in practice, and is not an error.
+/// What retention keeps. Every setting has a setter that documents its default. An age over a
+/// century counts as a century: `Duration::MAX` keeps rows for ever in practice, and is not
+/// an error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetentionConfig {
-    /// PUBLISHED outbox rows older than this (by `published_at`) are deleted. Default 7 days.
     pub(crate) published_outbox_after: Duration,
-    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 7 days.
     pub(crate) processed_inbox_after: Duration,
-    /// Idempotency keys older than this are deleted. Default 30 days.
     pub(crate) idempotency_keys_after: Duration,
-    /// Rows per delete statement: each batch is its own short transaction. Default 1000.
     pub(crate) batch_size: u32,
-    /// Batches per table and run, so one run has a bounded cost; the rest waits for the next
-    /// run. Default 100.
     pub(crate) max_batches: u32,
 }
 

@@ -20,14 +20,11 @@ use crate::store::stats::Sample;
 use crate::store::{self, PgPool};
 use crate::telemetry::metrics as m;
 
-/// How the stats sampler runs. Every field has a documented default.
+/// How the stats sampler runs. Every setting has a setter that documents its default.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StatsConfig {
-    /// How often the database gauges are sampled and health is assessed. Default 15 s.
     pub(crate) interval: Duration,
-    /// How far back the "usual" duplicate rate looks; older samples are deleted. Default 1 h.
     pub(crate) history: Duration,
-    /// Health thresholds.
     pub(crate) health: HealthConfig,
 }
 

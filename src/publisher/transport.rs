@@ -62,17 +62,11 @@ pub trait Transport: 'static {
 /// How the publisher uses an external transport.
 #[derive(Debug, Clone)]
 pub struct ExternalConfig {
-    /// This publisher's name in `locked_by`. Default `publisher-<random>`.
     pub(crate) owner: String,
-    /// How long a claim holds a row. Must be well above `publish_timeout`. Default 60 s.
     pub(crate) lease: Duration,
-    /// How long one publish may take. Default 10 s.
     pub(crate) publish_timeout: Duration,
-    /// Retry policy for failed publishes. Default [`RetryPolicy::default`].
     pub(crate) retry: RetryPolicy,
-    /// How often expired leases are reaped. Default 5 s.
     pub(crate) reap_interval: Duration,
-    /// Rows claimed per lease. Default 100.
     pub(crate) batch_size: u32,
 }
 

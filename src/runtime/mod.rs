@@ -28,48 +28,20 @@ use supervisor::{
     SupervisorActor, STOP_WAIT,
 };
 
-/// Runtime-wide settings. Every field has a documented default ([`RuntimeConfig::default`]).
+/// Runtime-wide settings. Every setting has a setter that documents its default.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
-    /// Outbox rows claimed and fanned out per statement. Default 1,000 (a backlog drained
-    /// 5-10 % faster than with 500 in the benchmark; a claim returns counts, not rows, so the
-    /// size costs no memory).
     pub(crate) publish_batch_size: u32,
-    /// How often the publisher claims without a wake-up: the delay for events committed by
-    /// other processes. Default 250 ms.
     pub(crate) poll_interval: Duration,
-    /// The shortest time between the starts of two claim loops: a wake-up (or poll tick)
-    /// sooner than that after the last one waits for the rest of it, so that a steady stream
-    /// of commits is claimed several events at a time. A wake-up after a quiet spell claims at
-    /// once, and a claim that comes back full is followed at once. An event that commits right
-    /// after a claim waits up to this long more (plus the timer's millisecond rounding).
-    /// Default 2 ms; zero claims on every wake-up. Must be shorter than `poll_interval`.
     pub(crate) publish_gap: Duration,
-    /// How often the supervisor looks for dead children. Default 100 ms.
     pub(crate) supervise_interval: Duration,
-    /// How long shutdown waits for in-flight deliveries. Default 30 s.
     pub(crate) shutdown_timeout: Duration,
-    /// How often the reconciler runs its checks. Default 60 s.
     pub(crate) reconcile_interval: Duration,
-    /// How late a follow-up may be before the reconciler's built-in checks call it drift.
-    /// Default 5 min.
     pub(crate) consistency_window: Duration,
-    /// Reconcile rules only report drift, never repair it. Default false.
     pub(crate) reconcile_dry_run: bool,
-    /// Hold one connection in `LISTEN` (opened through the pool's manager, outside the
-    /// pool, and closed when the runtime stops), so other instances' fan-outs (and
-    /// [`notify_publishers`](crate::ops::notify_publishers) calls) wake this one at once instead of
-    /// at its next poll. Default true.
     pub(crate) listen: bool,
-    /// The stats sampler behind metrics gauges and lag health. Default [`StatsConfig::default`].
     pub(crate) stats: StatsConfig,
-    /// Deletes old PUBLISHED outbox rows, PROCESSED inbox rows and idempotency keys on
-    /// `retention_interval`; dead letters are never deleted. Default `None`: keep everything
-    /// (enable it, or run [`Retention::run_once`](crate::retention::Retention::run_once) on a schedule of
-    /// your own).
     pub(crate) retention: Option<RetentionConfig>,
-    /// How often retention runs when enabled: at start, then at this interval, and every second
-    /// while a run leaves expired rows behind. Default 1 h.
     pub(crate) retention_interval: Duration,
 }
 
