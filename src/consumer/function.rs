@@ -1,6 +1,6 @@
 //! Consumers written as plain async functions ([`OutboxBuilder::consumer_fn`](crate::OutboxBuilder::consumer_fn)):
-//! an actor that holds the function and calls it with each delivery. For handlers that keep no
-//! state between events; one that does is an actor of its own.
+//! an actor that holds the function and calls it with each delivery (or batch). For handlers
+//! that keep no state between events; one that does is an actor of its own.
 
 use std::future::Future;
 
@@ -8,8 +8,9 @@ use actix::prelude::*;
 
 use super::{Delivery, DeliveryBatch, HandlerError};
 
-/// The actor behind a function consumer. Rebuilt from a clone of the function, like any
-/// handler actor, should it stop. Boxed: an actor must be `Unpin`, a closure need not be.
+/// The actor behind a function consumer, for `Delivery` and `DeliveryBatch` functions alike.
+/// Rebuilt from a clone of the function, like any handler actor, should it stop. Boxed: an
+/// actor must be `Unpin`, a closure need not be.
 pub(crate) struct FnConsumer<F>(pub Box<F>);
 
 impl<F: 'static> Actor for FnConsumer<F> {
@@ -28,14 +29,7 @@ where
     }
 }
 
-/// The actor behind a batch function consumer.
-pub(crate) struct FnBatchConsumer<F>(pub Box<F>);
-
-impl<F: 'static> Actor for FnBatchConsumer<F> {
-    type Context = Context<Self>;
-}
-
-impl<F, Fut> Handler<DeliveryBatch> for FnBatchConsumer<F>
+impl<F, Fut> Handler<DeliveryBatch> for FnConsumer<F>
 where
     F: Fn(DeliveryBatch) -> Fut + 'static,
     Fut: Future<Output = Result<(), HandlerError>> + 'static,

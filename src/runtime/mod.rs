@@ -14,7 +14,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use crate::consumer::actor::{HandlerFactory, HandlerRef};
-use crate::consumer::function::{FnBatchConsumer, FnConsumer};
+use crate::consumer::function::FnConsumer;
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
@@ -291,7 +291,7 @@ impl OutboxBuilder {
         F: Fn(DeliveryBatch) -> Fut + Clone + 'static,
         Fut: std::future::Future<Output = std::result::Result<(), HandlerError>> + 'static,
     {
-        self.batch_consumer(config, move || FnBatchConsumer(Box::new(f.clone())))
+        self.batch_consumer(config, move || FnConsumer(Box::new(f.clone())))
     }
 
     /// Records the consumers' subscriptions in the database and starts the actors; returns once

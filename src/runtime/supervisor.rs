@@ -365,30 +365,17 @@ type Reply = LocalBoxFuture<'static, Result<(), MailboxError>>;
 #[rtype(result = "()")]
 struct Ping;
 
-/// Implemented here for each child type, since only the supervisor asks.
-macro_rules! answers_ping {
+/// What every child answers, implemented here since only the supervisor sends it: [`Ping`]
+/// (it has started), and [`Stop`]. With the `testing` feature, `Stop`'s `panic` makes the
+/// child panic instead ([`Fault`](crate::testing::Fault)), which is how the tests exercise
+/// the restart.
+macro_rules! child {
     ($($actor:ty),* $(,)?) => {$(
         impl Handler<Ping> for $actor {
             type Result = ();
             fn handle(&mut self, _: Ping, _: &mut Context<Self>) {}
         }
-    )*};
-}
 
-answers_ping!(
-    ConsumerRegistry,
-    ConsumerActor,
-    PublisherActor,
-    ReconcilerActor,
-    StatsActor,
-    ListenerActor,
-);
-
-/// Every child stops on [`Stop`]: one copy, here, since only the supervisor sends it. With
-/// the `testing` feature, `panic` makes the child panic instead ([`Fault`](crate::testing::Fault)),
-/// which is how the tests exercise the restart.
-macro_rules! stops {
-    ($($actor:ty),* $(,)?) => {$(
         impl Handler<Stop> for $actor {
             type Result = ();
             fn handle(&mut self, stop: Stop, ctx: &mut Context<Self>) {
@@ -403,7 +390,7 @@ macro_rules! stops {
     )*};
 }
 
-stops!(
+child!(
     ConsumerRegistry,
     ConsumerActor,
     PublisherActor,

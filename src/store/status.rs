@@ -18,6 +18,12 @@ pub enum InboxStatus {
 }
 
 impl InboxStatus {
+    /// The stored names of [`ALL`](Self::ALL), for the operator API's list filters.
+    #[cfg(feature = "admin")]
+    pub(crate) fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(Self::as_str).collect()
+    }
+
     /// Every state, in the order of the row's life.
     pub const ALL: [InboxStatus; 5] = [
         InboxStatus::Received,
@@ -65,6 +71,12 @@ pub enum OutboxStatus {
 }
 
 impl OutboxStatus {
+    /// The stored names of [`ALL`](Self::ALL), for the operator API's list filters.
+    #[cfg(feature = "admin")]
+    pub(crate) fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(Self::as_str).collect()
+    }
+
     /// Every state, in the order of the row's life.
     pub const ALL: [OutboxStatus; 6] = [
         OutboxStatus::Pending,

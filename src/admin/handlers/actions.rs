@@ -553,16 +553,16 @@ mod tests {
     #[test]
     fn filters_are_validated() {
         assert_eq!(
-            status_filter(Some("dead_letter".into()), &INBOX_STATUSES)
+            status_filter(Some("dead_letter".into()), &InboxStatus::names())
                 .unwrap()
                 .as_deref(),
             Some("DEAD_LETTER")
         );
         assert_eq!(
-            status_filter(Some("".into()), &INBOX_STATUSES).unwrap(),
+            status_filter(Some("".into()), &InboxStatus::names()).unwrap(),
             None
         );
-        let e = status_filter(Some("PUBLISHED".into()), &INBOX_STATUSES).unwrap_err();
+        let e = status_filter(Some("PUBLISHED".into()), &InboxStatus::names()).unwrap_err();
         assert_eq!(e.code.as_str(), "INVALID_STATUS");
         assert_eq!(page_size(None).unwrap(), 50);
         assert_eq!(page_size(Some("200".into())).unwrap(), 200);

@@ -37,29 +37,6 @@ const MAX_REASON_CHARS: usize = 1000;
 /// The window of the dashboard's "last hour" sums.
 const RECENT: Duration = Duration::from_secs(3600);
 
-/// The statuses a list may filter on: every one.
-const OUTBOX_STATUSES: [&str; 6] = {
-    let a = OutboxStatus::ALL;
-    [
-        a[0].as_str(),
-        a[1].as_str(),
-        a[2].as_str(),
-        a[3].as_str(),
-        a[4].as_str(),
-        a[5].as_str(),
-    ]
-};
-const INBOX_STATUSES: [&str; 5] = {
-    let a = InboxStatus::ALL;
-    [
-        a[0].as_str(),
-        a[1].as_str(),
-        a[2].as_str(),
-        a[3].as_str(),
-        a[4].as_str(),
-    ]
-};
-
 type Reply = Result<HttpResponse, AdminError>;
 
 pub(crate) fn scope(path: &str, state: State) -> Scope {

@@ -244,7 +244,7 @@ pub(super) async fn list_outbox(
 ) -> Reply {
     let q = q.into_inner();
     let filter = stmt::ListFilter {
-        status: status_filter(q.status, &OUTBOX_STATUSES)?,
+        status: status_filter(q.status, &OutboxStatus::names())?,
         event_type: type_filter(q.event_type)?,
         consumer: None,
         limit: page_size(q.limit)?,
@@ -276,7 +276,7 @@ pub(super) async fn list_inbox(
         })
         .transpose()?;
     let filter = stmt::ListFilter {
-        status: status_filter(q.status, &INBOX_STATUSES)?,
+        status: status_filter(q.status, &InboxStatus::names())?,
         event_type: type_filter(q.event_type)?,
         consumer,
         limit: page_size(q.limit)?,
