@@ -20,9 +20,9 @@ pub(crate) enum Settle {
     Stale(i64),
     /// The attempt failed: RETRY_PENDING after the delay, or DEAD_LETTER.
     Failed(Failure),
-    /// Given back unhandled, its attempt not counted: due again at once, in its place in line
-    /// (its `next_attempt_at` is kept, so rows given back again and again are not overtaken
-    /// for ever by rows that fail and fall due again meanwhile).
+    /// Given back unhandled, its attempt not counted: due again at once, in its place in line.
+    /// Only its lease changes; the row is not written (so rows given back again and again are
+    /// not overtaken for ever by rows that fail and fall due again meanwhile).
     Release,
     /// Given back unhandled and not counted, to be claimed on its own from now on: it was in a
     /// call that overran its timeout with other rows, so which one hung is unknown.
@@ -97,7 +97,8 @@ pub(crate) async fn settle_now(
 /// settled it, after the lease died) is not touched, nor is one an operator moved out of its
 /// due status. With `check`, a row not touched raises `AO001` (`inbox_lease_held`). The leases
 /// are locked first, in token order, so a batch and the reaper settling the same lease take
-/// turns.
+/// turns. A row given back (`release`) is not written at all: nothing of it changes but its
+/// lease, so it only counts as held (a failing consumer gives most of its batch back).
 async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool) -> Result<usize> {
     if outcomes.is_empty() {
         return Ok(0);
@@ -168,11 +169,11 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                          WHEN o.kind IN ('retry', 'died_retry') THEN 'RETRY_PENDING' \
                          ELSE i.status END, \
                      attempt_count = CASE \
-                         WHEN o.kind IN ('release', 'isolate', 'suspect') THEN i.attempt_count \
+                         WHEN o.kind IN ('isolate', 'suspect') THEN i.attempt_count \
                          WHEN o.kind IN ('died_retry', 'died_dead') THEN o.attempts \
                          ELSE i.attempt_count + 1 END, \
                      suspicions = CASE WHEN o.kind = 'suspect' THEN i.suspicions + 1 \
-                         WHEN o.kind IN ('release', 'isolate') THEN i.suspicions ELSE 0 END, \
+                         WHEN o.kind = 'isolate' THEN i.suspicions ELSE 0 END, \
                      alone = i.alone OR o.kind IN ('isolate', 'suspect'), \
                      processed_at = CASE WHEN o.kind IN ('processed', 'stale') \
                          THEN clock_timestamp() ELSE i.processed_at END, \
@@ -185,7 +186,7 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                          WHEN o.kind = 'processed' THEN NULL \
                          WHEN o.kind = 'stale' THEN 'EVENT_STALE' \
                          WHEN o.kind = 'suspect' THEN 'INBOX_ATTEMPT_INTERRUPTED' \
-                         WHEN o.kind IN ('release', 'isolate') THEN i.error_code \
+                         WHEN o.kind = 'isolate' THEN i.error_code \
                          ELSE o.code END, \
                      last_error = CASE \
                          WHEN o.kind = 'processed' THEN NULL \
@@ -194,12 +195,16 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                          WHEN o.kind = 'suspect' THEN 'its process died holding it and ' \
                              || (l.held - 1) || ' other events: not counted; handled alone \
                              from now on' \
-                         WHEN o.kind IN ('release', 'isolate') THEN i.last_error \
+                         WHEN o.kind = 'isolate' THEN i.last_error \
                          ELSE o.message END, \
                      updated_at = now() \
                  FROM o JOIN named l USING (token, id) \
                  WHERE i.id = o.id AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
+                     AND o.kind <> 'release' \
                  RETURNING 1 \
+             ), released AS ( \
+                 SELECT FROM o JOIN named USING (token, id) JOIN inbox_events i ON i.id = o.id \
+                 WHERE o.kind = 'release' AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
              ), rest AS ( \
                  SELECT n.token, coalesce(array_agg(n.id) FILTER (WHERE o.id IS NULL), '{}') AS ids \
                  FROM named n LEFT JOIN o USING (token, id) GROUP BY n.token \
@@ -210,7 +215,8 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                  DELETE FROM inbox_leases p USING rest r \
                  WHERE p.token = r.token AND cardinality(r.ids) = 0 \
              ) \
-             SELECT inbox_lease_held((SELECT count(*) FROM settled), $7) AS held",
+             SELECT inbox_lease_held( \
+                 (SELECT count(*) FROM settled) + (SELECT count(*) FROM released), $7) AS held",
         )
         .bind::<Array<BigInt>, _>(ids)
         .bind::<Array<BigInt>, _>(tokens)
