@@ -9,7 +9,7 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history`, `noisy-neighbour`
 //! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
 //! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
-//! N`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
+//! N`, `--pipeline N`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
 //! registers the consumers as batch consumers (`OutboxBuilder::batch_consumer`), which write a
 //! whole batch's effect rows in one statement; the default, `--handler each`, writes one
 //! effect row per handler call.
@@ -118,6 +118,8 @@ struct Opts {
     publish_gap: Option<Duration>,
     /// Batch consumers (`--handler batch`) instead of one event per handler call.
     batch_handler: bool,
+    /// `ConsumerConfig::pipeline` (`--pipeline N`): deliveries a one-event handler gets at once.
+    pipeline: u32,
     /// One-event business transactions as one `enqueue_with` statement (`--producer
     /// statement`, the default) or as `BEGIN`, the pipelined insert and `enqueue`, `COMMIT`.
     one_statement: bool,
@@ -141,6 +143,7 @@ impl Opts {
             listen: None,
             publish_gap: None,
             batch_handler: false,
+            pipeline: 1,
             one_statement: true,
         };
         let mut args = std::env::args().skip(1);
@@ -170,6 +173,7 @@ impl Opts {
                 "--publish-batch" => o.publish_batch = Some(value()?.parse()?),
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
+                "--pipeline" => o.pipeline = value()?.parse()?,
                 "--listen" => o.listen = Some(value()? != "off"),
                 "--publish-gap-us" => {
                     o.publish_gap = Some(Duration::from_micros(value()?.parse()?))
@@ -245,6 +249,7 @@ impl Opts {
             .subscribe(EVENT_TYPE)
             .batch_size(self.consumer_batch)
             .concurrency(self.concurrency)
+            .pipeline(self.pipeline)
             .mailbox_capacity(64)
             .poll_interval(Duration::from_millis(100))
     }
@@ -260,11 +265,12 @@ impl Opts {
         let rc = self.runtime_config();
         format!(
             "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
-             {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
+             {} pipeline {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
              batched; one-event tx as {}), paced {} at {}/s | history {} rows",
             self.pool_size(),
             self.consumer_batch,
             self.concurrency,
+            self.pipeline,
             if self.batch_handler { "batch" } else { "each" },
             self.events,
             self.batch_per_tx,
@@ -381,7 +387,9 @@ impl Handler<Delivery> for Sink {
         }
         let name = self.name.clone();
         Box::pin(async move {
-            let mut conn = d.conn().await?;
+            // Shared: with `--pipeline N`, the N deliveries handed over at once pipeline their
+            // inserts; with 1 (the default) it is the connection alone, as `conn()` gives it.
+            let conn = d.shared_conn().await?;
             Prepared(
                 diesel::sql_query(
                     "INSERT INTO bench_effects (consumer, event_id, order_id) VALUES ($1, $2, $3)",
@@ -390,7 +398,7 @@ impl Handler<Delivery> for Sink {
                 .bind::<SqlUuid, _>(d.event_id().as_uuid())
                 .bind::<Text, _>(d.aggregate_id()),
             )
-            .execute(&mut *conn)
+            .execute(&mut &*conn)
             .await?;
             Ok(())
         })

@@ -187,7 +187,7 @@ pub use store::PgPool;
 pub mod db {
     //! The database: pools and their connection settings, the library's migrations, a
     //! prepared statement marker, and the connection a delivery lends its handler.
-    pub use crate::consumer::TxConn;
+    pub use crate::consumer::{SharedConn, TxConn};
     pub use crate::error::PoolError;
     pub use crate::store::migrate::{migrate, MIGRATIONS};
     pub use crate::store::{connect, connect_with, ConnectionConfig, PgPool, Prepared};

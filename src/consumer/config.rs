@@ -15,6 +15,7 @@ pub struct ConsumerConfig {
     pub(crate) retry: RetryPolicy,
     pub(crate) batch_size: u32,
     pub(crate) concurrency: u32,
+    pub(crate) pipeline: u32,
     pub(crate) mailbox_capacity: usize,
     pub(crate) handler_timeout: Duration,
     pub(crate) poll_interval: Duration,
@@ -40,6 +41,7 @@ impl ConsumerConfig {
             retry: RetryPolicy::default(),
             batch_size: 32,
             concurrency: 1,
+            pipeline: 1,
             mailbox_capacity: 64,
             handler_timeout: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
@@ -74,6 +76,20 @@ impl ConsumerConfig {
     /// `batch_size` small so that batches fill.
     pub fn concurrency(mut self, n: u32) -> Self {
         self.concurrency = n;
+        self
+    }
+    /// How many deliveries of a batch a [`Delivery`](super::Delivery) handler gets at once, in
+    /// the batch's one transaction. Handlers that write through
+    /// [`Delivery::shared_conn`](super::Delivery::shared_conn) then have their statements
+    /// *pipelined*: sent together, run back to back, one wait for all of them instead of one
+    /// per event. The deliveries of one aggregate are never handed over together: each waits
+    /// for the one before it, so an aggregate's events are still handled in claim order. A
+    /// failure handles the batch again one delivery at a time (as after a failure without
+    /// pipelining), so that it is charged to the event that caused it. A timeout applies to
+    /// the deliveries handed over together, as one call. Default 1 (one at a time); a batch
+    /// handler ignores it.
+    pub fn pipeline(mut self, n: u32) -> Self {
+        self.pipeline = n;
         self
     }
     /// Capacity of the consumer's wake-up mailbox.
@@ -141,6 +157,9 @@ impl ConsumerConfig {
         }
         if self.concurrency == 0 || self.concurrency > 256 {
             return bad("concurrency must be within 1..=256");
+        }
+        if self.pipeline == 0 || self.pipeline > 10_000 {
+            return bad("pipeline must be within 1..=10000");
         }
         if self.mailbox_capacity == 0 {
             return bad("mailbox_capacity must be at least 1");

@@ -8,7 +8,7 @@ use actix::Message;
 use chrono::{DateTime, Utc};
 use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
-use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard};
+use tokio::sync::{OwnedRwLockMappedWriteGuard, OwnedRwLockReadGuard, OwnedRwLockWriteGuard};
 
 use super::lend::Slot;
 use super::HandlerError;
@@ -165,7 +165,7 @@ impl Delivery {
             Some(registry) => registry.validate_follow_up(&event)?,
             None => event.validate(&PayloadRules::default())?,
         }
-        let conn = self.conn().await?;
+        let conn = self.shared_conn().await?;
         // With a notification, pipelined, that wakes the publishers (this instance's too) when
         // the delivery's batch commits: a handler cannot wake them after that commit itself,
         // and a chain of events would otherwise move one publisher poll per link.
@@ -194,14 +194,64 @@ impl Delivery {
     pub async fn conn(&self) -> Result<TxConn, HandlerError> {
         lend(&self.slot).await
     }
+
+    /// The inbox transaction's connection, shared: the deliveries that a consumer with
+    /// [`ConsumerConfig::pipeline`](super::ConsumerConfig::pipeline) handles at once hold it
+    /// together, and the statements they run through it are *pipelined*, sent without waiting
+    /// for one another's answers. Run a statement with `.execute(&mut &*conn)`; a handler that
+    /// needs the connection to itself (a nested transaction, say) takes [`Delivery::conn`],
+    /// which waits until no other delivery holds either.
+    ///
+    /// Why: a handler that writes one row per event waits a round trip per event, and the
+    /// database wakes up once per statement. Pipelined, a batch's statements arrive together
+    /// and are run back to back: see the performance notes in the README.
+    ///
+    /// ```no_run
+    /// use actix::prelude::*;
+    /// use actix_outbox::{db::Prepared, Delivery, HandlerError};
+    /// use diesel::sql_types::Text;
+    /// use diesel_async::RunQueryDsl;
+    ///
+    /// struct Audit;
+    /// impl Actor for Audit {
+    ///     type Context = Context<Self>;
+    /// }
+    /// impl Handler<Delivery> for Audit {
+    ///     type Result = ResponseFuture<Result<(), HandlerError>>;
+    ///     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+    ///         Box::pin(async move {
+    ///             let conn = d.shared_conn().await?;
+    ///             let insert = diesel::sql_query("INSERT INTO audit (order_id) VALUES ($1)")
+    ///                 .bind::<Text, _>(d.aggregate_id());
+    ///             Prepared(insert).execute(&mut &*conn).await?;
+    ///             Ok(())
+    ///         })
+    ///     }
+    /// }
+    /// // OutboxRuntime::builder(pool).consumer(ConsumerConfig::new("audit")
+    /// //     .subscribe("ORDER_PLACED").pipeline(64), || Audit)
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Delivery::conn`].
+    pub async fn shared_conn(&self) -> Result<SharedConn, HandlerError> {
+        let guard = self.slot.clone().read_owned().await;
+        OwnedRwLockReadGuard::try_map(guard, |slot| slot.as_deref())
+            .map(SharedConn)
+            .map_err(|_| finished())
+    }
 }
 
-/// Locks a delivery's connection slot for the handler.
+/// Locks a delivery's connection slot for the handler alone.
 async fn lend(slot: &Slot) -> Result<TxConn, HandlerError> {
-    let guard: OwnedMutexGuard<Option<OwnedConn>> = slot.clone().lock_owned().await;
-    OwnedMutexGuard::try_map(guard, |slot| slot.as_mut())
+    let guard: OwnedRwLockWriteGuard<Option<OwnedConn>> = slot.clone().write_owned().await;
+    OwnedRwLockWriteGuard::try_map(guard, |slot| slot.as_mut())
         .map(TxConn)
-        .map_err(|_| HandlerError::retry("the delivery has finished; its transaction is gone"))
+        .map_err(|_| finished())
+}
+
+fn finished() -> HandlerError {
+    HandlerError::retry("the delivery has finished; its transaction is gone")
 }
 
 /// Several events for one batch consumer, delivered in one call with the transaction they are
@@ -290,8 +340,9 @@ impl DeliveryBatch {
     }
 }
 
-/// The connection of a delivery's open transaction; derefs to [`AsyncPgConnection`].
-pub struct TxConn(OwnedMappedMutexGuard<Option<OwnedConn>, OwnedConn>);
+/// The connection of a delivery's open transaction, held alone; derefs to
+/// [`AsyncPgConnection`].
+pub struct TxConn(OwnedRwLockMappedWriteGuard<Option<OwnedConn>, OwnedConn>);
 
 impl Deref for TxConn {
     type Target = AsyncPgConnection;
@@ -303,5 +354,17 @@ impl Deref for TxConn {
 impl DerefMut for TxConn {
     fn deref_mut(&mut self) -> &mut AsyncPgConnection {
         &mut self.0
+    }
+}
+
+/// The connection of a delivery's open transaction, shared with the other deliveries handled
+/// at the same time ([`Delivery::shared_conn`]); derefs to [`AsyncPgConnection`], through
+/// which statements are pipelined (`.execute(&mut &*conn)`).
+pub struct SharedConn(OwnedRwLockReadGuard<Option<OwnedConn>, AsyncPgConnection>);
+
+impl Deref for SharedConn {
+    type Target = AsyncPgConnection;
+    fn deref(&self) -> &AsyncPgConnection {
+        &self.0
     }
 }

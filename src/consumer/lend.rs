@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::{RwLock, Semaphore};
 
 use super::actor::HandlerRef;
 use super::decide::{handler_timed_out, HANDLER_LOST};
@@ -22,9 +22,10 @@ use crate::event::ConsumerName;
 use crate::store::inbox::{self, InboxRow, Outcome};
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 
-/// A delivery's connection slot: the handler locks it to use the connection; the batch takes
-/// the connection back out when the call is over.
-pub(crate) type Slot = Arc<Mutex<Option<OwnedConn>>>;
+/// A delivery's connection slot: the handler locks it to use the connection (alone, or shared
+/// with the deliveries handled at the same time); the batch takes the connection back out when
+/// the call is over.
+pub(crate) type Slot = Arc<RwLock<Option<OwnedConn>>>;
 
 /// How a call to the handler went.
 pub(crate) struct Call {
@@ -42,9 +43,11 @@ pub(crate) struct Call {
     pub slot: Slot,
 }
 
-/// Lends `conn` to the handler for `rows` (one row unless the handler takes batches), moving
-/// their payloads into the deliveries, and takes it back. `depth` is the transaction depth the
-/// connection is lent at (the batch's transaction, plus a row's savepoint).
+/// Lends `conn` to the handler for `rows`, moving their payloads into the deliveries, and takes
+/// it back. A batch handler gets them in one call; a handler of one delivery gets one call per
+/// row, all at once when there are several ([`ConsumerConfig::pipeline`]), and the call ends
+/// when the last of them does. `depth` is the transaction depth the connection is lent at (the
+/// batch's transaction, plus a row's savepoint).
 pub(crate) async fn hand_over(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
@@ -52,7 +55,7 @@ pub(crate) async fn hand_over(
     rows: &mut [InboxRow],
     depth: u32,
 ) -> Call {
-    let slot: Slot = Arc::new(Mutex::new(Some(conn)));
+    let slot: Slot = Arc::new(RwLock::new(Some(conn)));
     let deliveries: Vec<Delivery> = rows
         .iter_mut()
         .map(|row| {
@@ -72,8 +75,16 @@ pub(crate) async fn hand_over(
         .collect();
     let sent = match handler {
         HandlerRef::One(h) => {
-            let d = deliveries.into_iter().next().expect("one row per call");
-            tokio::time::timeout(cfg.handler_timeout, h.send(d)).await
+            let calls = deliveries.into_iter().map(|d| h.send(d));
+            let all = futures_util::future::join_all(calls);
+            // The first failure stands for the call (for several rows it charges none).
+            tokio::time::timeout(cfg.handler_timeout, all)
+                .await
+                .map(|ends| {
+                    ends.into_iter()
+                        .find(|e| !matches!(e, Ok(Ok(()))))
+                        .unwrap_or(Ok(Ok(())))
+                })
         }
         HandlerRef::Batch(h) => {
             let batch = DeliveryBatch {
@@ -95,7 +106,7 @@ pub(crate) async fn hand_over(
         }
         Err(_) => Err(handler_timed_out(cfg)),
     };
-    let taken = slot.try_lock().ok().and_then(|mut g| g.take());
+    let taken = slot.try_write().ok().and_then(|mut g| g.take());
     let conn = taken.and_then(|mut c| (depth_of(&mut c) == Some(depth)).then_some(c));
     let held = Arc::strong_count(&slot) > 1;
     Call {
@@ -209,7 +220,7 @@ impl Hung {
                     .await;
                 }
             }
-            drop(slot.lock().await.take());
+            drop(slot.write().await.take());
             drop(slot);
             let left = parked.fetch_sub(1, Ordering::Relaxed) - 1;
             crate::telemetry::metrics::consumer_hung(consumer.as_str(), left);

@@ -50,8 +50,14 @@ impl Pass<'_> {
             settle,
         };
         tm(&mut conn, Step::Begin).await?;
-        // A batch handler gets the fast pass's rows in one call; a careful pass, one per call.
-        let together = matches!(self.handler, HandlerRef::Batch(_)) && !self.careful;
+        // Rows handed over in one call: a batch handler gets all of the fast pass's; a
+        // handler of one delivery, up to `pipeline` of them at once; a careful pass, one.
+        let limit = match self.handler {
+            _ if self.careful => 1,
+            HandlerRef::Batch(_) => usize::MAX,
+            HandlerRef::One(_) => cfg.pipeline as usize,
+        };
+        let one = matches!(self.handler, HandlerRef::One(_));
         let depth = if self.careful { 2 } else { 1 };
         let mut outcomes = Vec::with_capacity(rows.len());
         let mut processed: Vec<InboxRow> = Vec::with_capacity(rows.len());
@@ -60,57 +66,27 @@ impl Pass<'_> {
         // Calls that failed, to be retried; in a careful pass, see `decide::gives_up`.
         let mut retried = 0;
         let mut rows = rows.into_iter().peekable();
-        while let Some(mut row) = rows.next() {
+        while let Some(row) = rows.next() {
             if !self.handler.connected() || !decide::fits(self.started.elapsed(), cfg) {
                 // Never offered: no attempt is spent. The handler is replaced first, or the
                 // lease is about to run out.
                 out.handler_lost |= !self.handler.connected();
-                outcomes.push(to(&row, Settle::Release));
-                outcomes.extend(rows.by_ref().map(|r| to(&r, Settle::Release)));
+                let left = group
+                    .drain(..)
+                    .chain(std::iter::once(row))
+                    .chain(rows.by_ref());
+                outcomes.extend(left.map(|r| to(&r, Settle::Release)));
                 break;
             }
-            if let Err(err) = upcast(cfg, &mut row) {
-                // Never handed over: no code here can read it, and retrying cannot help.
-                log::failed(cfg, &row, &err);
-                outcomes.push(to(
-                    &row,
-                    Settle::Failed(decide::decide(&cfg.retry, &row, &err)),
-                ));
-                continue;
+            if let Some(row) = self.admit(&mut conn, row, &mut outcomes).await? {
+                group.push(row);
             }
-            if self.careful {
-                tm(&mut conn, Step::Begin).await?; // SAVEPOINT
-            }
-            if let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) {
-                let name = cfg.name.as_str();
-                let advanced = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                    let (kind, id) = (&row.aggregate_type, &row.aggregate_id);
-                    inbox::advance_version(c, name, kind, id, version).await
-                })
-                .await?;
-                match advanced {
-                    Advance::Applied => {}
-                    Advance::Stale(current) => {
-                        if self.careful {
-                            tm(&mut conn, Step::Commit).await?;
-                        }
-                        tracing::info!(consumer = %cfg.name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
-                            version, current, code = "EVENT_STALE", "stale event recorded, not applied");
-                        outcomes.push(to(&row, Settle::Stale(current)));
-                        continue;
-                    }
-                    Advance::Busy => {
-                        // Another loop holds the aggregate: given back, due again shortly.
-                        if self.careful {
-                            tm(&mut conn, Step::Rollback).await?;
-                        }
-                        outcomes.push(to(&row, Settle::Release));
-                        continue;
-                    }
-                }
-            }
-            group.push(row);
-            if together && rows.peek().is_some() {
+            // The call waits for more rows while there is room and the next row's aggregate
+            // has none in it: one aggregate's deliveries are never handled at once.
+            let wait = |next: &InboxRow| {
+                group.len() < limit && !(one && group.iter().any(|r| r.same_aggregate(next)))
+            };
+            if group.is_empty() || rows.peek().is_some_and(wait) {
                 continue;
             }
             calls += 1;
@@ -149,7 +125,7 @@ impl Pass<'_> {
                 // the handler: its session ending would say the handler's transaction is over,
                 // and the rows would be settled while the handler may still kill the process.
                 if let Some(conn) = call.conn {
-                    if let Ok(mut slot) = call.slot.try_lock() {
+                    if let Ok(mut slot) = call.slot.try_write() {
                         *slot = Some(conn);
                     }
                 }
@@ -242,6 +218,64 @@ impl Pass<'_> {
         }
         outcomes.extend(processed.iter().map(|r| to(r, Settle::Processed)));
         Ok(PassEnd::Commit(conn, outcomes, processed))
+    }
+}
+
+impl Pass<'_> {
+    /// Readies `row` for its call, or decides it without one (returning `None`): its payload
+    /// is lifted to the current version, and, for a consumer that skips stale events, its
+    /// aggregate version advanced (in a careful pass, inside the row's savepoint, which is
+    /// then left open for the call).
+    async fn admit(
+        &self,
+        conn: &mut OwnedConn,
+        mut row: InboxRow,
+        outcomes: &mut Vec<Outcome>,
+    ) -> Result<Option<InboxRow>> {
+        let cfg = self.cfg;
+        let to = |row: &InboxRow, settle| Outcome {
+            id: row.id,
+            token: row.lease_token,
+            settle,
+        };
+        if let Err(err) = upcast(cfg, &mut row) {
+            // Never handed over: no code here can read it, and retrying cannot help.
+            log::failed(cfg, &row, &err);
+            let failure = decide::decide(&cfg.retry, &row, &err);
+            outcomes.push(to(&row, Settle::Failed(failure)));
+            return Ok(None);
+        }
+        if self.careful {
+            tm(conn, Step::Begin).await?; // SAVEPOINT
+        }
+        let (true, Some(version)) = (cfg.skip_stale, row.aggregate_version) else {
+            return Ok(Some(row));
+        };
+        let name = cfg.name.as_str();
+        let advanced = store::bounded(conn, DB_TIMEOUT, async |c| {
+            let (kind, id) = (&row.aggregate_type, &row.aggregate_id);
+            inbox::advance_version(c, name, kind, id, version).await
+        })
+        .await?;
+        match advanced {
+            Advance::Applied => return Ok(Some(row)),
+            Advance::Stale(current) => {
+                if self.careful {
+                    tm(conn, Step::Commit).await?;
+                }
+                tracing::info!(consumer = %cfg.name, event_id = %row.event_id, aggregate_id = %row.aggregate_id,
+                    version, current, code = "EVENT_STALE", "stale event recorded, not applied");
+                outcomes.push(to(&row, Settle::Stale(current)));
+            }
+            Advance::Busy => {
+                // Another loop holds the aggregate: given back, due again shortly.
+                if self.careful {
+                    tm(conn, Step::Rollback).await?;
+                }
+                outcomes.push(to(&row, Settle::Release));
+            }
+        }
+        Ok(None)
     }
 }
 

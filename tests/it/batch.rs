@@ -145,3 +145,35 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
     assert_eq!(db.wait_for(counted, 1, WAIT).await, 1);
     db.finish(&[&rt]).await;
 }
+
+/// A batch whose last row is stale (an older version of an aggregate after a newer one, for a
+/// consumer that skips stale events): the rows before it are still handed over, in the same
+/// call, and commit at once; none is left in its lease for the reaper.
+#[actix_rt::test]
+async fn a_batch_ending_in_a_stale_event_still_hands_over_the_rest() {
+    use diesel_async::AsyncConnection;
+    let db = TestDb::new().await;
+    let newer = order_event("a").aggregate_version(3);
+    let older = order_event("a").aggregate_version(2);
+    let mut conn = db.pool.get().await.unwrap();
+    conn.transaction::<_, actix_outbox::Error, _>(async |c| {
+        actix_outbox::enqueue_many(c, &[newer, older]).await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+    drop(conn);
+    // A lease far longer than the wait: a row left in it would not come back in time.
+    let cfg = consumer("bulk", 3)
+        .skip_stale(true)
+        .lease(Duration::from_secs(600));
+    let rt = start_batch(&db, vec![(cfg, Behaviour::default())]).await;
+
+    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+                AND attempt_count = 1";
+    assert_eq!(db.wait_for(done, 2, Duration::from_secs(20)).await, 2);
+    let stale = "SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE'";
+    assert_eq!(db.count(stale).await, 1);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    db.finish(&[&rt]).await;
+}

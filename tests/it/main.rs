@@ -18,6 +18,7 @@ mod isolation;
 mod lifecycle;
 mod network;
 mod ops;
+mod pipeline;
 mod plan;
 mod reconcile;
 mod server_crash;

@@ -70,6 +70,10 @@ pub(crate) struct InboxRow {
 }
 
 impl InboxRow {
+    /// Whether both rows are events of the same aggregate.
+    pub(crate) fn same_aggregate(&self, other: &InboxRow) -> bool {
+        self.aggregate_id == other.aggregate_id && self.aggregate_type == other.aggregate_type
+    }
     /// A copy without the (possibly large) payload and metadata.
     pub(crate) fn clone_without_payload(&self) -> InboxRow {
         InboxRow {

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use chrono::{DateTime, TimeDelta, Utc};
-use tokio::sync::Mutex;
+use tokio::sync::RwLock;
 
 use crate::consumer::actor::HandlerRef;
 use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
@@ -115,7 +115,7 @@ impl Harness {
         }
 
         // No connection: `Delivery::conn` reports the delivery as finished.
-        let slot = Arc::new(Mutex::new(None));
+        let slot = Arc::new(RwLock::new(None));
         let delivery = Delivery {
             row: row.clone(),
             consumer: cfg.name.clone(),
