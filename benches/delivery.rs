@@ -9,7 +9,7 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history`, `noisy-neighbour`
 //! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
 //! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
-//! N`, `--pipeline N`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
+//! N`, `--pipeline N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
 //! registers the consumers as batch consumers (`OutboxBuilder::batch_consumer`), which write a
 //! whole batch's effect rows in one statement; the default, `--handler each`, writes one
 //! effect row per handler call.
@@ -120,6 +120,8 @@ struct Opts {
     batch_handler: bool,
     /// `ConsumerConfig::pipeline` (`--pipeline N`): deliveries a one-event handler gets at once.
     pipeline: u32,
+    /// `ConsumerConfig::ordered` (`--ordered`): each aggregate's events in enqueue order.
+    ordered: bool,
     /// One-event business transactions as one `enqueue_with` statement (`--producer
     /// statement`, the default) or as `BEGIN`, the pipelined insert and `enqueue`, `COMMIT`.
     one_statement: bool,
@@ -144,6 +146,7 @@ impl Opts {
             publish_gap: None,
             batch_handler: false,
             pipeline: 1,
+            ordered: false,
             one_statement: true,
         };
         let mut args = std::env::args().skip(1);
@@ -174,6 +177,7 @@ impl Opts {
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
                 "--pipeline" => o.pipeline = value()?.parse()?,
+                "--ordered" => o.ordered = true,
                 "--listen" => o.listen = Some(value()? != "off"),
                 "--publish-gap-us" => {
                     o.publish_gap = Some(Duration::from_micros(value()?.parse()?))
@@ -250,6 +254,7 @@ impl Opts {
             .batch_size(self.consumer_batch)
             .concurrency(self.concurrency)
             .pipeline(self.pipeline)
+            .ordered(self.ordered)
             .mailbox_capacity(64)
             .poll_interval(Duration::from_millis(100))
     }
@@ -265,12 +270,13 @@ impl Opts {
         let rc = self.runtime_config();
         format!(
             "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
-             {} pipeline {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
+             {} pipeline {} ordered {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
              batched; one-event tx as {}), paced {} at {}/s | history {} rows",
             self.pool_size(),
             self.consumer_batch,
             self.concurrency,
             self.pipeline,
+            self.ordered,
             if self.batch_handler { "batch" } else { "each" },
             self.events,
             self.batch_per_tx,

@@ -299,6 +299,11 @@ async fn batch_loop(
                     // Rows claimed alone come one per batch: claim the next at once.
                     continue;
                 }
+                if cfg.ordered && processed > 0 {
+                    // An ordered consumer's claim takes one event per aggregate: the events
+                    // behind the ones just processed are due now.
+                    continue;
+                }
                 if claimed < cfg.batch_size as usize {
                     return out;
                 }

@@ -64,7 +64,7 @@ pub(crate) async fn run_batch(
     let limit = i64::from(cfg.batch_size);
     let name = cfg.name.as_str();
     let claimed = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-        inbox::claim(c, name, limit, lease_ms, token).await
+        inbox::claim(c, name, limit, lease_ms, token, !cfg.skip_dead_letters).await
     })
     .await;
     let rows = match claimed {

@@ -20,6 +20,8 @@ pub struct ConsumerConfig {
     pub(crate) handler_timeout: Duration,
     pub(crate) poll_interval: Duration,
     pub(crate) skip_stale: bool,
+    pub(crate) ordered: bool,
+    pub(crate) skip_dead_letters: bool,
     pub(crate) rate_limit: Option<f64>,
     pub(crate) lease: Option<Duration>,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
@@ -46,6 +48,8 @@ impl ConsumerConfig {
             handler_timeout: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
             skip_stale: false,
+            ordered: false,
+            skip_dead_letters: false,
             rate_limit: None,
             lease: None,
             events: None,
@@ -139,6 +143,34 @@ impl ConsumerConfig {
     /// consumers that must see every event, such as counters. Default off.
     pub fn skip_stale(mut self, on: bool) -> Self {
         self.skip_stale = on;
+        self
+    }
+    /// Ordered per aggregate, parallel across aggregates: an aggregate's events are applied in
+    /// the order they were enqueued, and its next event is never handed over before the one
+    /// before it is processed, dead-lettered (see [`ConsumerConfig::skip_dead_letters`]) or
+    /// ignored — across batch loops and across instances, since the rule is the claim's: a
+    /// row is claimed only when it is the earliest unfinished event of its aggregate. Events
+    /// of different aggregates still run side by side, and a failing event holds up only its
+    /// own aggregate while it waits for its retry. Default off.
+    ///
+    /// The order is the order in which the events were enqueued (the outbox's sequence); for
+    /// events of one aggregate that is the order of their transactions when each locks the
+    /// aggregate's row, as an update of it does. Events received from a broker
+    /// ([`receive`](crate::transport::receive)) are not ordered here. Turning it on orders
+    /// the events fanned out from then on.
+    ///
+    /// What it costs: a claim reads past the rows held up behind a failing event, and an
+    /// aggregate with a backlog moves one event per claim. See the README's performance notes.
+    pub fn ordered(mut self, on: bool) -> Self {
+        self.ordered = on;
+        self
+    }
+    /// For an [`ordered`](ConsumerConfig::ordered) consumer, whether a dead-lettered event lets
+    /// the events of its aggregate behind it go on. Default off: a dead letter holds its
+    /// aggregate until an operator retries or ignores it, since the events behind it were
+    /// written assuming it had been applied.
+    pub fn skip_dead_letters(mut self, on: bool) -> Self {
+        self.skip_dead_letters = on;
         self
     }
     /// The consumer's name.

@@ -344,9 +344,13 @@ impl OutboxBuilder {
         {
             let mut conn = self.pool.get().await?;
             for (cfg, _) in &self.consumers {
-                let extra =
-                    store::inbox::register_consumer(&mut conn, cfg.name.as_str(), &cfg.event_types)
-                        .await?;
+                let extra = store::inbox::register_consumer(
+                    &mut conn,
+                    cfg.name.as_str(),
+                    &cfg.event_types,
+                    cfg.ordered,
+                )
+                .await?;
                 if !extra.is_empty() {
                     // Still fanned out to this consumer, whose handler no longer expects them.
                     tracing::warn!(consumer = %cfg.name, event_types = ?extra,

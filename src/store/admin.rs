@@ -371,6 +371,55 @@ pub(crate) async fn list_audit(
     Ok(rows)
 }
 
+/// An aggregate an ordered consumer cannot move on with: its earliest unfinished event (the
+/// head) failed and waits for a retry or a decision, and `waiting` events stand behind it.
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct BlockedAggregate {
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    #[diesel(sql_type = BigInt)]
+    pub waiting: i64,
+    /// The head's inbox row id (for its retry or ignore) and what it is.
+    #[diesel(sql_type = BigInt)]
+    pub head_id: i64,
+    #[diesel(sql_type = SqlUuid)]
+    pub event_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Integer)]
+    pub attempt_count: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub error_code: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    pub next_attempt_at: DateTime<Utc>,
+}
+
+/// The aggregates ordered consumers are held up on (all consumers, or `consumer`'s), most
+/// events waiting first. Read through `inbox_events_ordered`, which holds only ordered
+/// consumers' unfinished rows.
+pub(crate) async fn blocked_aggregates(
+    conn: &mut AsyncPgConnection,
+    consumer: Option<&str>,
+    limit: i64,
+) -> Result<Vec<BlockedAggregate>> {
+    let rows = diesel::sql_query(
+        "WITH a AS (              SELECT consumer, aggregate_type, aggregate_id, count(*) - 1 AS waiting,                  min(event_seq) AS head_seq              FROM inbox_events              WHERE ordered AND status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')                AND ($1::text IS NULL OR consumer = $1)              GROUP BY consumer, aggregate_type, aggregate_id HAVING count(*) > 1)          SELECT a.consumer, a.aggregate_type, a.aggregate_id, a.waiting, i.id AS head_id,              i.event_id, i.event_type, i.status, i.attempt_count, i.error_code, i.last_error,              i.next_attempt_at          FROM a JOIN inbox_events i ON i.consumer = a.consumer AND i.ordered              AND i.aggregate_type = a.aggregate_type AND i.aggregate_id = a.aggregate_id              AND i.event_seq = a.head_seq          WHERE i.status IN ('RETRY_PENDING', 'DEAD_LETTER')          ORDER BY a.waiting DESC, i.id LIMIT $2",
+    )
+    .bind::<Nullable<Text>, _>(consumer)
+    .bind::<BigInt, _>(limit)
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
 /// A consumer's pause switch as operators see it.
 #[derive(Debug, Clone, QueryableByName, Serialize)]
 pub(crate) struct ConsumerState {

@@ -18,10 +18,10 @@ WITH due AS (
 ), delivered AS (
     INSERT INTO inbox_events (event_id, consumer, event_type, event_version,
         aggregate_type, aggregate_id, aggregate_version, payload, metadata,
-        correlation_id, causation_id, event_created_at)
+        correlation_id, causation_id, event_created_at, event_seq, ordered)
     SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type,
         p.aggregate_id, p.aggregate_version, p.payload, p.metadata,
-        p.correlation_id, p.causation_id, p.created_at
+        p.correlation_id, p.causation_id, p.created_at, p.seq, s.ordered
     FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
     ORDER BY p.seq, s.consumer
     ON CONFLICT (event_id, consumer) DO NOTHING

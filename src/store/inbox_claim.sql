@@ -1,5 +1,6 @@
 -- The consumer's claim (`inbox::claim`): lease up to $2 due rows of consumer $1 for $3
--- milliseconds to process $4 under token $5, by writing one `inbox_leases` row that names them;
+-- milliseconds to process $4 under token $5 ($6: dead letters block an ordered consumer's
+-- aggregate), by writing one `inbox_leases` row that names them;
 -- the rows themselves are not written (see the migration `inbox_lease_table`). Committed before
 -- any handler sees a row. Run after the consumer's claim lock (`inbox::claim`), so the leases
 -- this reads are every lease committed before it. None while the consumer is paused.
@@ -9,6 +10,11 @@
 -- turns on an advisory lock for that. One that has waited a whole lease for such a moment (a
 -- process never idle) is leased all the same. While one is due or in flight in this process,
 -- its consumer claims nothing else here.
+-- An ordered consumer's row (`ordered`, see the migration `ordered_consumers`) is claimed only
+-- when it is the earliest unfinished event of its aggregate: no row of the aggregate with a
+-- lower `event_seq` is due, leased or ($6) dead-lettered, and no outbox event with a lower seq
+-- waits to be fanned out. So a claim takes at most one row per aggregate, and the next only
+-- after this one's outcome has committed. The same test is written in `one` and in `due`.
 -- The ORDER BY is the partial index `inbox_events_due` column for column, so PostgreSQL reads
 -- it in order and stops at the limit, skipping rows a lease names. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
 -- test runs exactly this text.
@@ -30,6 +36,15 @@ WITH paused AS (
       AND NOT EXISTS (SELECT FROM paused)
       AND (NOT EXISTS (SELECT FROM inbox_leases b WHERE b.locked_by = $4)
            OR i.next_attempt_at < now() - $3 * interval '1 millisecond')
+      AND (NOT i.ordered OR (
+          i.event_seq < coalesce((SELECT min(o.seq) FROM outbox_events o WHERE o.status = 'PENDING'),
+                                   9223372036854775807)
+          AND NOT EXISTS (
+              SELECT FROM inbox_events e
+              WHERE e.consumer = $1 AND e.ordered AND e.aggregate_type = i.aggregate_type
+                AND e.aggregate_id = i.aggregate_id AND e.event_seq < i.event_seq
+                AND e.status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')
+                AND (e.status <> 'DEAD_LETTER' OR $6))))
       AND pg_try_advisory_xact_lock(hashtextextended('actix_outbox.alone:' || $4, 0))
     ORDER BY i.next_attempt_at, i.id
     LIMIT 1
@@ -38,6 +53,15 @@ WITH paused AS (
     WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM alone)
+      AND (NOT i.ordered OR (
+          i.event_seq < coalesce((SELECT min(o.seq) FROM outbox_events o WHERE o.status = 'PENDING'),
+                                   9223372036854775807)
+          AND NOT EXISTS (
+              SELECT FROM inbox_events e
+              WHERE e.consumer = $1 AND e.ordered AND e.aggregate_type = i.aggregate_type
+                AND e.aggregate_id = i.aggregate_id AND e.event_seq < i.event_seq
+                AND e.status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')
+                AND (e.status <> 'DEAD_LETTER' OR $6))))
     ORDER BY i.next_attempt_at, i.id
     LIMIT $2
 ), lease AS (

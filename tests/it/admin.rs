@@ -202,6 +202,7 @@ async fn requests_without_valid_credentials_get_401_and_touch_nothing() {
         "/ops/outbox".into(),
         "/ops/inbox?status=DEAD_LETTER".into(),
         "/ops/consumers".into(),
+        "/ops/blocked".into(),
         "/ops/audit".into(),
         "/ops/timeline/corr-1".into(),
         "/ops/no-such-endpoint".into(),

@@ -18,6 +18,7 @@ mod isolation;
 mod lifecycle;
 mod network;
 mod ops;
+mod ordered;
 mod pipeline;
 mod plan;
 mod reconcile;

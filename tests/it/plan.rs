@@ -326,19 +326,19 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         "ALTER TABLE inbox_events SET (autovacuum_enabled = off);
          INSERT INTO consumer_states (consumer) VALUES ('c1');
          SET enable_seqscan = off; SET enable_bitmapscan = off;
-         PREPARE inbox_claim_test (text, int8, int8, text, int8) AS {INBOX_CLAIM_SQL};"
+         PREPARE inbox_claim_test (text, int8, int8, text, int8, bool) AS {INBOX_CLAIM_SQL};"
     ))
     .await
     .unwrap();
     // Six runs on the empty table make PostgreSQL settle on a generic plan and keep it.
     for _ in 0..6 {
-        conn.batch_execute("EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7)")
+        conn.batch_execute("EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7, true)")
             .await
             .unwrap();
     }
     let explain = async |conn: &mut AsyncPgConnection, case: &str| {
         let row: ExplainRow = diesel::sql_query(
-            "EXPLAIN (FORMAT JSON) EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7)",
+            "EXPLAIN (FORMAT JSON) EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7, true)",
         )
         .get_result(conn)
         .await
@@ -362,16 +362,27 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
             "{case}: the claim scans the inbox table:\n{}",
             render(&nodes)
         );
+        // An ordered consumer's rows look for an unfinished earlier event of their aggregate
+        // by key, in the index that holds only ordered consumers' unfinished rows.
+        assert!(
+            nodes
+                .iter()
+                .any(|n| n.index.as_deref() == Some("inbox_events_ordered")),
+            "{case}: the ordered test does not read inbox_events_ordered:\n{}",
+            render(&nodes)
+        );
     };
     explain(&mut conn, "empty table").await;
 
-    // 60,000 rows for three consumers, one in ten due, written after the plan was made.
+    // 60,000 rows for three consumers, one in ten due, written after the plan was made; half
+    // of them ordered (as if their consumers had been, in turn).
     conn.batch_execute(
         "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, \
-             aggregate_type, aggregate_id, payload, correlation_id, event_created_at, status) \
+             aggregate_type, aggregate_id, payload, correlation_id, event_created_at, status, \
+             event_seq, ordered) \
          SELECT gen_random_uuid(), 'c' || (g % 3), 'ORDER_STATUS_CHANGED', 1, 'order', \
              'o-' || g, '{}', 'c-' || g, now(), \
-             CASE WHEN g % 10 = 0 THEN 'RECEIVED' ELSE 'PROCESSED' END \
+             CASE WHEN g % 10 = 0 THEN 'RECEIVED' ELSE 'PROCESSED' END, g, g % 2 = 0 \
          FROM generate_series(1, 60000) AS g",
     )
     .await
@@ -396,6 +407,7 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         .bind::<diesel::sql_types::BigInt, _>(60000)
         .bind::<diesel::sql_types::Text, _>("p")
         .bind::<diesel::sql_types::BigInt, _>(7)
+        .bind::<diesel::sql_types::Bool, _>(true)
         .execute(&mut conn)
         .await
         .unwrap();

@@ -155,6 +155,17 @@ pub(super) struct InboxQuery {
 }
 
 /// Empty parameters (`?status=`, as a form sends them) mean "no filter".
+/// A `consumer` filter: absent, or a valid consumer name.
+fn consumer_filter(v: Option<String>) -> Result<Option<String>, AdminError> {
+    given(v)
+        .map(|c| {
+            ConsumerName::new(c.clone())
+                .map(|_| c)
+                .map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))
+        })
+        .transpose()
+}
+
 pub(super) fn given(v: Option<String>) -> Option<String> {
     v.map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
 }
@@ -268,13 +279,7 @@ pub(super) async fn list_inbox(
     q: web::Query<InboxQuery>,
 ) -> Reply {
     let q = q.into_inner();
-    let consumer = given(q.consumer)
-        .map(|c| {
-            ConsumerName::new(c.clone())
-                .map(|_| c)
-                .map_err(|e| AdminError::bad_request(INVALID_CONSUMER, e.to_string()))
-        })
-        .transpose()?;
+    let consumer = consumer_filter(q.consumer)?;
     let filter = stmt::ListFilter {
         status: status_filter(q.status, &InboxStatus::names())?,
         event_type: type_filter(q.event_type)?,
@@ -292,6 +297,28 @@ pub(super) async fn list_inbox(
         |i| (&i.event_type, &mut i.payload),
         |i| i.id.to_string(),
     ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BlockedQuery {
+    consumer: Option<String>,
+    limit: Option<String>,
+}
+
+/// The aggregates ordered consumers are held up on: each one's failed head event and how
+/// many events wait behind it.
+pub(super) async fn blocked(
+    _: Operator,
+    st: web::Data<State>,
+    q: web::Query<BlockedQuery>,
+) -> Reply {
+    let q = q.into_inner();
+    let consumer = consumer_filter(q.consumer)?;
+    let limit = page_size(q.limit)?;
+    let mut conn = st.pool.get().await?;
+    let items = stmt::blocked_aggregates(&mut conn, consumer.as_deref(), limit).await?;
+    Ok(ok_json(json!({ "items": items })))
 }
 
 /// One page of a list: payloads redacted when the application enabled that view (otherwise

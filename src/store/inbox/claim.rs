@@ -1,6 +1,6 @@
 //! The claim of a batch: one lease row naming the rows it takes.
 
-use diesel::sql_types::{Array, BigInt, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
@@ -11,7 +11,8 @@ use super::{guarded, InboxRow};
 /// Leases up to `limit` due rows of `consumer` for `lease_ms` to this process and commits
 /// (`inbox_claim.sql`, in a transaction of its own behind the [`PLAN_GUARD`](store::PLAN_GUARD),
 /// pipelined: one round trip). Rows another lease names are skipped; a paused consumer claims
-/// nothing. Every row returned has lease `token`, which the caller makes ([`new_token`]) so
+/// nothing; an ordered consumer's rows only when each is the earliest unfinished event of its
+/// aggregate (with `dead_blocks`, a dead letter counts as unfinished). Every row returned has lease `token`, which the caller makes ([`new_token`]) so
 /// that it knows it even when the answer is lost.
 ///
 /// The consumer's claims take turns on an advisory lock, taken in a statement of its own so
@@ -24,6 +25,7 @@ pub(crate) async fn claim(
     limit: i64,
     lease_ms: i64,
     token: i64,
+    dead_blocks: bool,
 ) -> Result<Vec<InboxRow>> {
     let process = store::process_id();
     let claim = Prepared(
@@ -32,7 +34,8 @@ pub(crate) async fn claim(
             .bind::<BigInt, _>(limit)
             .bind::<BigInt, _>(lease_ms)
             .bind::<Text, _>(process)
-            .bind::<BigInt, _>(token),
+            .bind::<BigInt, _>(token)
+            .bind::<Bool, _>(dead_blocks),
     );
     let turn = Prepared(
         diesel::sql_query(

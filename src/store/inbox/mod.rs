@@ -106,11 +106,14 @@ impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
 /// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
 /// Subscriptions are only ever added here: removing one is an operator's decision
 /// ([`unsubscribe`](crate::ops::unsubscribe)), since another instance may still run the older code.
-/// Returns the subscriptions in the database that `event_types` no longer lists.
+/// Returns the subscriptions in the database that `event_types` no longer lists. `ordered`
+/// is set on each subscription (the last instance to start decides, as during a rolling
+/// deploy), and rows fanned out from then on carry it.
 pub(crate) async fn register_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     event_types: &[String],
+    ordered: bool,
 ) -> Result<Vec<String>> {
     #[derive(QueryableByName)]
     struct Subscription {
@@ -119,13 +122,16 @@ pub(crate) async fn register_consumer(
     }
     let extra: Vec<Subscription> = Prepared(diesel::sql_query(
         "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING), \
-              s AS (INSERT INTO consumer_subscriptions (consumer, event_type) \
-                    SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING) \
+              s AS (INSERT INTO consumer_subscriptions (consumer, event_type, ordered) \
+                    SELECT $1, t, $3 FROM unnest($2::text[]) AS t \
+                    ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3 \
+                    WHERE consumer_subscriptions.ordered <> $3) \
          SELECT event_type FROM consumer_subscriptions \
          WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
     )
     .bind::<Text, _>(consumer)
-    .bind::<Array<Text>, _>(event_types))
+    .bind::<Array<Text>, _>(event_types)
+    .bind::<diesel::sql_types::Bool, _>(ordered))
     .load(conn)
     .await?;
     Ok(extra.into_iter().map(|s| s.event_type).collect())
