@@ -76,32 +76,44 @@ pub async fn claim_key(
     })
 }
 
-/// Pauses a consumer on every instance: it claims no new inbox rows until resumed. Its rows
-/// stay RECEIVED or RETRY_PENDING (nothing is acknowledged and dropped), publishing and the
-/// other consumers carry on. The switch is a database row, so it survives restarts.
+/// Pauses a consumer on every instance: it claims no new inbox rows until resumed, or until
+/// `until` when given (the pause then lifts itself, on every instance at once). Its rows stay
+/// RECEIVED or RETRY_PENDING (nothing is acknowledged and dropped), publishing and the other
+/// consumers carry on. The switch is a database row, so it survives restarts. A consumer no
+/// runtime has registered yet can be paused too: it starts paused, so that a new consumer can
+/// ship switched off.
 ///
 /// # Errors
-/// [`Error::UnknownConsumer`](crate::Error::UnknownConsumer) when no runtime ever registered
-/// `consumer`; [`Error::Database`](crate::Error::Database) when the update fails.
+/// [`Error::Database`](crate::Error::Database) when the write fails.
 pub async fn pause_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &ConsumerName,
     by: &str,
     reason: &str,
+    until: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<()> {
-    set(conn, consumer, true, by, Some(reason)).await
+    store::inbox::pause(conn, consumer.as_str(), by, reason, until).await?;
+    tracing::info!(consumer = %consumer, by, reason, until = ?until, "consumer paused");
+    Ok(())
 }
 
 /// Resumes a paused consumer; its backlog is claimed at its next poll.
 ///
 /// # Errors
-/// As [`pause_consumer`].
+/// [`Error::UnknownConsumer`](crate::Error::UnknownConsumer) when no runtime ever registered
+/// `consumer` and nobody paused it; [`Error::Database`](crate::Error::Database) when the
+/// update fails.
 pub async fn resume_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &ConsumerName,
     by: &str,
 ) -> Result<()> {
-    set(conn, consumer, false, by, None).await
+    if store::inbox::resume(conn, consumer.as_str(), by).await? {
+        tracing::info!(consumer = %consumer, by, "consumer resumed");
+        Ok(())
+    } else {
+        Err(crate::Error::UnknownConsumer(consumer.to_string()))
+    }
 }
 
 /// Removes `consumer`'s subscription to `event_type` on every instance: events of that type
@@ -125,21 +137,6 @@ pub async fn unsubscribe(
             Ok(removed)
         }
         None => Err(crate::Error::UnknownConsumer(consumer.to_string())),
-    }
-}
-
-async fn set(
-    conn: &mut AsyncPgConnection,
-    consumer: &ConsumerName,
-    paused: bool,
-    by: &str,
-    reason: Option<&str>,
-) -> Result<()> {
-    if store::inbox::set_paused(conn, consumer.as_str(), paused, by, reason).await? {
-        tracing::info!(consumer = %consumer, paused, by, reason, "consumer pause switch set");
-        Ok(())
-    } else {
-        Err(crate::Error::UnknownConsumer(consumer.to_string()))
     }
 }
 

@@ -431,19 +431,26 @@ pub(crate) struct ConsumerState {
     pub paused_by: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
     pub reason: Option<String>,
+    /// When the pause lifts itself, if it does.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub paused_until: Option<DateTime<Utc>>,
     #[diesel(sql_type = Timestamptz)]
     pub updated_at: DateTime<Utc>,
     #[diesel(sql_type = Array<Text>)]
     pub subscriptions: Vec<String>,
 }
 
+/// Whether consumer `s` is paused now: its switch is on and its end, if any, is ahead.
+const PAUSED_NOW: &str = "(s.paused AND (s.paused_until IS NULL OR s.paused_until > now()))";
+
 pub(crate) async fn consumer_states(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerState>> {
-    let rows = diesel::sql_query(
-        "SELECT s.consumer, s.paused, s.paused_by, s.reason, s.updated_at, \
+    let rows = diesel::sql_query(format!(
+        "SELECT s.consumer, {PAUSED_NOW} AS paused, s.paused_by, s.reason, \
+             CASE WHEN {PAUSED_NOW} THEN s.paused_until END AS paused_until, s.updated_at, \
              coalesce((SELECT array_agg(event_type ORDER BY event_type) FROM consumer_subscriptions c \
-                 WHERE c.consumer = s.consumer), '{}') AS subscriptions \
+                 WHERE c.consumer = s.consumer), '{{}}') AS subscriptions \
          FROM consumer_states s ORDER BY s.consumer",
-    )
+    ))
     .load(conn)
     .await?;
     Ok(rows)
@@ -460,10 +467,11 @@ pub(crate) async fn lock_consumer(
         #[diesel(sql_type = Bool)]
         paused: bool,
     }
-    let rows: Vec<Paused> =
-        diesel::sql_query("SELECT paused FROM consumer_states WHERE consumer = $1 FOR UPDATE")
-            .bind::<Text, _>(consumer)
-            .load(conn)
-            .await?;
+    let rows: Vec<Paused> = diesel::sql_query(format!(
+        "SELECT {PAUSED_NOW} AS paused FROM consumer_states s WHERE consumer = $1 FOR UPDATE"
+    ))
+    .bind::<Text, _>(consumer)
+    .load(conn)
+    .await?;
     Ok(rows.into_iter().next().map(|r| r.paused))
 }

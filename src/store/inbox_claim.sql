@@ -3,7 +3,8 @@
 -- aggregate), by writing one `inbox_leases` row that names them;
 -- the rows themselves are not written (see the migration `inbox_lease_table`). Committed before
 -- any handler sees a row. Run after the consumer's claim lock (`inbox::claim`), so the leases
--- this reads are every lease committed before it. None while the consumer is paused.
+-- this reads are every lease committed before it. None while the consumer is paused (until its
+-- `paused_until`, if it has one).
 -- A due row marked `alone` (suspected in a death, see the migration `inbox_lease`) is leased on
 -- its own, and only while this process holds no other lease of any consumer, so that should it
 -- kill the process again it is known to be the cause; the process's claims of alone rows take
@@ -20,6 +21,7 @@
 -- test runs exactly this text.
 WITH paused AS (
     SELECT FROM consumer_states s WHERE s.consumer = $1 AND s.paused
+        AND (s.paused_until IS NULL OR s.paused_until > now())
 ), leased AS MATERIALIZED (
     SELECT unnest(l.ids) AS id FROM inbox_leases l WHERE l.consumer = $1
 ), alone AS (

@@ -144,7 +144,8 @@ struct ConsumerRow {
 /// The gauges of every consumer ever registered, in name order.
 async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGauges>> {
     let rows: Vec<ConsumerRow> = diesel::sql_query(
-        "SELECT s.consumer, s.paused, \
+        "SELECT s.consumer, s.paused AND (s.paused_until IS NULL OR s.paused_until > now()) \
+             AS paused, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
                AND i.status IN ('RECEIVED', 'RETRY_PENDING')) AS backlog, \
            (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \

@@ -730,10 +730,7 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
     let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
     let before = fingerprint(&db).await;
     assert_error(
-        &call!(
-            app,
-            post("/ops/consumers/nobody/pause", json!({"reason": "x"}))
-        ),
+        &call!(app, post("/ops/consumers/nobody/resume", json!({}))),
         404,
         "CONSUMER_UNKNOWN",
     );
@@ -742,6 +739,19 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
         400,
         "REASON_REQUIRED",
     );
+    for until in ["tomorrow", "2020-01-01T00:00:00Z"] {
+        assert_error(
+            &call!(
+                app,
+                post(
+                    "/ops/consumers/mail/pause",
+                    json!({"reason": "x", "until": until})
+                )
+            ),
+            400,
+            "INVALID_BODY",
+        );
+    }
     assert_error(
         &call!(
             app,
@@ -785,7 +795,27 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
         .await,
         "consumer.pause|consumer:mail|false,consumer.resume|consumer:mail|true"
     );
+    // A consumer no runtime has registered yet can be paused, with an end: it will start
+    // paused, and the list says who paused it, why and until when.
+    let until = (chrono::Utc::now() + chrono::TimeDelta::hours(2)).to_rfc3339();
+    let got = call!(
+        app,
+        post(
+            "/ops/consumers/newcomer/pause",
+            json!({"reason": "ships switched off", "until": until})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
     let listed = json_of(&call!(app, get("/ops/consumers")).1);
+    let newcomer = &listed["items"][1];
+    assert_eq!(newcomer["consumer"], "newcomer");
+    assert_eq!(newcomer["paused"], true);
+    assert_eq!(newcomer["paused_by"], "alice");
+    assert_eq!(newcomer["reason"], "ships switched off");
+    let at = newcomer["paused_until"].as_str().unwrap();
+    let at = chrono::DateTime::parse_from_rfc3339(at).unwrap();
+    let want = chrono::DateTime::parse_from_rfc3339(&until).unwrap();
+    assert!((at - want).num_milliseconds().abs() < 1, "{at} vs {want}");
     assert_eq!(listed["items"][0]["consumer"], "mail");
     assert_eq!(
         listed["items"][0]["subscriptions"][0],

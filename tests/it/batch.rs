@@ -113,7 +113,7 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
     .await;
     let c = actix_outbox::event::ConsumerName::new("c").unwrap();
     let mut conn = db.pool.get().await.unwrap();
-    actix_outbox::ops::pause_consumer(&mut conn, &c, "ops", "kills its process")
+    actix_outbox::ops::pause_consumer(&mut conn, &c, "ops", "kills its process", None)
         .await
         .unwrap();
     db.produce(1, "x").await;

@@ -179,6 +179,62 @@ async fn handlers_hanging_on_their_connections_take_a_bounded_share_of_the_pool(
     db.finish(&[&rt]).await;
 }
 
+/// A consumer paused before any runtime registered it starts paused; a pause given an end
+/// lifts itself then, on its own, and the consumer drains what waited.
+#[actix_rt::test]
+async fn a_pause_holds_from_a_consumers_first_start_and_lifts_itself_at_its_end() {
+    let db = TestDb::new().await;
+    let late = ConsumerName::new("late").unwrap();
+    let mut conn = db.pool.get().await.unwrap();
+    let in_an_hour = chrono::Utc::now() + chrono::TimeDelta::hours(1);
+    pause_consumer(
+        &mut conn,
+        &late,
+        "ops",
+        "ships switched off",
+        Some(in_an_hour),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let rt = start(
+        &db,
+        vec![
+            (consumer("late", 3), Behaviour::default()),
+            (consumer("other", 3), Behaviour::default()),
+        ],
+    )
+    .await;
+    db.produce_batched(200, 100, "o").await;
+    rt.handle().wake();
+    let other =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'other' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(other, 200, WAIT).await, 200);
+    let late_done =
+        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'late' AND status = 'PROCESSED'";
+    assert_eq!(db.count(late_done).await, 0, "paused from its first start");
+    let waiting = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'late' \
+                   AND status = 'RECEIVED' AND attempt_count = 0";
+    assert_eq!(db.count(waiting).await, 200);
+
+    // The pause is given an end a moment away; nobody resumes it.
+    let mut conn = db.pool.get().await.unwrap();
+    let soon = chrono::Utc::now() + chrono::TimeDelta::milliseconds(500);
+    pause_consumer(&mut conn, &late, "ops", "back soon", Some(soon))
+        .await
+        .unwrap();
+    drop(conn);
+    assert_eq!(db.wait_for(late_done, 200, WAIT).await, 200);
+    let still = "SELECT count(*) AS n FROM consumer_states WHERE consumer = 'late' AND paused";
+    assert_eq!(
+        db.count(still).await,
+        1,
+        "lifted by its end, not by a resume"
+    );
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 400);
+    db.finish(&[&rt]).await;
+}
+
 #[actix_rt::test]
 async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
     let db = TestDb::new().await;
@@ -192,11 +248,10 @@ async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
     .await;
     let paused = ConsumerName::new("paused").unwrap();
     let mut conn = db.pool.get().await.unwrap();
-    pause_consumer(&mut conn, &paused, "ops", "maintenance")
+    pause_consumer(&mut conn, &paused, "ops", "maintenance", None)
         .await
         .unwrap();
-    let unknown =
-        pause_consumer(&mut conn, &ConsumerName::new("nobody").unwrap(), "ops", "x").await;
+    let unknown = resume_consumer(&mut conn, &ConsumerName::new("nobody").unwrap(), "ops").await;
     assert_eq!(unknown.unwrap_err().code().as_str(), "CONSUMER_UNKNOWN");
     drop(conn);
 

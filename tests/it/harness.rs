@@ -1020,7 +1020,7 @@ async fn the_harness_and_the_postgres_runtime_agree_on_a_scripted_scenario() {
     let rt = builder.start().await.expect("start runtime");
     let mut conn = db.pool.get().await.unwrap();
     let gamma = ConsumerName::new("gamma").unwrap();
-    pause_consumer(&mut conn, &gamma, "test", "conformance")
+    pause_consumer(&mut conn, &gamma, "test", "conformance", None)
         .await
         .unwrap();
     conn.transaction::<_, actix_outbox::Error, _>(async |conn| {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest};
+use chrono::{DateTime, Utc};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -391,41 +392,55 @@ pub(super) async fn ignore_outbox_one(
     act_on_one(op, st, ids, &body, Change::Ignore).await
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PauseBody {
+    reason: Option<String>,
+    /// RFC 3339; the pause lifts itself then.
+    until: Option<String>,
+}
+
+/// Pauses a consumer through the library's own [`pause_consumer`]: a reason is required, an
+/// end (`until`, in the future) is optional. A consumer not registered yet may be paused, so
+/// that a new consumer ships switched off.
 pub(super) async fn pause(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
     Body(body): Body,
 ) -> Reply {
-    set_pause(op, st, path, body, true).await
+    let name = consumer_name(path.into_inner())?;
+    let body: PauseBody = parse_body(&body)?;
+    let reason = reason(body.reason, true)?;
+    let until = given(body.until)
+        .map(|u| {
+            let at = DateTime::parse_from_rfc3339(&u).map_err(|e| {
+                AdminError::bad_request(INVALID_BODY, format!("until {u:?} is not RFC 3339: {e}"))
+            })?;
+            let at = at.with_timezone(&Utc);
+            if at <= Utc::now() {
+                return Err(AdminError::bad_request(
+                    INVALID_BODY,
+                    format!("until {u:?} has passed: the pause would end before it began"),
+                ));
+            }
+            Ok(at)
+        })
+        .transpose()?;
+    consumer_action(&op, &st, &name, ConsumerChange::Pause(until), reason).await
 }
 
+/// Resumes a consumer through the library's own [`resume_consumer`].
 pub(super) async fn resume(
     op: Operator,
     st: web::Data<State>,
     path: web::Path<String>,
     Body(body): Body,
 ) -> Reply {
-    set_pause(op, st, path, body, false).await
-}
-
-/// The pause switch through the library's own [`pause_consumer`] / [`resume_consumer`].
-pub(super) async fn set_pause(
-    op: Operator,
-    st: web::Data<State>,
-    path: web::Path<String>,
-    body: web::Bytes,
-    paused: bool,
-) -> Reply {
     let name = consumer_name(path.into_inner())?;
     let body: ReasonBody = parse_body(&body)?;
-    let reason = reason(body.reason, paused)?;
-    let change = if paused {
-        ConsumerChange::Pause
-    } else {
-        ConsumerChange::Resume
-    };
-    consumer_action(&op, &st, &name, change, reason).await
+    let reason = reason(body.reason, false)?;
+    consumer_action(&op, &st, &name, ConsumerChange::Resume, reason).await
 }
 
 /// Removes a consumer's subscription through the library's own [`unsubscribe`]. Needs a
@@ -457,7 +472,8 @@ pub(super) fn consumer_name(name: String) -> Result<ConsumerName, AdminError> {
 
 /// What an action does to a consumer.
 pub(super) enum ConsumerChange {
-    Pause,
+    /// Until the time given, if any.
+    Pause(Option<DateTime<Utc>>),
     Resume,
     Unsubscribe(String),
 }
@@ -473,7 +489,7 @@ pub(super) async fn consumer_action(
 ) -> Reply {
     let who = op.0.as_str();
     let action = match change {
-        ConsumerChange::Pause => "consumer.pause",
+        ConsumerChange::Pause(_) => "consumer.pause",
         ConsumerChange::Resume => "consumer.resume",
         ConsumerChange::Unsubscribe(_) => "consumer.unsubscribe",
     };
@@ -481,26 +497,27 @@ pub(super) async fn consumer_action(
     let mut conn = st.pool.get().await?;
     let outcome = conn
         .transaction::<_, AdminError, _>(async |conn| {
-            let was_paused = stmt::lock_consumer(conn, name.as_str())
-                .await?
-                .ok_or_else(|| {
-                    AdminError::new(
-                        StatusCode::NOT_FOUND,
-                        crate::ErrorCode::CONSUMER_UNKNOWN,
-                        format!("no consumer {name} was ever registered"),
-                    )
-                })?;
+            let state = stmt::lock_consumer(conn, name.as_str()).await?;
+            let unknown = || {
+                AdminError::new(
+                    StatusCode::NOT_FOUND,
+                    crate::ErrorCode::CONSUMER_UNKNOWN,
+                    format!("no consumer {name} was ever registered"),
+                )
+            };
             let before = match &change {
-                ConsumerChange::Pause => {
+                ConsumerChange::Pause(until) => {
                     let why = reason.as_deref().unwrap_or_default();
-                    pause_consumer(conn, name, who, why).await?;
-                    json!({ "paused": was_paused })
+                    pause_consumer(conn, name, who, why, *until).await?;
+                    json!({ "paused": state.unwrap_or_default(), "registered": state.is_some() })
                 }
                 ConsumerChange::Resume => {
+                    let was_paused = state.ok_or_else(unknown)?;
                     resume_consumer(conn, name, who).await?;
                     json!({ "paused": was_paused })
                 }
                 ConsumerChange::Unsubscribe(event_type) => {
+                    state.ok_or_else(unknown)?;
                     if !unsubscribe(conn, name, event_type).await? {
                         return Err(AdminError::new(
                             StatusCode::NOT_FOUND,

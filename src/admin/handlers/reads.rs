@@ -89,6 +89,7 @@ pub(super) async fn overview(_: Operator, st: web::Data<State>) -> Reply {
                 "paused": c.paused,
                 "paused_by": state.and_then(|s| s.paused_by.clone()).filter(|_| c.paused),
                 "pause_reason": state.and_then(|s| s.reason.clone()).filter(|_| c.paused),
+                "paused_until": state.and_then(|s| s.paused_until).filter(|_| c.paused),
                 "backlog": c.backlog,
                 "retrying": c.retrying,
                 "due": c.due,

@@ -207,22 +207,43 @@ pub(crate) fn truncate(s: &str, max: usize) -> String {
     }
 }
 
-/// Sets a consumer's pause switch. Returns false when no such consumer was ever registered.
-pub(crate) async fn set_paused(
+/// Pauses a consumer, until `until` if given, registered or not (a runtime that registers it
+/// later keeps the switch as it finds it).
+pub(crate) async fn pause(
     conn: &mut AsyncPgConnection,
     consumer: &str,
-    paused: bool,
     by: &str,
-    reason: Option<&str>,
-) -> Result<bool> {
-    let n = Prepared(diesel::sql_query(
-        "UPDATE consumer_states SET paused = $2, paused_by = $3, reason = $4, updated_at = now() \
-         WHERE consumer = $1",
+    reason: &str,
+    until: Option<chrono::DateTime<chrono::Utc>>,
+) -> Result<()> {
+    Prepared(
+        diesel::sql_query(
+            "INSERT INTO consumer_states (consumer, paused, paused_by, reason, paused_until) \
+         VALUES ($1, true, $2, $3, $4) \
+         ON CONFLICT (consumer) DO UPDATE SET paused = true, paused_by = $2, reason = $3, \
+             paused_until = $4, updated_at = now()",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(by)
+        .bind::<Text, _>(reason)
+        .bind::<Nullable<diesel::sql_types::Timestamptz>, _>(until),
     )
-    .bind::<Text, _>(consumer)
-    .bind::<diesel::sql_types::Bool, _>(paused)
-    .bind::<Text, _>(by)
-    .bind::<Nullable<Text>, _>(reason))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Resumes a consumer. Returns false when no such consumer was ever registered or paused.
+pub(crate) async fn resume(conn: &mut AsyncPgConnection, consumer: &str, by: &str) -> Result<bool> {
+    let n = Prepared(
+        diesel::sql_query(
+            "UPDATE consumer_states SET paused = false, paused_by = $2, reason = NULL, \
+             paused_until = NULL, updated_at = now() \
+         WHERE consumer = $1",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(by),
+    )
     .execute(conn)
     .await?;
     Ok(n == 1)

@@ -1,0 +1,1 @@
+ALTER TABLE consumer_states DROP COLUMN paused_until;
