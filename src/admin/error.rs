@@ -46,6 +46,7 @@ pub(crate) const CONFIRMATION_MISMATCH: ErrorCode = ErrorCode::from_static("CONF
 pub(crate) const ROW_NOT_FOUND: ErrorCode = ErrorCode::from_static("ROW_NOT_FOUND");
 /// No outbox or inbox row carries that correlation id (404).
 pub(crate) const CORRELATION_NOT_FOUND: ErrorCode = ErrorCode::from_static("CORRELATION_NOT_FOUND");
+pub(crate) const EVENT_NOT_FOUND: ErrorCode = ErrorCode::from_static("EVENT_NOT_FOUND");
 /// The consumer is not subscribed to that event type (404).
 pub(crate) const SUBSCRIPTION_NOT_FOUND: ErrorCode =
     ErrorCode::from_static("SUBSCRIPTION_NOT_FOUND");

@@ -324,6 +324,20 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
         ),
         _ => {}
     }
+    if o.unrouted > 0 {
+        report.push(
+            HealthState::Warning,
+            "EVENTS_UNROUTED",
+            None,
+            format!(
+                "{} published over the last hour reached no consumer ({}): none was subscribed \
+                 to the type when it was published, and a consumer subscribed later never sees \
+                 it; GET /events/{{id}} shows one",
+                plural(o.unrouted, "event"),
+                o.unrouted_types.join(", ")
+            ),
+        );
+    }
     if o.dead_letter > 0 {
         report.push(
             HealthState::Warning,

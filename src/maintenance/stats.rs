@@ -246,6 +246,7 @@ fn set_gauges(sample: &Sample, report: &HealthReport) {
     metrics::gauge!(m::OUTBOX_RETRY_PENDING).set(o.retrying as f64);
     metrics::gauge!(m::OUTBOX_PROCESSING).set(o.processing as f64);
     metrics::gauge!(m::OUTBOX_DEAD_LETTER).set(o.dead_letter as f64);
+    metrics::gauge!(m::OUTBOX_UNROUTED).set(o.unrouted as f64);
     metrics::gauge!(m::OUTBOX_OLDEST_PENDING_AGE).set(o.oldest_pending_age_seconds);
     metrics::gauge!(m::OUTBOX_HEALTH_STATE).set(report.state.level());
     // Registering the counters at zero makes "nothing happened" visible as 0, not as absent.

@@ -106,6 +106,75 @@ pub(crate) struct InboxItem {
     pub payload: Option<serde_json::Value>,
 }
 
+/// The columns of an [`OutboxItem`] but its payload.
+const OUTBOX_ITEM: &str = "id, event_type, event_version, aggregate_type, aggregate_id, \
+    aggregate_version, status, attempt_count, error_code, last_error, correlation_id, \
+    causation_id, created_at, next_attempt_at, published_at, updated_at";
+
+/// What became of one event for one consumer: a consumer that has a row for it, or is
+/// subscribed to its type now and has none (subscribed after it was published).
+#[derive(Debug, Clone, QueryableByName, Serialize)]
+pub(crate) struct Fanout {
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    /// Subscribed to the event's type now.
+    #[diesel(sql_type = Bool)]
+    pub subscribed: bool,
+    /// Has an inbox row for the event.
+    #[diesel(sql_type = Bool)]
+    pub got: bool,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub inbox_id: Option<i64>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub status: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub attempt_count: Option<i32>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub error_code: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub received_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub processed_at: Option<DateTime<Utc>>,
+    /// Received from a broker (`receive`) rather than fanned out from this database's outbox.
+    #[diesel(sql_type = Nullable<Bool>)]
+    pub external: Option<bool>,
+}
+
+/// One event's outbox row (if this database's outbox has it) and what became of it for each
+/// consumer. Both read by key: the outbox's primary key, the inbox's `(event_id, consumer)`.
+pub(crate) async fn event_fanout(
+    conn: &mut AsyncPgConnection,
+    id: uuid::Uuid,
+    with_payload: bool,
+) -> Result<(Option<OutboxItem>, Vec<Fanout>)> {
+    let outbox: Vec<OutboxItem> = diesel::sql_query(format!(
+        "SELECT {OUTBOX_ITEM}, CASE WHEN $2 THEN payload END AS payload \
+         FROM outbox_events WHERE id = $1",
+    ))
+    .bind::<SqlUuid, _>(id)
+    .bind::<Bool, _>(with_payload)
+    .load(conn)
+    .await?;
+    let consumers: Vec<Fanout> = diesel::sql_query(
+        "WITH r AS (SELECT * FROM inbox_events WHERE event_id = $1), \
+              t AS (SELECT coalesce((SELECT event_type FROM outbox_events WHERE id = $1), \
+                                    (SELECT event_type FROM r LIMIT 1)) AS event_type), \
+              s AS (SELECT consumer FROM consumer_subscriptions \
+                    WHERE event_type = (SELECT event_type FROM t)) \
+         SELECT c.consumer, c.consumer IN (SELECT consumer FROM s) AS subscribed, \
+             r.id IS NOT NULL AS got, r.id AS inbox_id, r.status, r.attempt_count, r.error_code, \
+             r.last_error, r.received_at, r.processed_at, r.external \
+         FROM (SELECT consumer FROM r UNION SELECT consumer FROM s) c \
+         LEFT JOIN r USING (consumer) ORDER BY c.consumer",
+    )
+    .bind::<SqlUuid, _>(id)
+    .load(conn)
+    .await?;
+    Ok((outbox.into_iter().next(), consumers))
+}
+
 /// Filters of a list; `None` matches everything. Statuses are validated by the caller.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ListFilter {
@@ -123,16 +192,13 @@ pub(crate) async fn list_outbox(
     f: &ListFilter,
     before: Option<uuid::Uuid>,
 ) -> Result<Vec<OutboxItem>> {
-    let rows = diesel::sql_query(
-        "SELECT id, event_type, event_version, aggregate_type, aggregate_id, aggregate_version, \
-             status, attempt_count, error_code, last_error, correlation_id, causation_id, \
-             created_at, next_attempt_at, published_at, updated_at, \
-             CASE WHEN $5 THEN payload END AS payload \
+    let rows = diesel::sql_query(format!(
+        "SELECT {OUTBOX_ITEM}, CASE WHEN $5 THEN payload END AS payload \
          FROM outbox_events \
          WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2) \
            AND ($3::uuid IS NULL OR id < $3) \
          ORDER BY id DESC LIMIT $4",
-    )
+    ))
     .bind::<Nullable<Text>, _>(f.status.as_deref())
     .bind::<Nullable<Text>, _>(f.event_type.as_deref())
     .bind::<Nullable<SqlUuid>, _>(before)

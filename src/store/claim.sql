@@ -26,6 +26,13 @@ WITH due AS (
     ORDER BY p.seq, s.consumer
     ON CONFLICT (event_id, consumer) DO NOTHING
     RETURNING consumer
+), unrouted AS (
+    -- Events no consumer is subscribed to: recorded, so that health can say so (the migration
+    -- `unrouted_events`). Costs a row only for such an event.
+    INSERT INTO unrouted_events (event_id, event_type)
+    SELECT p.id, p.event_type FROM published p
+    WHERE NOT EXISTS (SELECT FROM consumer_subscriptions s WHERE s.event_type = p.event_type)
+    ON CONFLICT DO NOTHING
 ), notified AS (
     -- One notification per claim, naming the consumers that got rows. Part of the statement,
     -- so it goes out with the commit that makes the rows visible and costs no round trip.

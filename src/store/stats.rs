@@ -30,6 +30,9 @@ pub(crate) struct OutboxGauges {
     pub head_seq: Option<i64>,
     pub published: u64,
     pub publish_failed: u64,
+    /// Events published over the last hour to no consumer, and (a few of) their types.
+    pub unrouted: i64,
+    pub unrouted_types: Vec<String>,
 }
 
 /// One consumer's numbers of one sample; the counts after `dead_letter` are increments.
@@ -80,6 +83,10 @@ struct OutboxRow {
     oldest_age: f64,
     #[diesel(sql_type = Nullable<BigInt>)]
     head_seq: Option<i64>,
+    #[diesel(sql_type = BigInt)]
+    unrouted: i64,
+    #[diesel(sql_type = diesel::sql_types::Array<Text>)]
+    unrouted_types: Vec<String>,
 }
 
 /// The gauges of the outbox and of every consumer ever registered, at the database's `now()`.
@@ -105,7 +112,12 @@ async fn outbox_gauges(conn: &mut AsyncPgConnection) -> Result<(DateTime<Utc>, O
            coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox_events \
                WHERE status IN ('PENDING', 'RETRY_PENDING') ORDER BY seq LIMIT 1), 0) AS oldest_age, \
            (SELECT seq FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING') \
-               AND next_attempt_at <= now() ORDER BY seq LIMIT 1) AS head_seq",
+               AND next_attempt_at <= now() ORDER BY seq LIMIT 1) AS head_seq, \
+           (SELECT count(*) FROM unrouted_events \
+               WHERE published_at > now() - interval '1 hour') AS unrouted, \
+           coalesce((SELECT array_agg(t) FROM (SELECT DISTINCT event_type AS t FROM unrouted_events \
+               WHERE published_at > now() - interval '1 hour' ORDER BY 1 LIMIT 5) x), '{}') \
+               AS unrouted_types",
     )
     .get_result(conn)
     .await?;
@@ -116,6 +128,8 @@ async fn outbox_gauges(conn: &mut AsyncPgConnection) -> Result<(DateTime<Utc>, O
         dead_letter: row.dead_letter,
         oldest_pending_age_seconds: row.oldest_age.max(0.0),
         head_seq: row.head_seq,
+        unrouted: row.unrouted,
+        unrouted_types: row.unrouted_types,
         ..Default::default()
     };
     Ok((row.at, gauges))
@@ -393,6 +407,7 @@ pub(crate) async fn delete_expired(
              kept AS (UPDATE inbox_events SET external = true \
                  WHERE id IN (SELECT id FROM locked WHERE event_id IN (SELECT id FROM gone))), \
              deleted AS (DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1), \
+             unrouted AS (DELETE FROM unrouted_events WHERE event_id IN (SELECT id FROM gone)), \
              last AS (SELECT published_at, id FROM expired ORDER BY published_at DESC, id DESC LIMIT 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
                     (SELECT published_at FROM last) AS last_at, (SELECT id FROM last) AS last_id"

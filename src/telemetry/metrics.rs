@@ -24,6 +24,7 @@ pub(crate) const OUTBOX_RETRY_PENDING: &str = "outbox_retry_pending";
 pub(crate) const OUTBOX_PROCESSING: &str = "outbox_processing";
 /// Rows that will not be published without an operator (gauge).
 pub(crate) const OUTBOX_DEAD_LETTER: &str = "outbox_dead_letter";
+pub(crate) const OUTBOX_UNROUTED: &str = "outbox_unrouted_events";
 /// Age of the oldest row waiting to be published (gauge, 0 when none waits).
 pub(crate) const OUTBOX_OLDEST_PENDING_AGE: &str = "outbox_oldest_pending_age_seconds";
 /// 0 = OK, 1 = WARNING, 2 = CRITICAL (gauge).
@@ -209,6 +210,10 @@ pub(crate) fn describe() {
         "Outbox events leased by an external publisher"
     );
     describe_gauge!(OUTBOX_DEAD_LETTER, "Outbox events that need an operator");
+    describe_gauge!(
+        OUTBOX_UNROUTED,
+        "Events published over the last hour to no consumer (none was subscribed to the type)"
+    );
     describe_gauge!(
         CONSUMER_HUNG_HANDLERS,
         "Handlers that overran their timeout and still hold a connection (at most the consumer's concurrency)"

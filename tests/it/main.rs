@@ -13,6 +13,7 @@ mod batch;
 mod contracts;
 mod core;
 mod failure;
+mod fanout;
 mod harness;
 mod isolation;
 mod lifecycle;

@@ -60,6 +60,7 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .service(get("/inbox", list_inbox))
         .service(get("/consumers", consumers))
         .service(get("/blocked", blocked))
+        .service(get("/events/{event_id}", event))
         .service(get("/audit", audit))
         .service(get("/timeline/{correlation_id}", timeline))
         // The fixed paths come before `/{id}/…` so that `retry` is never read as an id.

@@ -300,6 +300,36 @@ pub(super) async fn list_inbox(
     ))
 }
 
+/// One event across the consumers: its outbox row, and for each consumer whether it got the
+/// event, its state, attempts, last error and when it was processed. An event whose type no
+/// consumer was subscribed to when it was published has no consumer here (`reached` 0), which
+/// the health report's `EVENTS_UNROUTED` also says.
+pub(super) async fn event(_: Operator, st: web::Data<State>, path: web::Path<String>) -> Reply {
+    let id = parse_event_id(&path.into_inner())?;
+    let mut conn = st.pool.get().await?;
+    let (mut outbox, consumers) = stmt::event_fanout(&mut conn, id, st.redact.is_some()).await?;
+    if outbox.is_none() && consumers.iter().all(|c| !c.got) {
+        return Err(AdminError::new(
+            StatusCode::NOT_FOUND,
+            EVENT_NOT_FOUND,
+            format!("no outbox or inbox row has event id {id}"),
+        ));
+    }
+    if let (Some(redact), Some(o)) = (&st.redact, outbox.as_mut()) {
+        o.payload = o.payload.take().map(|v| redact(&o.event_type, &v));
+    }
+    let reached = consumers.iter().filter(|c| c.got).count();
+    // Where it came from: this database's outbox, or a broker (`receive`).
+    let source = if outbox.is_some() { "outbox" } else { "broker" };
+    Ok(ok_json(json!({
+        "event_id": id,
+        "source": source,
+        "outbox": outbox,
+        "reached": reached,
+        "consumers": consumers,
+    })))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct BlockedQuery {
