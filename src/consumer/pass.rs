@@ -44,11 +44,6 @@ impl Pass<'_> {
         out: &mut BatchOutcome,
     ) -> Result<PassEnd> {
         let cfg = self.cfg;
-        let to = |row: &InboxRow, settle| Outcome {
-            id: row.id,
-            token: row.lease_token,
-            settle,
-        };
         tm(&mut conn, Step::Begin).await?;
         // Rows handed over in one call: a batch handler gets all of the fast pass's; a
         // handler of one delivery, up to `pipeline` of them at once; a careful pass, one.
@@ -233,11 +228,6 @@ impl Pass<'_> {
         outcomes: &mut Vec<Outcome>,
     ) -> Result<Option<InboxRow>> {
         let cfg = self.cfg;
-        let to = |row: &InboxRow, settle| Outcome {
-            id: row.id,
-            token: row.lease_token,
-            settle,
-        };
         if let Err(err) = upcast(cfg, &mut row) {
             // Never handed over: no code here can read it, and retrying cannot help.
             log::failed(cfg, &row, &err);
@@ -276,6 +266,15 @@ impl Pass<'_> {
             }
         }
         Ok(None)
+    }
+}
+
+/// `row`'s settlement, fenced on the lease that holds it.
+fn to(row: &InboxRow, settle: Settle) -> Outcome {
+    Outcome {
+        id: row.id,
+        token: row.lease_token,
+        settle,
     }
 }
 

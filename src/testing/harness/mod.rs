@@ -72,8 +72,9 @@ pub use model::{InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 /// - **Transactions are not modelled.** A failed attempt's in-memory side effects stay; in the
 ///   runtime only the database writes made through [`Delivery::conn`] roll back.
 /// - **One process, one handler at a time.** Consumers are driven one after the other and rows
-///   one after the other. The runtime's `concurrency`, `batch_size` and `rate_limit` are not
-///   modelled. They change how fast rows are handled, and two things more: with `skip_stale`,
+///   one after the other. The runtime's `concurrency`, `batch_size`, `pipeline` and
+///   `rate_limit` are not modelled, nor is `ordered` (here an aggregate's next event does not
+///   wait for a failed one: test an ordered consumer's waiting with the runtime). They change how fast rows are handled, and two things more: with `skip_stale`,
 ///   concurrent batches may take an aggregate's events out of order (test that with
 ///   [`Harness::deliver_out_of_order`]); and a failure in a batch rolls back the writes of the
 ///   rows handled before it in that batch (for a [`DeliveryBatch`] handler, of the whole
