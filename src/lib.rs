@@ -195,11 +195,13 @@ pub mod db {
 
 pub mod health {
     //! Lag health and the stats sampler ([`HealthReport`], served by
-    //! [`admin_scope`](crate::admin::admin_scope) too), and the runtime's own status.
+    //! [`admin_scope`](crate::admin::admin_scope) too), the runtime's own status, and the
+    //! boot-time contract check whose findings health reports.
     pub use crate::maintenance::{
         ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth,
         StatsConfig, StatsSampler, Trend,
     };
+    pub use crate::runtime::contract::ContractCheck;
     pub use crate::runtime::RuntimeStatus;
 }
 

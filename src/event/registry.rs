@@ -179,6 +179,21 @@ impl EventRegistry {
     }
 
     /// Lifts a stored payload to the current version of its type.
+    /// Whether `event_type` is registered.
+    pub(crate) fn registers(&self, event_type: &str) -> bool {
+        self.types.contains_key(event_type)
+    }
+
+    /// Why a stored `version` of a registered `event_type` cannot be lifted to the current one
+    /// (a missing upcaster step), or `None` if it can, is current, is newer (a newer build's
+    /// events, during a rolling deploy), or the type is not registered.
+    pub(crate) fn unliftable(&self, event_type: &str, version: i32) -> Option<String> {
+        let (current, _) = self.types.get(event_type)?;
+        (version..*current)
+            .find(|from| !self.upcasters.contains_key(&(event_type.to_owned(), *from)))
+            .map(|from| format!("{event_type} v{from} has no upcaster to v{}", from + 1))
+    }
+
     pub(crate) fn upcast(&self, event_type: &str, version: i32, payload: &Value) -> Upcast {
         let Some((current, check)) = self.types.get(event_type) else {
             return Upcast::Unregistered;

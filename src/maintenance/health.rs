@@ -324,6 +324,15 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
         ),
         _ => {}
     }
+    for f in &current.contract {
+        let consumer = (!f.consumer.is_empty()).then_some(f.consumer.as_str());
+        report.push(
+            HealthState::Warning,
+            "CONTRACT_MISMATCH",
+            consumer,
+            format!("{}: {}", f.code, f.message),
+        );
+    }
     if o.unrouted > 0 {
         report.push(
             HealthState::Warning,
@@ -607,6 +616,7 @@ mod tests {
             outbox: o,
             consumers,
             instance: None,
+            contract: Vec::new(),
         }
     }
 

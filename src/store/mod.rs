@@ -5,6 +5,7 @@
 
 pub(crate) mod admin;
 mod connection;
+pub(crate) mod contract;
 pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;

@@ -65,6 +65,9 @@ pub(crate) struct Sample {
     /// The runtime instance that took it (absent in samples stored by older versions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
+    /// The boot-time contract check's standing findings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub contract: Vec<crate::store::contract::Finding>,
 }
 
 #[derive(QueryableByName)]
@@ -94,11 +97,13 @@ struct OutboxRow {
 pub(crate) async fn snapshot(conn: &mut AsyncPgConnection) -> Result<Sample> {
     let (at, outbox) = outbox_gauges(conn).await?;
     let consumers = consumer_gauges(conn).await?;
+    let contract = crate::store::contract::all(conn).await?;
     Ok(Sample {
         at,
         outbox,
         consumers,
         instance: None,
+        contract,
     })
 }
 
