@@ -16,6 +16,8 @@ mod failure;
 mod harness;
 mod isolation;
 mod lifecycle;
+#[cfg(feature = "nats")]
+mod nats;
 mod network;
 mod ops;
 mod plan;
