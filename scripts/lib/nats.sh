@@ -48,8 +48,9 @@ nats_on_exit() {
 # its pid goes to $1/pid. Waits until it takes connections.
 nats_server_start() {
     local dir=$1 port=$2 i
-    "$NATS_BIN" -js -a 127.0.0.1 -p "$port" -sd "$dir/store" >>"$dir/server.log" 2>&1 &
-    echo $! >"$dir/pid"
+    # In a subshell, so that it is no job of the calling shell (which would report its kill).
+    ("$NATS_BIN" -js -a 127.0.0.1 -p "$port" -sd "$dir/store" >>"$dir/server.log" 2>&1 &
+        echo $! >"$dir/pid")
     for i in $(seq 1 200); do
         (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return 0
         kill -0 "$(cat "$dir/pid")" 2>/dev/null || break
