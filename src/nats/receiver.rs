@@ -217,6 +217,12 @@ impl NatsHealth {
         });
     }
 
+    /// The consumer is lost (NATS unreachable, the stream or consumer gone).
+    fn unbound(&self, error: &str) {
+        self.update(|s| s.bound = false);
+        self.failed(error);
+    }
+
     fn ok(&self) {
         self.update(|s| {
             s.bound = true;
@@ -328,7 +334,7 @@ impl Loop {
                 Err(e) => {
                     tracing::warn!(receiver = %self.receiver.name(), error = %e,
                         "NATS receiver cannot bind its consumer; retrying");
-                    health.failed(&e.to_string());
+                    health.unbound(&e.to_string());
                     self.pause(backoff).await;
                     backoff = (backoff * 2).min(cfg.max_backoff);
                     continue;
@@ -342,7 +348,7 @@ impl Loop {
                     Some(Err(e)) => {
                         tracing::warn!(receiver = %self.receiver.name(), error = %e,
                             "NATS receiver lost its consumer; binding again");
-                        health.failed(&e);
+                        health.unbound(&e);
                         self.pause(backoff).await;
                         backoff = (backoff * 2).min(cfg.max_backoff);
                         break;
