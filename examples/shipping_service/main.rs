@@ -41,6 +41,9 @@ CREATE TABLE IF NOT EXISTS shipments (
     created_at timestamptz NOT NULL DEFAULT now()
 );";
 
+/// Serialises the schema script between instances starting at once.
+const SCHEMA_LOCK_KEY: i64 = 0x7368_6970_7069_6e67; // "shipping"
+
 #[actix_web::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -72,7 +75,15 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     actix_outbox::migrate(&database_url).await?;
     let outbox_pool = actix_outbox::connect(&database_url, 10).await?;
     let http_pool = actix_outbox::connect(&database_url, 4).await?;
-    outbox_pool.get().await?.batch_execute(SCHEMA).await?;
+    // Under an advisory lock: instances starting at once would race on `CREATE TABLE IF NOT
+    // EXISTS`, which is not safe against a concurrent create of the same table.
+    outbox_pool
+        .get()
+        .await?
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY}); {SCHEMA} COMMIT;"
+        ))
+        .await?;
 
     let receiver = NatsReceiver::new(
         actix_outbox::nats::connect(&nats_url).await?,
