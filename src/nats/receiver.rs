@@ -474,11 +474,15 @@ impl Loop {
         let committed = self.commit(&events).await;
         let (new, duplicates) = match committed {
             Ok(counts) => counts,
+            // An error that a retry will not fix (an event PostgreSQL refuses): one event at a
+            // time, so that the others are recorded and only that one waits.
+            Err(e) if !e.is_transient() && events.len() > 1 => {
+                tracing::warn!(receiver = %self.receiver.name(), error = %e,
+                    "a batch could not be recorded; recording its events one at a time");
+                return self.record_one_by_one(events, good).await;
+            }
             Err(e) => {
-                let delay = self.receiver.config.max_backoff;
-                for msg in &good {
-                    let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-                }
+                self.nak(&good).await;
                 return Err(e);
             }
         };
@@ -510,6 +514,50 @@ impl Loop {
             });
         }
         Ok(())
+    }
+
+    /// Nothing recorded: JetStream redelivers after the longest backoff.
+    async fn nak(&self, msgs: &[async_nats::jetstream::Message]) {
+        let delay = self.receiver.config.max_backoff;
+        for msg in msgs {
+            let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+        }
+    }
+
+    /// Each event in a transaction of its own; acknowledged once recorded. One that cannot be
+    /// recorded is never dropped: it is nak'ed (redelivered after the longest backoff) and
+    /// logged with its id, and the receiver reports the error until it is recorded.
+    async fn record_one_by_one(
+        &self,
+        events: Vec<OutboxEvent>,
+        msgs: Vec<async_nats::jetstream::Message>,
+    ) -> Result<()> {
+        let mut failed = None;
+        for (event, msg) in events.iter().zip(&msgs) {
+            match self.commit(std::slice::from_ref(event)).await {
+                Ok((new, duplicates)) => {
+                    if let Err(e) = msg.ack().await {
+                        tracing::warn!(error = %e, "ack failed; the message will be redelivered and absorbed");
+                    }
+                    self.receiver.health.update(|s| {
+                        s.acked += 1;
+                        s.duplicates += duplicates as u64;
+                    });
+                    if new > 0 {
+                        self.deps.wake.do_send(InboxRowsWritten {
+                            consumers: vec![("*".to_owned(), new)],
+                        });
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(receiver = %self.receiver.name(), event_id = %event.id,
+                        error = %e, code = %e.code(), "an event could not be recorded; it is redelivered");
+                    self.nak(std::slice::from_ref(msg)).await;
+                    failed = Some(e);
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// One transaction: every event's inbox rows. Returns (new rows, duplicates).

@@ -455,3 +455,98 @@ async fn events_wait_while_nats_is_down_at_start_and_mid_run_and_drain_when_it_r
     src.finish(&[&tx]).await;
     dst.finish(&[&rx]).await;
 }
+
+/// A message as another producer (not `NatsTransport`) might publish it.
+async fn publish_raw(url: &str, s: &NatsStream, id: uuid::Uuid, body: Vec<u8>) {
+    let js = async_nats::jetstream::new(client(url).await);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id.to_string().as_str());
+    let subject = format!("{}.ORDER_STATUS_CHANGED", s.name().to_lowercase());
+    js.publish_with_headers(subject, headers, body.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+fn raw_event(id: uuid::Uuid, aggregate: &str, payload: serde_json::Value) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "id": id, "event_type": "ORDER_STATUS_CHANGED", "event_version": 1,
+        "aggregate_type": "order", "aggregate_id": aggregate, "aggregate_version": null,
+        "payload": payload, "metadata": {}, "correlation_id": "raw", "causation_id": null,
+        "created_at": "2026-12-01T00:00:00Z", "attempt": 1,
+    }))
+    .unwrap()
+}
+
+/// Messages the receiving database refuses do not hold up the ones around them: a body that
+/// is no outbox event is terminated (nothing to record it under), an event PostgreSQL refuses
+/// is left unacknowledged (redelivered, never dropped), and the others are recorded.
+#[actix_rt::test]
+async fn messages_that_cannot_be_recorded_do_not_hold_up_the_others() {
+    let url = nats_url();
+    let dst = TestDb::new().await;
+    let s = stream(StorageType::Memory);
+    let js = async_nats::jetstream::new(client(&url).await);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: s.name().to_owned(),
+        subjects: vec![format!("{}.>", s.name().to_lowercase())],
+        duplicate_window: Duration::from_secs(120),
+        storage: StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let ids: Vec<uuid::Uuid> = (0..3).map(|_| uuid::Uuid::now_v7()).collect();
+    publish_raw(
+        &url,
+        &s,
+        ids[0],
+        raw_event(ids[0], "good-1", serde_json::json!({})),
+    )
+    .await;
+    // PostgreSQL's jsonb refuses a NUL.
+    let nul = serde_json::json!({"note": "a\u{0}b"});
+    publish_raw(&url, &s, ids[1], raw_event(ids[1], "refused", nul)).await;
+    publish_raw(&url, &s, uuid::Uuid::now_v7(), b"not json".to_vec()).await;
+    publish_raw(
+        &url,
+        &s,
+        ids[2],
+        raw_event(ids[2], "good-2", serde_json::json!({})),
+    )
+    .await;
+
+    // All four are waiting when the receiver starts, so they come in one batch.
+    let receiver = NatsReceiver::new(client(&url).await, receiver_cfg(&s, "shipping")).unwrap();
+    let health = receiver.health();
+    let rx = receiving(&dst, receiver, Behaviour::default()).await;
+    assert_eq!(dst.wait_for(PROCESSED, 2, WAIT).await, 2);
+    assert_eq!(dst.count(EFFECTS).await, 2);
+    assert_eq!(
+        dst.count("SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'refused'")
+            .await,
+        0
+    );
+    let status = health.status();
+    assert_eq!(status.refused, 1, "{status:?}");
+    assert!(
+        status.last_error.is_some(),
+        "the refused event is reported: {status:?}"
+    );
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(s.name())
+        .await
+        .unwrap()
+        .get_consumer("shipping")
+        .await
+        .unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!(
+        info.num_ack_pending + info.num_pending as usize,
+        1,
+        "only the refused event is still in the stream's hands: {info:?}"
+    );
+    dst.finish(&[&rx]).await;
+    delete_stream(&url, &s).await;
+}
