@@ -13,6 +13,8 @@ pub(crate) const LAYERS: &[&[&str]] = &[
     &["store"],
     &["outbox", "inbox"],
     &["consumer", "publisher", "reconciler", "maintenance"],
+    // The NATS bridge: a transport (publisher's trait) and a receiver the runtime supervises.
+    &["nats"],
     &["runtime"],
     &["admin", "testing"],
 ];

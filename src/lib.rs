@@ -114,8 +114,9 @@
 //! every test run, so an import that breaks the order fails CI.
 //!
 //! ```text
-//! 6  admin/ (operator API, dashboard, Prometheus)    testing/ (harness, fault scripts)
-//! 5  runtime/    builder, supervisor, LISTEN, start-up and shutdown
+//! 7  admin/ (operator API, dashboard, Prometheus)    testing/ (harness, fault scripts)
+//! 6  runtime/    builder, supervisor, LISTEN, start-up and shutdown
+//! 5  nats/       the JetStream bridge (feature `nats`): a transport and a supervised receiver
 //! 4  consumer/   publisher/   reconciler/   maintenance/      (actors; independent)
 //! 3  outbox/ (enqueue)        inbox/ (keys, pause, receive)
 //! 2  store/      the SQL of the state machines, connections, migrations
@@ -139,6 +140,9 @@
 //! - `testing`: the harness and fault injection below.
 //! - `admin` (default): [`admin_scope`](admin::admin_scope), the operator API with its dashboard, health and
 //!   Prometheus endpoint; adds actix-web and metrics-exporter-prometheus.
+//! - `nats`: the NATS JetStream bridge ([`nats`]): `NatsTransport` publishes outbox events to a
+//!   stream, `NatsReceiver` records a durable consumer's messages in this database's inbox;
+//!   adds async-nats.
 
 //!
 //! ## Testing your consumers
@@ -163,6 +167,8 @@ mod maintenance;
 mod messages;
 #[cfg(test)]
 mod msrv;
+#[cfg(feature = "nats")]
+pub mod nats;
 mod outbox;
 mod publisher;
 mod reconciler;

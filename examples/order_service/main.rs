@@ -15,10 +15,16 @@
 //!   (`examples/demo_load`) shares.
 //! - With `ADMIN_TOKEN` set: the library's operator API, dashboard (`/admin/`), lag health and
 //!   Prometheus metrics under `/admin`.
+//! - With `NATS_URL` set (built with `--features nats`): events are published to the JetStream
+//!   stream `NATS_STREAM` (default `ORDERS`) through `NatsTransport`, for other services
+//!   (`examples/shipping_service`). This service's own consumers then receive them back through
+//!   a `NatsReceiver` of their own (durable consumer `order_service`), into this database's
+//!   inbox: one route for every consumer, so they keep working as before, and wait with
+//!   everyone else while NATS is down.
 //!
 //! Configuration (environment): `DATABASE_URL` (required), `BIND` (default `127.0.0.1:8080`),
 //! `ADMIN_TOKEN`, `PROVIDER_FAIL_RATE` and `CONSUMER_FAIL_RATE` (0.0–1.0, default 0),
-//! `RECONCILE_WINDOW_MS` (default 5000), `RUST_LOG`.
+//! `RECONCILE_WINDOW_MS` (default 5000), `NATS_URL`, `NATS_STREAM`, `RUST_LOG`.
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/orders cargo run --example order_service
@@ -167,8 +173,12 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
 
-    let runtime = OutboxRuntime::builder(outbox_pool.clone())
-        .config(runtime_cfg)
+    let builder = OutboxRuntime::builder(outbox_pool.clone()).config(runtime_cfg);
+    let builder = match std::env::var("NATS_URL").ok().filter(|u| !u.is_empty()) {
+        Some(url) => through_nats(builder, &url).await?,
+        None => builder,
+    };
+    let runtime = builder
         .consumer(notification, {
             let metrics_pool = metrics_pool.clone();
             move || consumers::NotificationConsumer::new(metrics_pool.clone(), fail_rate)
@@ -223,6 +233,50 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     tracing::info!(finished, "order service stopped");
     served?;
     Ok(())
+}
+
+/// Publishes through JetStream, and receives this service's own events back from it.
+#[cfg(feature = "nats")]
+async fn through_nats(
+    builder: actix_outbox::OutboxBuilder,
+    url: &str,
+) -> Result<actix_outbox::OutboxBuilder, Box<dyn std::error::Error>> {
+    use actix_outbox::nats::{
+        connect, NatsReceiver, NatsReceiverConfig, NatsStream, NatsTransport, NatsTransportConfig,
+    };
+    use actix_outbox::transport::ExternalConfig;
+    let stream = NatsStream::new(std::env::var("NATS_STREAM").unwrap_or_else(|_| "ORDERS".into()));
+    let client = connect(url).await?;
+    let transport =
+        NatsTransport::new(client.clone(), NatsTransportConfig::new(stream.clone())).await?;
+    // A NATS outage must not dead-letter events: retried for as long as it lasts, at most 2 s
+    // apart.
+    let publishing = ExternalConfig::default()
+        .lease(Duration::from_secs(30))
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(100_000)
+                .base(Duration::from_millis(100))
+                .cap(Duration::from_secs(2)),
+        );
+    let receiver = NatsReceiver::new(
+        client,
+        NatsReceiverConfig::new(stream, "order_service")
+            .ack_wait(Duration::from_secs(10))
+            .max_backoff(Duration::from_secs(2)),
+    )?;
+    tracing::info!(url, "publishing through NATS JetStream");
+    Ok(builder
+        .external_transport(transport, publishing)
+        .nats_receiver(receiver))
+}
+
+#[cfg(not(feature = "nats"))]
+async fn through_nats(
+    _: actix_outbox::OutboxBuilder,
+    _: &str,
+) -> Result<actix_outbox::OutboxBuilder, Box<dyn std::error::Error>> {
+    Err("NATS_URL is set but this build has no NATS support (build with --features nats)".into())
 }
 
 async fn apply_schema(pool: &PgPool) -> actix_outbox::Result<()> {

@@ -122,8 +122,8 @@ fn decide(
 ) -> (bool, Duration, ErrorCode) {
     match err {
         TransportError::Permanent { code, .. } => (true, Duration::ZERO, code.clone()),
-        TransportError::Retryable(_) => {
-            let code = if timed_out {
+        TransportError::Retryable(_) | TransportError::Timeout(_) => {
+            let code = if timed_out || matches!(err, TransportError::Timeout(_)) {
                 ErrorCode::OUTBOX_PUBLISH_TIMEOUT
             } else {
                 ErrorCode::OUTBOX_PUBLISH_FAILED

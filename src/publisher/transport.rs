@@ -41,6 +41,11 @@ pub enum TransportError {
     /// The broker may accept it later (unreachable, overloaded): retried with backoff.
     #[error("publish failed: {0}")]
     Retryable(String),
+    /// The broker did not confirm in time (its own acknowledgement timeout, shorter than
+    /// [`ExternalConfig::publish_timeout`]): retried with backoff like `Retryable`, stored as
+    /// `OUTBOX_PUBLISH_TIMEOUT`. The broker may have stored it: the retry keeps the event id.
+    #[error("publish not confirmed: {0}")]
+    Timeout(String),
     /// The broker will never accept it (rejected as malformed): dead-lettered at once.
     #[error("publish rejected: {message}")]
     Permanent {

@@ -217,9 +217,21 @@ pub struct OutboxBuilder {
     rules: Vec<Rc<dyn ReconcileRule>>,
     route: Route,
     events: Option<Arc<EventRegistry>>,
+    #[cfg(feature = "nats")]
+    receivers: Vec<crate::nats::NatsReceiver>,
 }
 
 impl OutboxBuilder {
+    /// Runs a NATS JetStream receiver (feature `nats`) as a supervised actor of this runtime:
+    /// its messages become inbox rows of this runtime's database, for the consumers registered
+    /// here (and in every other instance on the database) that subscribe to their types. Each
+    /// receiver is restarted when it dies and drained at shutdown.
+    #[cfg(feature = "nats")]
+    pub fn nats_receiver(mut self, receiver: crate::nats::NatsReceiver) -> Self {
+        self.receivers.push(receiver);
+        self
+    }
+
     /// Gives the runtime the application's event types: deliveries of an older version are
     /// upcast to the current one before the handler sees them; an older version no upcaster
     /// lifts is dead-lettered on its first attempt with `EVENT_VERSION_UNSUPPORTED`, and a
@@ -393,15 +405,33 @@ impl OutboxBuilder {
                 }
             })
             .collect();
-        let supervisor = SupervisorActor::new(
+        #[allow(unused_mut)]
+        let mut supervisor = SupervisorActor::new(
             self.pool,
             self.config,
             slots,
             self.rules,
             self.route,
             retention,
-        )
-        .start();
+        );
+        #[cfg(feature = "nats")]
+        {
+            let mut names = std::collections::HashSet::new();
+            for r in &self.receivers {
+                if !names.insert(r.name()) {
+                    return Err(Error::Config(format!("{} registered twice", r.name())));
+                }
+            }
+            supervisor.receivers = self
+                .receivers
+                .into_iter()
+                .map(|receiver| supervisor::ReceiverSlot {
+                    receiver,
+                    addr: None,
+                })
+                .collect();
+        }
+        let supervisor = supervisor.start();
         let mut started = Starting(Some(supervisor.clone()));
         // An actor runs `started` at its first poll. Returning before every actor has had it
         // would leave the application's next error (its own start-up failing after this one)
@@ -455,6 +485,8 @@ impl OutboxRuntime {
             rules: Vec::new(),
             route: Route::InProcess,
             events: None,
+            #[cfg(feature = "nats")]
+            receivers: Vec::new(),
         }
     }
 

@@ -36,6 +36,13 @@ use crate::reconciler::{
 };
 use crate::store::PgPool;
 
+/// A NATS receiver and its actor, restarted like the other children.
+#[cfg(feature = "nats")]
+pub(crate) struct ReceiverSlot {
+    pub receiver: crate::nats::NatsReceiver,
+    pub addr: Option<Addr<crate::nats::NatsReceiverActor>>,
+}
+
 /// How long stopping waits for the children to be gone after telling them to stop. An actor
 /// stops at its next poll (nothing in this crate delays its `stopping`), so this is a bound for
 /// a busy thread, not a wait anyone should see.
@@ -72,6 +79,9 @@ pub(crate) struct SupervisorActor {
     retention: Option<Rc<Retention>>,
     /// A retention run is in flight: the next tick does not start another.
     retaining: bool,
+    /// The NATS receivers (feature `nats`).
+    #[cfg(feature = "nats")]
+    pub(super) receivers: Vec<ReceiverSlot>,
 }
 
 /// The pause between retention runs while a backlog of expired rows lasts, instead of a whole
@@ -105,6 +115,8 @@ impl SupervisorActor {
             stats_instance: crate::maintenance::stats::instance_name(),
             retention,
             retaining: false,
+            #[cfg(feature = "nats")]
+            receivers: Vec::new(),
         }
     }
 
@@ -233,6 +245,36 @@ impl SupervisorActor {
 }
 
 impl SupervisorActor {
+    /// Starts every NATS receiver that is not running; they wake this runtime's consumers
+    /// through the supervisor, which outlives a restarted registry.
+    #[cfg(feature = "nats")]
+    fn ensure_receivers(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        let mut restarted = Vec::new();
+        for slot in &mut self.receivers {
+            if slot.addr.as_ref().is_some_and(|a| a.connected()) {
+                continue;
+            }
+            if slot.addr.is_some() {
+                restarted.push(slot.receiver.name());
+            }
+            let deps = crate::nats::ReceiverDeps {
+                pool: self.pool.clone(),
+                wake: ctx.address().recipient(),
+            };
+            slot.addr =
+                Some(crate::nats::NatsReceiverActor::new(slot.receiver.clone(), deps).start());
+        }
+        for child in restarted {
+            self.restarted(&child);
+        }
+    }
+
+    #[cfg(not(feature = "nats"))]
+    fn ensure_receivers(&mut self, _: &mut Context<Self>) {}
+
     fn ensure_listener(&mut self, ctx: &mut Context<Self>) {
         if self.stopping
             || !self.config.listen
@@ -264,6 +306,7 @@ impl Actor for SupervisorActor {
             return;
         }
         self.ensure_children();
+        self.ensure_receivers(ctx);
         self.ensure_listener(ctx);
         // Built and validated by the builder; each run is bounded and its deletes are short
         // transactions, so it runs here rather than in an actor of its own. The first run is at
@@ -276,6 +319,7 @@ impl Actor for SupervisorActor {
         }
         ctx.run_interval(self.config.supervise_interval, |act, ctx| {
             act.ensure_children();
+            act.ensure_receivers(ctx);
             act.ensure_listener(ctx);
         });
     }
@@ -304,6 +348,23 @@ impl Handler<Heard> for SupervisorActor {
                     let _ = r.try_send(InboxRowsWritten { consumers });
                 }
             }
+        }
+    }
+}
+
+/// Inbox rows written by a receiver of this runtime; `*` is every consumer.
+impl Handler<InboxRowsWritten> for SupervisorActor {
+    type Result = ();
+    fn handle(&mut self, mut rows: InboxRowsWritten, _: &mut Context<Self>) {
+        if rows.consumers.iter().any(|(c, _)| c == "*") {
+            rows.consumers = self
+                .consumers
+                .iter()
+                .map(|s| (s.cfg.name.as_str().to_owned(), 0))
+                .collect();
+        }
+        if let Some(r) = &self.registry {
+            let _ = r.try_send(rows);
         }
     }
 }
@@ -398,6 +459,8 @@ child!(
     StatsActor,
     ListenerActor,
 );
+#[cfg(feature = "nats")]
+child!(crate::nats::NatsReceiverActor);
 
 /// Resolves once every child has started: true, or false if one of them stopped first.
 #[derive(Message)]
@@ -428,6 +491,12 @@ impl Handler<Ready> for SupervisorActor {
         if let Some(a) = &self.listener {
             pings.push(Box::pin(a.send(Ping)));
         }
+        #[cfg(feature = "nats")]
+        for slot in &self.receivers {
+            if let Some(a) = &slot.addr {
+                pings.push(Box::pin(a.send(Ping)));
+            }
+        }
         // Nothing started (see `started`): not ready.
         let started = self.registry.is_some();
         Box::pin(async move { started && join_all(pings).await.iter().all(Result::is_ok) })
@@ -453,6 +522,10 @@ impl SupervisorActor {
         // The listener's connection is its own, not the pool's: stopping it closes that
         // connection, so no LISTEN outlives the runtime.
         stop(self.listener.as_ref(), &mut alive);
+        #[cfg(feature = "nats")]
+        for slot in &self.receivers {
+            stop(slot.addr.as_ref(), &mut alive);
+        }
         until_stopped(move || alive.iter().any(|a| a()), STOP_WAIT)
     }
 }
@@ -522,6 +595,13 @@ impl Handler<Shutdown> for SupervisorActor {
         for slot in &self.consumers {
             if let Some(c) = &slot.addr {
                 drains.push(Box::pin(c.send(Drain)));
+            }
+        }
+        // A receiver finishes the batch in hand (committed and acknowledged) and takes no more.
+        #[cfg(feature = "nats")]
+        for slot in &self.receivers {
+            if let Some(r) = &slot.addr {
+                drains.push(Box::pin(r.send(Drain)));
             }
         }
         let timeout = self.config.shutdown_timeout;

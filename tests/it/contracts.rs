@@ -583,3 +583,93 @@ async fn a_chain_keeps_one_correlation_id_and_links_causation() {
         .all(|t| t.status == "PUBLISHED" || t.status == "PROCESSED"));
     db.finish(&[&rt]).await;
 }
+
+/// The boot-time contract check: a stored version no upcaster of this build lifts and a
+/// subscription its consumer no longer lists are reported by health until a start finds them
+/// fixed, and refuse the start when configured to.
+#[actix_rt::test]
+async fn a_contract_mismatch_at_start_is_reported_until_fixed_and_can_refuse_the_start() {
+    use actix_outbox::health::{ContractCheck, StatsConfig, StatsSampler};
+    let db = TestDb::new().await;
+    // A version-1 event in the outbox, and a subscription an older build of `projector` made.
+    let conn = db.pool.get().await.unwrap();
+    let old = NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        "o-1",
+        json!({"order_id": "o-1", "state": "PAID", "version": 1}),
+    )
+    .version(1);
+    enqueue(&conn, &old).await.unwrap();
+    drop(conn);
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "INSERT INTO consumer_states (consumer) VALUES ('projector');
+         INSERT INTO consumer_subscriptions (consumer, event_type)
+             VALUES ('projector', 'ORDER_CANCELLED');",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    // This build reads v2 and has no upcaster from v1.
+    let no_upcaster = || EventRegistry::new().register::<StatusChanged>();
+    let build = |registry: EventRegistry, check: ContractCheck| {
+        let config = fast_runtime().contract_check(check);
+        let cfg = consumer("projector", 3);
+        OutboxRuntime::builder(db.pool.clone())
+            .config(config)
+            .events(registry)
+            .consumer(cfg, || Recorder {
+                name: "projector".into(),
+                behaviour: Behaviour::default(),
+            })
+    };
+    let refused = build(no_upcaster(), ContractCheck::Refuse).start().await;
+    let err = refused.err().expect("the start is refused");
+    assert_eq!(err.code().as_str(), "CONFIG_INVALID");
+    assert!(
+        err.to_string()
+            .contains("ORDER_STATUS_CHANGED v1 has no upcaster"),
+        "{err}"
+    );
+
+    let sampler = StatsSampler::new(db.pool.clone(), StatsConfig::default()).unwrap();
+    let findings = async || {
+        let report = sampler.run_once().await.unwrap();
+        let mut found: Vec<String> = report
+            .reasons
+            .iter()
+            .filter(|r| r.code == "CONTRACT_MISMATCH")
+            .map(|r| r.message.split(':').next().unwrap_or_default().to_owned())
+            .collect();
+        found.sort();
+        found
+    };
+    assert_eq!(
+        findings().await,
+        vec!["SUBSCRIPTION_UNHANDLED", "VERSION_UNLIFTABLE"]
+    );
+
+    // Warned, the same build starts, and health still says so.
+    let rt = build(no_upcaster(), ContractCheck::Warn)
+        .start()
+        .await
+        .unwrap();
+    assert_eq!(findings().await.len(), 2);
+    rt.shutdown().await;
+
+    // Fixed: the upcaster ships and the stale subscription is removed. The next start clears
+    // both findings.
+    let mut conn = db.pool.get().await.unwrap();
+    let projector = actix_outbox::event::ConsumerName::new("projector").unwrap();
+    actix_outbox::ops::unsubscribe(&mut conn, &projector, "ORDER_CANCELLED")
+        .await
+        .unwrap();
+    drop(conn);
+    let rt = build(registry(), ContractCheck::Refuse)
+        .start()
+        .await
+        .unwrap();
+    assert_eq!(findings().await, Vec::<String>::new());
+    db.finish(&[&rt]).await;
+}

@@ -17,6 +17,8 @@ mod fanout;
 mod harness;
 mod isolation;
 mod lifecycle;
+#[cfg(feature = "nats")]
+mod nats;
 mod network;
 mod ops;
 mod ordered;
