@@ -1,8 +1,8 @@
 //! The runtime: configuration, the builder that registers consumers, the handle the
 //! application keeps, and the supervisor that owns the actors.
 
-#[cfg(feature = "testing")]
 pub(crate) mod contract;
+#[cfg(feature = "testing")]
 mod fault;
 mod listener;
 mod supervisor;
