@@ -4,8 +4,9 @@
 -- The rule lives in the claim (`inbox_claim.sql`) and is one sentence: an ordered consumer
 -- claims a row only if it is the earliest unfinished event of its aggregate, i.e. no row of the
 -- same aggregate with a lower `event_seq` is due, leased (a leased row keeps its due status) or,
--- unless the consumer skips them, dead-lettered; and no outbox event with a lower `seq` still
--- waits to be fanned out (two publishers may commit their fan-outs out of order).
+-- unless the consumer skips them, dead-lettered; and no event of the aggregate with a lower
+-- `seq` still waits in the outbox to be fanned out (two publishers may commit their fan-outs
+-- out of order).
 --
 -- `event_seq` is the outbox row's `seq`, the enqueue order. `ordered` is copied from the
 -- subscription when the row is fanned out, so that only ordered consumers' rows enter the

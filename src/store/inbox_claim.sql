@@ -13,8 +13,9 @@
 -- its consumer claims nothing else here.
 -- An ordered consumer's row (`ordered`, see the migration `ordered_consumers`) is claimed only
 -- when it is the earliest unfinished event of its aggregate: no row of the aggregate with a
--- lower `event_seq` is due, leased or ($6) dead-lettered, and no outbox event with a lower seq
--- waits to be fanned out. So a claim takes at most one row per aggregate, and the next only
+-- lower `event_seq` is due, leased or ($6) dead-lettered, and no event of the aggregate with a
+-- lower seq waits in the outbox to be fanned out (read along `outbox_events_due`: rows are
+-- fanned out in seq order, so few due rows lie below a row already in the inbox). So a claim takes at most one row per aggregate, and the next only
 -- after this one's outcome has committed. The same test is written in `one` and in `due`.
 -- The ORDER BY is the partial index `inbox_events_due` column for column, so PostgreSQL reads
 -- it in order and stops at the limit, skipping rows a lease names. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
@@ -39,8 +40,10 @@ WITH paused AS (
       AND (NOT EXISTS (SELECT FROM inbox_leases b WHERE b.locked_by = $4)
            OR i.next_attempt_at < now() - $3 * interval '1 millisecond')
       AND (NOT i.ordered OR (
-          i.event_seq < coalesce((SELECT min(o.seq) FROM outbox_events o WHERE o.status = 'PENDING'),
-                                   9223372036854775807)
+          NOT EXISTS (
+              SELECT FROM outbox_events o
+              WHERE o.status IN ('PENDING', 'RETRY_PENDING') AND o.seq < i.event_seq
+                AND o.aggregate_type = i.aggregate_type AND o.aggregate_id = i.aggregate_id)
           AND NOT EXISTS (
               SELECT FROM inbox_events e
               WHERE e.consumer = $1 AND e.ordered AND e.aggregate_type = i.aggregate_type
@@ -56,8 +59,10 @@ WITH paused AS (
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM alone)
       AND (NOT i.ordered OR (
-          i.event_seq < coalesce((SELECT min(o.seq) FROM outbox_events o WHERE o.status = 'PENDING'),
-                                   9223372036854775807)
+          NOT EXISTS (
+              SELECT FROM outbox_events o
+              WHERE o.status IN ('PENDING', 'RETRY_PENDING') AND o.seq < i.event_seq
+                AND o.aggregate_type = i.aggregate_type AND o.aggregate_id = i.aggregate_id)
           AND NOT EXISTS (
               SELECT FROM inbox_events e
               WHERE e.consumer = $1 AND e.ordered AND e.aggregate_type = i.aggregate_type

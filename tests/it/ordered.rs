@@ -280,3 +280,49 @@ async fn an_ordered_consumer_that_skips_dead_letters_moves_past_them() {
     assert_eq!(applied_order(&db).await["agg-1"], vec![0, 1, 2, 3]);
     db.finish(&[&rt]).await;
 }
+
+/// An event that waits in the outbox (here: not due for an hour, as a suspect the publisher
+/// retries later would) holds up only the later events of its own aggregate, not an ordered
+/// consumer's other aggregates.
+#[actix_rt::test]
+async fn an_event_waiting_in_the_outbox_holds_up_only_its_own_aggregate() {
+    let db = TestDb::new().await;
+    db.pool
+        .get()
+        .await
+        .unwrap()
+        .batch_execute(APPLIED)
+        .await
+        .unwrap();
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+             correlation_id, next_attempt_at) \
+         VALUES (gen_random_uuid(), 'ORDER_STATUS_CHANGED', 'order', 'agg-0', \
+             '{\"n\": -1, \"k\": 0}', 'stuck', now() + interval '1 hour')",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let applier = Applier {
+        fail_every: None,
+        poison: None,
+        poisoned: Arc::default(),
+    };
+    let rt = start_ordered(db.pool.clone(), ordered("ledger"), applier).await;
+    enqueue_interleaved(&db, 4, 3).await;
+
+    let others = "SELECT count(*) AS n FROM applied WHERE aggregate <> 'agg-0'";
+    assert_eq!(db.wait_for(others, 9, WAIT).await, 9);
+    // Given time to (wrongly) move on.
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM applied WHERE aggregate = 'agg-0'")
+            .await,
+        0
+    );
+    let waiting = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'agg-0' \
+                   AND status = 'RECEIVED'";
+    assert_eq!(db.count(waiting).await, 3);
+    db.finish(&[&rt]).await;
+}
