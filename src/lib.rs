@@ -180,7 +180,7 @@ mod telemetry;
 pub mod testing;
 
 // The names of the quick start; the rest live in the public modules below.
-pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
+pub use consumer::{ConsumerConfig, Delivery, DeliveryBatch, DeliveryMode, HandlerError};
 pub use error::{Error, ErrorCode, Result};
 pub use event::{Event, EventId, EventRegistry, NewEvent};
 pub use outbox::{enqueue, enqueue_many, enqueue_with};

@@ -30,6 +30,21 @@ pub struct Delivery {
     pub(crate) slot: Slot,
     /// The runtime's event registry, which [`Delivery::enqueue`] validates follow-ups with.
     pub(crate) events: Option<Arc<EventRegistry>>,
+    pub(crate) mode: DeliveryMode,
+}
+
+/// Why a handler sees an event: its live delivery, or an operator's replay of an event the
+/// consumer already processed ([`ops::replay`](crate::ops::replay)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DeliveryMode {
+    /// The event's own delivery (or a retry of it), marked in the consumer's inbox.
+    #[default]
+    Live,
+    /// A replay: the event was processed before and its inbox row stays as it is; the replay
+    /// records its progress instead. A handler may skip what must happen once per event (a
+    /// follow-up event, a mail) when it sees this mode.
+    Replay,
 }
 
 impl Message for Delivery {
@@ -43,6 +58,7 @@ impl std::fmt::Debug for Delivery {
             .field("event_id", &self.row.event_id)
             .field("event_type", &self.row.event_type)
             .field("attempt", &self.attempt())
+            .field("mode", &self.mode)
             .finish_non_exhaustive()
     }
 }
@@ -99,6 +115,11 @@ impl Delivery {
     /// The consumer this delivery is for.
     pub fn consumer(&self) -> &ConsumerName {
         &self.consumer
+    }
+    /// [`DeliveryMode::Replay`] when an operator replays the event, [`DeliveryMode::Live`]
+    /// otherwise.
+    pub fn mode(&self) -> DeliveryMode {
+        self.mode
     }
 
     /// Decodes the payload. A payload that does not fit `T` is a permanent

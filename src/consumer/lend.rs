@@ -17,7 +17,7 @@ use tokio::sync::{RwLock, Semaphore};
 
 use super::actor::HandlerRef;
 use super::decide::{handler_timed_out, HANDLER_LOST};
-use super::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
+use super::{ConsumerConfig, Delivery, DeliveryBatch, DeliveryMode, HandlerError};
 use crate::event::ConsumerName;
 use crate::store::inbox::{self, InboxRow, Outcome};
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
@@ -54,6 +54,7 @@ pub(crate) async fn hand_over(
     conn: OwnedConn,
     rows: &mut [InboxRow],
     depth: u32,
+    mode: DeliveryMode,
 ) -> Call {
     let slot: Slot = Arc::new(RwLock::new(Some(conn)));
     let deliveries: Vec<Delivery> = rows
@@ -70,6 +71,7 @@ pub(crate) async fn hand_over(
                 consumer: cfg.name.clone(),
                 slot: slot.clone(),
                 events: cfg.events.clone(),
+                mode,
             }
         })
         .collect();

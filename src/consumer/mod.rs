@@ -76,7 +76,7 @@ mod reap;
 pub(crate) mod registry;
 
 pub use config::ConsumerConfig;
-pub use delivery::{Delivery, DeliveryBatch, SharedConn, TxConn};
+pub use delivery::{Delivery, DeliveryBatch, DeliveryMode, SharedConn, TxConn};
 pub use handler_error::HandlerError;
 
 #[cfg(feature = "testing")]

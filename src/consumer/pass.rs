@@ -10,7 +10,7 @@ use super::actor::HandlerRef;
 use super::batch::BatchOutcome;
 use super::decide::{self, after_call, CallEnd, Next};
 use super::lend;
-use super::{log, ConsumerConfig, HandlerError};
+use super::{log, ConsumerConfig, DeliveryMode, HandlerError};
 use crate::error::Result;
 use crate::event::Upcast;
 use crate::store::inbox::{self, Advance, InboxRow, Outcome, Settle};
@@ -85,7 +85,15 @@ impl Pass<'_> {
                 continue;
             }
             calls += 1;
-            let call = lend::hand_over(cfg, self.handler, conn, &mut group, depth).await;
+            let call = lend::hand_over(
+                cfg,
+                self.handler,
+                conn,
+                &mut group,
+                depth,
+                DeliveryMode::Live,
+            )
+            .await;
             out.handler_lost |= call.lost;
             if call.conn.is_none() || (call.timed_out && call.held) {
                 // The handler overran and still runs: its transaction is gone with it, and its

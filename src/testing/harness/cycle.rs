@@ -8,7 +8,7 @@ use tokio::sync::RwLock;
 use crate::consumer::actor::HandlerRef;
 use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
 use crate::consumer::upcast;
-use crate::consumer::{Delivery, DeliveryBatch, HandlerError};
+use crate::consumer::{Delivery, DeliveryBatch, DeliveryMode, HandlerError};
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::EventId;
 use crate::store::inbox::{truncate, Failure};
@@ -121,6 +121,7 @@ impl Harness {
             consumer: cfg.name.clone(),
             slot: slot.clone(),
             events: cfg.events.clone(),
+            mode: DeliveryMode::Live,
         };
         let handler = self.consumers[c].handler.clone();
         let sent = match &handler {
