@@ -52,6 +52,14 @@ impl ErrorCode {
     pub const CONSUMER_UNKNOWN: ErrorCode = ErrorCode::from_static("CONSUMER_UNKNOWN");
     /// The runtime has stopped and no longer accepts requests.
     pub const RUNTIME_STOPPED: ErrorCode = ErrorCode::from_static("RUNTIME_STOPPED");
+    /// A replay was asked of a consumer not marked
+    /// [`replay_safe`](crate::ConsumerConfig::replay_safe).
+    pub const CONSUMER_NOT_REPLAY_SAFE: ErrorCode =
+        ErrorCode::from_static("CONSUMER_NOT_REPLAY_SAFE");
+    /// A replay request whose range or rate cannot be run.
+    pub const REPLAY_INVALID: ErrorCode = ErrorCode::from_static("REPLAY_INVALID");
+    /// No replay has that id.
+    pub const REPLAY_UNKNOWN: ErrorCode = ErrorCode::from_static("REPLAY_UNKNOWN");
 
     /// A code known at compile time.
     pub const fn from_static(code: &'static str) -> Self {
@@ -110,6 +118,18 @@ pub enum Error {
     /// connection was closed, and the work is retried on a fresh one.
     #[error("the database did not answer within {0:?}")]
     DatabaseTimeout(std::time::Duration),
+    /// A replay was asked of a consumer whose code does not mark it
+    /// [`replay_safe`](crate::ConsumerConfig::replay_safe).
+    #[error(
+        "consumer {0} is not replay-safe: its code must set ConsumerConfig::replay_safe(true)"
+    )]
+    NotReplaySafe(String),
+    /// A replay request whose range or rate cannot be run; nothing was written.
+    #[error("invalid replay: {0}")]
+    InvalidReplay(String),
+    /// No replay has that id.
+    #[error("no replay {0}")]
+    UnknownReplay(i64),
 }
 
 impl Error {
@@ -126,6 +146,9 @@ impl Error {
             Error::UnknownConsumer(_) => ErrorCode::CONSUMER_UNKNOWN,
             Error::Stopped => ErrorCode::RUNTIME_STOPPED,
             Error::DatabaseTimeout(_) => ErrorCode::DATABASE_TIMEOUT,
+            Error::NotReplaySafe(_) => ErrorCode::CONSUMER_NOT_REPLAY_SAFE,
+            Error::InvalidReplay(_) => ErrorCode::REPLAY_INVALID,
+            Error::UnknownReplay(_) => ErrorCode::REPLAY_UNKNOWN,
         }
     }
 

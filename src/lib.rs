@@ -240,10 +240,15 @@ pub mod keys {
 
 pub mod ops {
     //! Operator actions in code (the operator API offers them too): pause and resume a
-    //! consumer, remove a subscription, follow one correlation id, wake the publishers of
-    //! other processes; and the names of the rows' states, as stored.
-    pub use crate::inbox::{pause_consumer, resume_consumer, unsubscribe};
+    //! consumer, remove a subscription, replay processed events to one consumer, follow one
+    //! correlation id, wake the publishers of other processes; and the names of the rows'
+    //! states, as stored.
+    pub use crate::inbox::{
+        cancel_replay, pause_consumer, replay, replays, resume_consumer, unsubscribe, ReplayRange,
+        DEFAULT_REPLAY_RATE, MAX_REPLAY_RATE,
+    };
     pub use crate::outbox::{notify_publishers, timeline};
+    pub use crate::store::replay::Replay;
     pub use crate::store::status::{InboxStatus, OutboxStatus};
     pub use crate::store::timeline::TimelineEntry;
 }

@@ -116,7 +116,9 @@ impl ResponseError for AdminError {
 impl From<Error> for AdminError {
     fn from(e: Error) -> Self {
         let status = match &e {
-            Error::UnknownConsumer(_) => StatusCode::NOT_FOUND,
+            Error::UnknownConsumer(_) | Error::UnknownReplay(_) => StatusCode::NOT_FOUND,
+            Error::NotReplaySafe(_) => StatusCode::CONFLICT,
+            Error::InvalidReplay(_) => StatusCode::BAD_REQUEST,
             Error::Database(_) | Error::Pool(_) | Error::Stopped => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::batch::{self, BatchOutcome};
 use super::lend::Hung;
-use super::{reap, ConsumerConfig, Delivery, DeliveryBatch};
+use super::{reap, replay, ConsumerConfig, Delivery, DeliveryBatch};
 use crate::messages::{Drain, Wake};
 use crate::store::PgPool;
 
@@ -56,6 +56,8 @@ pub(crate) struct ConsumerActor {
     in_flight: u32,
     /// A reap of expired leases is running.
     reaping: bool,
+    /// This consumer's replays are being stepped (`replay.rs`).
+    replaying: bool,
     /// A wake-up arrived that no running loop has answered yet: there may be due rows.
     want: bool,
     /// A running loop found a full batch: more rows are due than one loop takes at a time.
@@ -88,6 +90,7 @@ impl ConsumerActor {
             hung,
             in_flight: 0,
             reaping: false,
+            replaying: false,
             want: true,
             backlog: false,
             draining: Arc::new(AtomicBool::new(false)),
@@ -184,6 +187,27 @@ impl ConsumerActor {
                 Err(e) => {
                     tracing::warn!(consumer = %act.cfg.name, error = %e, code = %e.code(), "could not settle expired leases");
                 }
+            }
+        }));
+    }
+
+    /// Steps the replays asked of this consumer, if its code marks it replay-safe: one run at
+    /// a time, beside the batch loops, until none is left. Looked for on each poll.
+    fn replay(&mut self, ctx: &mut Context<Self>) {
+        if !self.cfg.replay_safe || self.replaying || self.draining.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(handler) = self.handler(ctx) else {
+            return;
+        };
+        self.replaying = true;
+        let (pool, cfg, draining) = (self.pool.clone(), self.cfg.clone(), self.draining.clone());
+        let run = async move { replay::run(&pool, &cfg, &handler, &draining).await };
+        ctx.spawn(run.into_actor(self).map(|lost, act, ctx| {
+            act.replaying = false;
+            if lost {
+                act.want = true;
+                act.pump(ctx);
             }
         }));
     }
@@ -336,6 +360,7 @@ impl Actor for ConsumerActor {
             act.want = true;
             act.reap(ctx);
             act.pump(ctx);
+            act.replay(ctx);
         });
         self.pump(ctx);
     }

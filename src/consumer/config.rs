@@ -22,6 +22,7 @@ pub struct ConsumerConfig {
     pub(crate) skip_stale: bool,
     pub(crate) ordered: bool,
     pub(crate) skip_dead_letters: bool,
+    pub(crate) replay_safe: bool,
     pub(crate) rate_limit: Option<f64>,
     pub(crate) lease: Option<Duration>,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
@@ -50,6 +51,7 @@ impl ConsumerConfig {
             skip_stale: false,
             ordered: false,
             skip_dead_letters: false,
+            replay_safe: false,
             rate_limit: None,
             lease: None,
             events: None,
@@ -171,6 +173,15 @@ impl ConsumerConfig {
     /// written assuming it had been applied.
     pub fn skip_dead_letters(mut self, on: bool) -> Self {
         self.skip_dead_letters = on;
+        self
+    }
+    /// Whether an operator may replay events this consumer already processed
+    /// ([`ops::replay`](crate::ops::replay)). Default off: a replay hands the handler an event
+    /// whose effect it already wrote, which only a handler written for it takes well (one that
+    /// rebuilds a projection with upserts, say). The handler sees
+    /// [`DeliveryMode::Replay`](super::DeliveryMode::Replay) for those deliveries.
+    pub fn replay_safe(mut self, on: bool) -> Self {
+        self.replay_safe = on;
         self
     }
     /// The consumer's name.

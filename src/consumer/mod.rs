@@ -16,6 +16,7 @@
 //! | `pass.rs` | one pass over the rows in one transaction: fast (no savepoints), or careful (one row per call, a savepoint each) |
 //! | `lend.rs` | lending the connection to the handler; parking the connections of handlers hung past their timeout |
 //! | `reap.rs` | settling the leases that loops which died left behind |
+//! | `replay.rs` | stepping the replays an operator asked of the consumer, beside its live rows |
 //! | `decide.rs` | the pure decisions: retry or dead letter, who is charged, whether a call fits in the lease |
 //! | `delivery.rs`, `handler_error.rs`, `config.rs` | the public types |
 //! | `function.rs` | the actor behind a consumer written as an async function |
@@ -74,6 +75,7 @@ mod log;
 mod pass;
 mod reap;
 pub(crate) mod registry;
+mod replay;
 
 pub use config::ConsumerConfig;
 pub use delivery::{Delivery, DeliveryBatch, DeliveryMode, SharedConn, TxConn};

@@ -288,7 +288,7 @@ fn to(row: &InboxRow, settle: Settle) -> Outcome {
 
 /// A step of the connection's transaction manager.
 #[derive(Clone, Copy)]
-enum Step {
+pub(super) enum Step {
     /// `BEGIN`, or `SAVEPOINT` inside a transaction.
     Begin,
     /// `COMMIT`, or `RELEASE SAVEPOINT`.
@@ -298,7 +298,7 @@ enum Step {
 }
 
 /// Takes `step` within [`DB_TIMEOUT`], as every statement of the engine.
-async fn tm(conn: &mut OwnedConn, step: Step) -> Result<()> {
+pub(super) async fn tm(conn: &mut OwnedConn, step: Step) -> Result<()> {
     store::bounded(conn, DB_TIMEOUT, async |c| {
         match step {
             Step::Begin => Tm::begin_transaction(c).await?,

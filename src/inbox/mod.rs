@@ -5,6 +5,12 @@
 //! *different* events (or an event and a reconciler repair) from causing the same effect,
 //! e.g. `notification:order_123:COMPLETED`.
 
+mod replay;
+
+pub use replay::{
+    cancel_replay, replay, replays, ReplayRange, DEFAULT_REPLAY_RATE, MAX_REPLAY_RATE,
+};
+
 use diesel::sql_types::{Nullable, Text, Uuid as SqlUuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 

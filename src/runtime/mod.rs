@@ -385,6 +385,7 @@ impl OutboxBuilder {
                     cfg.name.as_str(),
                     &cfg.event_types,
                     cfg.ordered,
+                    cfg.replay_safe,
                 )
                 .await?;
                 registered.push(contract::Registered { cfg, extra });

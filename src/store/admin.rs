@@ -16,6 +16,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
+pub(crate) use super::audit::insert_audit;
 use crate::error::Result;
 
 /// One outbox row as operators see it.
@@ -371,34 +372,6 @@ pub(crate) async fn ignore_outbox(conn: &mut AsyncPgConnection, id: uuid::Uuid) 
     .execute(conn)
     .await?;
     Ok(n)
-}
-
-/// Writes one audit row in the caller's transaction; returns its id.
-pub(crate) async fn insert_audit(
-    conn: &mut AsyncPgConnection,
-    who: &str,
-    action: &str,
-    target: &str,
-    reason: Option<&str>,
-    details: &serde_json::Value,
-) -> Result<i64> {
-    #[derive(QueryableByName)]
-    struct Id {
-        #[diesel(sql_type = BigInt)]
-        id: i64,
-    }
-    let row: Id = diesel::sql_query(
-        "INSERT INTO admin_audit (who, action, target, reason, details) \
-         VALUES ($1, $2, $3, $4, $5) RETURNING id",
-    )
-    .bind::<Text, _>(who)
-    .bind::<Text, _>(action)
-    .bind::<Text, _>(target)
-    .bind::<Nullable<Text>, _>(reason)
-    .bind::<Jsonb, _>(details)
-    .get_result(conn)
-    .await?;
-    Ok(row.id)
 }
 
 /// One audit row.

@@ -4,12 +4,14 @@
 //! see only [`PgPool`], the pool builders and [`ConnectionConfig`].
 
 pub(crate) mod admin;
+pub(crate) mod audit;
 mod connection;
 pub(crate) mod contract;
 pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;
 pub(crate) mod outbox;
+pub(crate) mod replay;
 pub(crate) mod stats;
 pub(crate) mod status;
 pub(crate) mod timeline;

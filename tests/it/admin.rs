@@ -203,6 +203,7 @@ async fn requests_without_valid_credentials_get_401_and_touch_nothing() {
         "/ops/inbox?status=DEAD_LETTER".into(),
         "/ops/consumers".into(),
         "/ops/blocked".into(),
+        "/ops/replays".into(),
         "/ops/audit".into(),
         "/ops/timeline/corr-1".into(),
         "/ops/no-such-endpoint".into(),
@@ -225,6 +226,8 @@ async fn requests_without_valid_credentials_get_401_and_touch_nothing() {
         ),
         ("/ops/consumers/mail/pause".into(), json!({"reason": "x"})),
         ("/ops/consumers/mail/resume".into(), json!({})),
+        ("/ops/consumers/mail/replay".into(), json!({"reason": "x"})),
+        ("/ops/replays/1/cancel".into(), json!({})),
         (
             "/ops/consumers/mail/subscriptions/ORDER_STATUS_CHANGED/remove".into(),
             json!({"reason": "x"}),
@@ -822,6 +825,102 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
         "ORDER_STATUS_CHANGED"
     );
     db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn a_replay_is_refused_unless_safe_checked_listed_cancelled_and_audited() {
+    let db = TestDb::new().await;
+    seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let replays = "SELECT count(*) AS n FROM replays";
+    let ask = |body: Value| post("/ops/consumers/mail/replay", body);
+    assert_error(
+        &call!(app, ask(json!({"reason": "rebuild"}))),
+        409,
+        "CONSUMER_NOT_REPLAY_SAFE",
+    );
+    assert_error(
+        &call!(
+            app,
+            post("/ops/consumers/nobody/replay", json!({"reason": "x"}))
+        ),
+        404,
+        "CONSUMER_UNKNOWN",
+    );
+    // The consumer's code marks it safe when it registers; here, by hand.
+    diesel::sql_query("UPDATE consumer_states SET replay_safe = true WHERE consumer = 'mail'")
+        .execute(&mut db.pool.get().await.unwrap())
+        .await
+        .unwrap();
+    assert_error(&call!(app, ask(json!({}))), 400, "REASON_REQUIRED");
+    assert_error(
+        &call!(app, ask(json!({"reason": "x", "rate": 0}))),
+        400,
+        "REPLAY_INVALID",
+    );
+    assert_error(
+        &call!(app, ask(json!({"reason": "x", "from": "yesterday"}))),
+        400,
+        "INVALID_BODY",
+    );
+    assert_error(
+        &call!(
+            app,
+            ask(
+                json!({"reason": "x", "from": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"})
+            )
+        ),
+        400,
+        "REPLAY_INVALID",
+    );
+    assert_error(
+        &call!(app, ask(json!({"reason": "x", "speed": 3}))),
+        400,
+        "INVALID_BODY",
+    );
+    assert_eq!(db.count(replays).await, 0, "refused requests write nothing");
+    assert_eq!(audit_rows(&db).await, 0);
+
+    let processed = db
+        .count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'mail' AND status = 'PROCESSED' AND error_code IS NULL")
+        .await;
+    let got = call!(
+        app,
+        ask(
+            json!({"reason": "rebuild the projection", "event_types": ["ORDER_STATUS_CHANGED"], "rate": 5})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    let replay = json_of(&got.1);
+    assert_eq!(replay["total"], processed);
+    assert_eq!(replay["status"], "RUNNING");
+    assert_eq!(replay["requested_by"], "alice");
+    let id = replay["id"].as_i64().unwrap();
+
+    let listed = json_of(&call!(app, get("/ops/replays?consumer=mail")).1);
+    assert_eq!(listed["items"][0]["id"], id);
+    assert_eq!(listed["items"][0]["done"], 0);
+    let got = call!(app, post(&format!("/ops/replays/{id}/cancel"), json!({})));
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(json_of(&got.1)["status"], "CANCELLED");
+    assert_error(
+        &call!(app, post("/ops/replays/424242/cancel", json!({}))),
+        404,
+        "REPLAY_UNKNOWN",
+    );
+    assert_error(
+        &call!(app, post("/ops/replays/x/cancel", json!({}))),
+        400,
+        "INVALID_ID",
+    );
+    assert_eq!(
+        text(
+            &db,
+            "SELECT string_agg(concat_ws('|', who, action, target, reason), ',' ORDER BY id) AS s FROM admin_audit"
+        )
+        .await,
+        "alice|consumer.replay|consumer:mail|rebuild the projection,alice|consumer.replay.cancel|consumer:mail"
+    );
 }
 
 #[actix_rt::test]

@@ -25,5 +25,6 @@ mod ordered;
 mod pipeline;
 mod plan;
 mod reconcile;
+mod replay;
 mod server_crash;
 mod transport;

@@ -23,7 +23,7 @@ use super::*;
 
 /// An action's body, read up to [`MAX_BODY`] bytes. Past that, a JSON 413 `BODY_TOO_LARGE`
 /// (actix's own limit would answer in plain text, without a code).
-pub(super) struct Body(web::Bytes);
+pub(super) struct Body(pub(super) web::Bytes);
 
 impl FromRequest for Body {
     type Error = AdminError;

@@ -3,7 +3,8 @@
 //! the transaction locks its rows, re-checks them, changes them and writes the audit row.
 //!
 //! Here: the routes and what they share. `reads.rs`: health, overview, metrics, lists,
-//! timeline, audit. `actions.rs`: retry, ignore, pause, resume, unsubscribe.
+//! timeline, audit. `actions.rs`: retry, ignore, pause, resume, unsubscribe. `replays.rs`:
+//! ask for, list and cancel replays.
 
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use crate::store::status::{InboxStatus, OutboxStatus};
 
 mod actions;
 mod reads;
+mod replays;
 
 use actions::*;
 use reads::*;
@@ -63,6 +65,7 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .service(get("/events/{event_id}", event))
         .service(get("/audit", audit))
         .service(get("/timeline/{correlation_id}", timeline))
+        .service(get("/replays", replays::list))
         // The fixed paths come before `/{id}/…` so that `retry` is never read as an id.
         .service(post("/inbox/retry", retry_inbox_set))
         .service(post("/outbox/retry", retry_outbox_set))
@@ -72,6 +75,8 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .service(post("/outbox/{id}/ignore", ignore_outbox_one))
         .service(post("/consumers/{name}/pause", pause))
         .service(post("/consumers/{name}/resume", resume))
+        .service(post("/consumers/{name}/replay", replays::replay))
+        .service(post("/replays/{id}/cancel", replays::cancel))
         .service(post(
             "/consumers/{name}/subscriptions/{event_type}/remove",
             remove_subscription,

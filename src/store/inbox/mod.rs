@@ -114,24 +114,30 @@ pub(crate) async fn register_consumer(
     consumer: &str,
     event_types: &[String],
     ordered: bool,
+    replay_safe: bool,
 ) -> Result<Vec<String>> {
     #[derive(QueryableByName)]
     struct Subscription {
         #[diesel(sql_type = Text)]
         event_type: String,
     }
-    let extra: Vec<Subscription> = Prepared(diesel::sql_query(
-        "WITH c AS (INSERT INTO consumer_states (consumer) VALUES ($1) ON CONFLICT DO NOTHING), \
+    let extra: Vec<Subscription> = Prepared(
+        diesel::sql_query(
+            "WITH c AS (INSERT INTO consumer_states (consumer, replay_safe) VALUES ($1, $4) \
+                    ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4 \
+                    WHERE consumer_states.replay_safe <> $4), \
               s AS (INSERT INTO consumer_subscriptions (consumer, event_type, ordered) \
                     SELECT $1, t, $3 FROM unnest($2::text[]) AS t \
                     ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3 \
                     WHERE consumer_subscriptions.ordered <> $3) \
          SELECT event_type FROM consumer_subscriptions \
          WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<Array<Text>, _>(event_types)
+        .bind::<diesel::sql_types::Bool, _>(ordered)
+        .bind::<diesel::sql_types::Bool, _>(replay_safe),
     )
-    .bind::<Text, _>(consumer)
-    .bind::<Array<Text>, _>(event_types)
-    .bind::<diesel::sql_types::Bool, _>(ordered))
     .load(conn)
     .await?;
     Ok(extra.into_iter().map(|s| s.event_type).collect())

@@ -1,0 +1,2 @@
+ALTER TABLE consumer_states DROP COLUMN replay_safe;
+DROP TABLE replays;

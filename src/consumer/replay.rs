@@ -1,0 +1,168 @@
+//! Running the replays asked of this consumer ([`ops::replay`](crate::ops::replay)).
+//!
+//! *A step re-applies the next rows past a replay's cursor and moves the cursor in the same
+//! transaction.* So each row of the range is re-applied once, whichever instance steps it and
+//! whatever dies in between: a step that does not commit applied nothing. The step locks its
+//! replay row (`SKIP LOCKED`), so instances take turns; it reads the consumer's inbox rows and
+//! never writes them, so live deliveries neither wait for it nor see it. The rate limit is
+//! the replay's `next_step_at`, also in the database.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::actor::HandlerRef;
+use super::decide::{decide, handler_timed_out};
+use super::pass::{tm, upcast, Step};
+use super::{lend, ConsumerConfig, DeliveryMode, HandlerError};
+use crate::error::Result;
+use crate::store::inbox::{truncate, InboxRow};
+use crate::store::replay::{self as stmt, Due};
+use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
+
+/// How a step went.
+enum StepEnd {
+    /// A step ran (or failed and was recorded): the next may be due at once.
+    Stepped,
+    /// No replay is due: the soonest is due after this long (`None`: none is running).
+    Wait(Option<Duration>),
+    /// The handler actor died during the step.
+    HandlerLost,
+}
+
+/// Steps this consumer's running replays until none is left or a drain begins; sleeps (up to
+/// a poll interval at a time) while the next step waits for its rate. Returns whether the
+/// handler actor was lost.
+pub(crate) async fn run(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    handler: &HandlerRef,
+    draining: &AtomicBool,
+) -> bool {
+    while !draining.load(Ordering::Relaxed) {
+        match step(pool, cfg, handler).await {
+            Ok(StepEnd::Stepped) => {}
+            Ok(StepEnd::Wait(Some(wait))) => tokio::time::sleep(wait.min(cfg.poll_interval)).await,
+            Ok(StepEnd::Wait(None)) => return false,
+            Ok(StepEnd::HandlerLost) => return true,
+            Err(e) => {
+                // The step's transaction rolled back with its connection: nothing moved. The
+                // next poll tries again.
+                tracing::warn!(consumer = %cfg.name, error = %e, code = %e.code(), "replay step failed");
+                return false;
+            }
+        }
+    }
+    false
+}
+
+async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Result<StepEnd> {
+    let mut conn: OwnedConn = pool.get_owned().await?;
+    tm(&mut conn, Step::Begin).await?;
+    let name = cfg.name.as_str();
+    let due = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+        stmt::lock_due(c, name).await
+    });
+    let (id, attempts, rate) = match due.await? {
+        Due::Step { id, attempts, rate } => (id, attempts, rate),
+        Due::Later(wait) => {
+            tm(&mut conn, Step::Rollback).await?;
+            return Ok(StepEnd::Wait(wait));
+        }
+    };
+    // A tenth of a second's worth of rows per step; one after a failure, so that the failing
+    // row's attempts are its own.
+    let limit = if attempts > 0 {
+        1
+    } else {
+        (rate / 10.0).ceil().clamp(1.0, f64::from(cfg.batch_size)) as i64
+    };
+    let mut rows = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+        stmt::rows(c, id, limit).await
+    })
+    .await?;
+    let Some(last) = rows.last().map(|r| r.id) else {
+        // Nothing left past the cursor (the rest was deleted by retention): done.
+        advance(&mut conn, id, None, 0).await?;
+        return Ok(StepEnd::Stepped);
+    };
+    for row in &mut rows {
+        if let Err(err) = upcast(cfg, row) {
+            tm(&mut conn, Step::Rollback).await?;
+            fail(&mut conn, cfg, id, row, &err).await?;
+            return Ok(StepEnd::Stepped);
+        }
+    }
+    let first = rows[0].clone_without_payload();
+    let applied = rows.len() as i64;
+    let call = lend::hand_over(cfg, handler, conn, &mut rows, 1, DeliveryMode::Replay).await;
+    let lost = call.lost;
+    let failure = match (call.result, call.conn) {
+        (Ok(()), Some(mut conn)) => match advance(&mut conn, id, Some(last), applied).await {
+            Ok(()) => None,
+            // A handler that swallowed a failed statement leaves a transaction that cannot
+            // commit.
+            Err(e) => {
+                store::poison(&mut conn);
+                drop(conn);
+                let err = HandlerError::retry(format!("the replay step could not commit: {e}"));
+                Some((pool.get_owned().await?, err))
+            }
+        },
+        (Err(err), Some(mut conn)) => {
+            tm(&mut conn, Step::Rollback).await?;
+            Some((conn, err))
+        }
+        (result, None) => {
+            // The handler still holds the connection (it overran its timeout), and with it the
+            // step's transaction and the replay's lock: wait until it lets go, then close it.
+            let slot = call.slot;
+            while Arc::strong_count(&slot) > 1 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if let Some(mut held) = slot.write().await.take() {
+                store::poison(&mut held);
+            }
+            let err = result.err().unwrap_or_else(|| handler_timed_out(cfg));
+            Some((pool.get_owned().await?, err))
+        }
+    };
+    if let Some((mut conn, err)) = failure {
+        fail(&mut conn, cfg, id, &first, &err).await?;
+    } else {
+        tracing::debug!(consumer = %cfg.name, replay = id, applied, "replay step applied");
+    }
+    Ok(if lost {
+        StepEnd::HandlerLost
+    } else {
+        StepEnd::Stepped
+    })
+}
+
+/// Moves the cursor with the step's effects and commits them together.
+async fn advance(conn: &mut OwnedConn, id: i64, last: Option<i64>, applied: i64) -> Result<()> {
+    store::bounded(conn, DB_TIMEOUT, async |c| {
+        stmt::advance(c, id, last, applied).await
+    })
+    .await?;
+    tm(conn, Step::Commit).await
+}
+
+/// Records a failed step, outside its (rolled back) transaction: retried by the consumer's
+/// policy, or the replay ends FAILED.
+async fn fail(
+    conn: &mut OwnedConn,
+    cfg: &ConsumerConfig,
+    id: i64,
+    row: &InboxRow,
+    err: &HandlerError,
+) -> Result<()> {
+    let f = decide(&cfg.retry, row, err);
+    let message = truncate(&format!("event {}: {}", row.event_id, f.message), 2000);
+    tracing::warn!(consumer = %cfg.name, replay = id, event_id = %row.event_id,
+        error_code = %f.code, error = %f.message, ended = f.dead, "replay step failed");
+    store::bounded(conn, DB_TIMEOUT, async |c| {
+        stmt::failed(c, id, f.dead, f.delay_ms, &f.code, &message).await
+    })
+    .await
+}

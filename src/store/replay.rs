@@ -1,0 +1,313 @@
+//! Replay statements (migration `replays`): a replay walks its consumer's PROCESSED inbox rows
+//! that match its range, in inbox order, and `cursor_id` moves in the transaction that applies
+//! them. So the rows it has re-applied are exactly the matching rows up to its cursor, on
+//! every instance and through any crash. It never writes an inbox row.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::Serialize;
+
+use super::inbox::InboxRow;
+use crate::error::Result;
+
+/// What an operator asks to re-apply: a consumer's processed events, optionally narrowed by
+/// type, by the time the events were written, and by correlation id.
+#[derive(Debug, Clone)]
+pub(crate) struct Range<'a> {
+    pub consumer: &'a str,
+    /// Empty: every type.
+    pub event_types: &'a [String],
+    pub from: Option<DateTime<Utc>>,
+    pub until: Option<DateTime<Utc>>,
+    pub correlation_id: Option<&'a str>,
+}
+
+/// The rows a replay walks, beyond its cursor. Only what the handler applied counts: a row
+/// marked processed as stale, or ignored by an operator, was never applied, so it is not
+/// re-applied either. `processed_at <= requested_at` keeps the set to what was processed when
+/// the replay was asked for.
+const MATCHING: &str =
+    "i.consumer = r.consumer AND i.status = 'PROCESSED' AND i.error_code IS NULL \
+     AND i.processed_at <= r.requested_at \
+     AND (r.event_types IS NULL OR i.event_type = ANY (r.event_types)) \
+     AND (r.created_from IS NULL OR i.event_created_at >= r.created_from) \
+     AND (r.created_until IS NULL OR i.event_created_at < r.created_until) \
+     AND (r.correlation_id IS NULL OR i.correlation_id = r.correlation_id)";
+
+/// One replay, as the operator API and [`ops::replays`](crate::ops::replays) show it.
+#[derive(Debug, Clone, PartialEq, QueryableByName, Serialize)]
+#[non_exhaustive]
+pub struct Replay {
+    /// The replay's id.
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    /// The one consumer it re-applies events to.
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    /// The event types it covers; `None` for every type.
+    #[diesel(sql_type = Nullable<Array<Text>>)]
+    pub event_types: Option<Vec<String>>,
+    /// Events written at or after this time, if set.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub created_from: Option<DateTime<Utc>>,
+    /// Events written before this time, if set.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub created_until: Option<DateTime<Utc>>,
+    /// Events of this correlation id, if set.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub correlation_id: Option<String>,
+    /// The events it covered when it was asked for.
+    #[diesel(sql_type = BigInt)]
+    pub total: i64,
+    /// The events re-applied so far.
+    #[diesel(sql_type = BigInt)]
+    pub done: i64,
+    /// Its rate limit, in events per second.
+    #[diesel(sql_type = Double)]
+    pub rate: f64,
+    /// `RUNNING`, `DONE`, `FAILED` (a step failed past the consumer's retry policy; see
+    /// `last_error`) or `CANCELLED`.
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    /// Failed attempts of the step it is at.
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+    /// The code of the last failure, if its step has not succeeded since.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub error_code: Option<String>,
+    /// The message of the last failure, likewise.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    /// Who asked for it.
+    #[diesel(sql_type = Text)]
+    pub requested_by: String,
+    /// Why.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub reason: Option<String>,
+    /// When.
+    #[diesel(sql_type = Timestamptz)]
+    pub requested_at: DateTime<Utc>,
+    /// When it ended (done, failed or cancelled).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+const COLUMNS: &str = "id, consumer, event_types, created_from, created_until, correlation_id, \
+     total, done, rate, status, attempts, error_code, last_error, requested_by, reason, \
+     requested_at, finished_at";
+
+/// Whether the consumer was ever registered, and if so whether its code marks it replay-safe.
+pub(crate) async fn replay_safe(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+) -> Result<Option<bool>> {
+    #[derive(QueryableByName)]
+    struct Safe {
+        #[diesel(sql_type = Bool)]
+        replay_safe: bool,
+    }
+    let row: Option<Safe> =
+        diesel::sql_query("SELECT replay_safe FROM consumer_states WHERE consumer = $1")
+            .bind::<Text, _>(consumer)
+            .get_result(conn)
+            .await
+            .map(Some)
+            .or_else(|e| match e {
+                diesel::result::Error::NotFound => Ok(None),
+                e => Err(e),
+            })?;
+    Ok(row.map(|r| r.replay_safe))
+}
+
+/// Writes a RUNNING replay of `range`, counting its rows now. Its cursor starts just before
+/// the first matching row, so that no step reads the history before it.
+pub(crate) async fn insert(
+    conn: &mut AsyncPgConnection,
+    range: &Range<'_>,
+    rate: f64,
+    by: &str,
+    reason: Option<&str>,
+) -> Result<Replay> {
+    let types = (!range.event_types.is_empty()).then_some(range.event_types);
+    let sql = format!(
+        "WITH r AS (SELECT $1::text AS consumer, $2::text[] AS event_types, \
+                           $3::timestamptz AS created_from, $4::timestamptz AS created_until, \
+                           $5::text AS correlation_id, now() AS requested_at), \
+              m AS (SELECT count(*) AS total, min(i.id) AS first, max(i.id) AS last \
+                    FROM r JOIN inbox_events i ON {MATCHING}) \
+         INSERT INTO replays (consumer, event_types, created_from, created_until, correlation_id, \
+                              upto_id, cursor_id, total, rate, requested_by, reason, requested_at, \
+                              status, finished_at) \
+         SELECT r.consumer, r.event_types, r.created_from, r.created_until, r.correlation_id, \
+                coalesce(m.last, 0), coalesce(m.first - 1, 0), m.total, $6, $7, $8, r.requested_at, \
+                CASE WHEN m.total = 0 THEN 'DONE' ELSE 'RUNNING' END, \
+                CASE WHEN m.total = 0 THEN now() END \
+         FROM r, m RETURNING {COLUMNS}"
+    );
+    let row = diesel::sql_query(sql)
+        .bind::<Text, _>(range.consumer)
+        .bind::<Nullable<Array<Text>>, _>(types)
+        .bind::<Nullable<Timestamptz>, _>(range.from)
+        .bind::<Nullable<Timestamptz>, _>(range.until)
+        .bind::<Nullable<Text>, _>(range.correlation_id)
+        .bind::<Double, _>(rate)
+        .bind::<Text, _>(by)
+        .bind::<Nullable<Text>, _>(reason)
+        .get_result(conn)
+        .await?;
+    Ok(row)
+}
+
+/// Cancels a running replay (what it applied stays applied). Waits for a step in flight to
+/// end. `None` for an unknown id; a replay that already ended is returned as it is.
+pub(crate) async fn cancel(conn: &mut AsyncPgConnection, id: i64) -> Result<Option<Replay>> {
+    let sql = format!(
+        "WITH c AS (UPDATE replays SET status = 'CANCELLED', finished_at = now() \
+                    WHERE id = $1 AND status = 'RUNNING' RETURNING {COLUMNS}) \
+         SELECT {COLUMNS} FROM c \
+         UNION ALL SELECT {COLUMNS} FROM replays WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM c)"
+    );
+    let rows: Vec<Replay> = diesel::sql_query(sql)
+        .bind::<BigInt, _>(id)
+        .load(conn)
+        .await?;
+    Ok(rows.into_iter().next())
+}
+
+/// Replays, newest first: one consumer's, or all.
+pub(crate) async fn list(
+    conn: &mut AsyncPgConnection,
+    consumer: Option<&str>,
+    limit: i64,
+) -> Result<Vec<Replay>> {
+    let sql = format!(
+        "SELECT {COLUMNS} FROM replays WHERE $1::text IS NULL OR consumer = $1 \
+         ORDER BY id DESC LIMIT $2"
+    );
+    let rows = diesel::sql_query(sql)
+        .bind::<Nullable<Text>, _>(consumer)
+        .bind::<BigInt, _>(limit)
+        .load(conn)
+        .await?;
+    Ok(rows)
+}
+
+/// A replay of the consumer whose next step is due, locked for this step's transaction (no
+/// two instances step one replay at once); or, when none is due, how long until the soonest
+/// running one is (`None`: the consumer has no running replay).
+pub(crate) enum Due {
+    Step { id: i64, attempts: i32, rate: f64 },
+    Later(Option<std::time::Duration>),
+}
+
+pub(crate) async fn lock_due(conn: &mut AsyncPgConnection, consumer: &str) -> Result<Due> {
+    #[derive(QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = Nullable<BigInt>)]
+        id: Option<i64>,
+        #[diesel(sql_type = Nullable<Integer>)]
+        attempts: Option<i32>,
+        #[diesel(sql_type = Nullable<Double>)]
+        rate: Option<f64>,
+        /// Milliseconds until the soonest running replay of the consumer is due.
+        #[diesel(sql_type = Nullable<BigInt>)]
+        wait_ms: Option<i64>,
+    }
+    let row: Locked = diesel::sql_query(
+        "WITH l AS (SELECT id, attempts, rate FROM replays \
+                    WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
+                    ORDER BY next_step_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+         SELECT (SELECT id FROM l) AS id, (SELECT attempts FROM l) AS attempts, \
+                (SELECT rate FROM l) AS rate, \
+                (SELECT greatest(ceil(extract(epoch FROM min(next_step_at) - now()) * 1000), 0)::int8 \
+                 FROM replays WHERE consumer = $1 AND status = 'RUNNING') AS wait_ms",
+    )
+    .bind::<Text, _>(consumer)
+    .get_result(conn)
+    .await?;
+    Ok(match (row.id, row.attempts, row.rate) {
+        (Some(id), Some(attempts), Some(rate)) => Due::Step { id, attempts, rate },
+        _ => Due::Later(
+            row.wait_ms
+                .map(|ms| std::time::Duration::from_millis(ms.max(1) as u64)),
+        ),
+    })
+}
+
+/// The next `limit` rows of replay `id` past its cursor, as deliveries of attempt
+/// `attempts + 1` of the step.
+pub(crate) async fn rows(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    limit: i64,
+) -> Result<Vec<InboxRow>> {
+    let sql = format!(
+        "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
+                i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
+                i.causation_id, i.event_created_at, r.attempts AS attempt_count, \
+                0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
+         FROM replays r JOIN inbox_events i ON i.id > r.cursor_id AND i.id <= r.upto_id \
+              AND {MATCHING} \
+         WHERE r.id = $1 ORDER BY i.id LIMIT $2"
+    );
+    let rows = diesel::sql_query(sql)
+        .bind::<BigInt, _>(id)
+        .bind::<BigInt, _>(limit)
+        .load(conn)
+        .await?;
+    Ok(rows)
+}
+
+/// Moves the cursor past `last` with `applied` rows more done, in the step's transaction; the
+/// next step is due when the rate allows. Done when the cursor reached the end (`last` is
+/// `None`: no rows were left).
+pub(crate) async fn advance(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    last: Option<i64>,
+    applied: i64,
+) -> Result<()> {
+    diesel::sql_query(
+        "UPDATE replays SET cursor_id = coalesce($2, upto_id), done = done + $3, attempts = 0, \
+                error_code = NULL, last_error = NULL, \
+                next_step_at = now() + make_interval(secs => $3 / rate), \
+                status = CASE WHEN coalesce($2, upto_id) >= upto_id THEN 'DONE' ELSE status END, \
+                finished_at = CASE WHEN coalesce($2, upto_id) >= upto_id THEN now() END \
+         WHERE id = $1",
+    )
+    .bind::<BigInt, _>(id)
+    .bind::<Nullable<BigInt>, _>(last)
+    .bind::<BigInt, _>(applied)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Records a failed step (its transaction rolled back): tried again after `delay_ms`, or, when
+/// `dead`, the replay ends FAILED with the error, its cursor at the row that failed.
+pub(crate) async fn failed(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    dead: bool,
+    delay_ms: i64,
+    code: &str,
+    message: &str,
+) -> Result<()> {
+    diesel::sql_query(
+        "UPDATE replays SET attempts = attempts + 1, error_code = $3, last_error = $4, \
+                next_step_at = now() + $5 * interval '1 millisecond', \
+                status = CASE WHEN $2 THEN 'FAILED' ELSE status END, \
+                finished_at = CASE WHEN $2 THEN now() END \
+         WHERE id = $1 AND status = 'RUNNING'",
+    )
+    .bind::<BigInt, _>(id)
+    .bind::<Bool, _>(dead)
+    .bind::<Text, _>(code)
+    .bind::<Text, _>(message)
+    .bind::<BigInt, _>(delay_ms)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
