@@ -2,8 +2,10 @@
 //! work in flight plus a week.
 //!
 //! What goes, by default: PUBLISHED outbox rows and PROCESSED inbox rows after 7 days, business
-//! idempotency keys after 30 days. What never goes: dead letters and IGNORED rows (an
-//! operator's decision), and anything not yet delivered.
+//! idempotency keys, stale-check versions and reconcile runs after 30 days, the operators'
+//! audit trail after a year. What never goes: dead letters and IGNORED rows (an operator's
+//! decision), anything not yet delivered, and a stale-check version an event still on its way
+//! could be compared with.
 //!
 //! Why the keys outlive the inbox rows: once a PROCESSED inbox row is gone, a redelivery of
 //! that event (a broker replay, an operator re-publishing) is processed again, and only the
@@ -26,6 +28,9 @@ pub struct RetentionConfig {
     pub(crate) published_outbox_after: Duration,
     pub(crate) processed_inbox_after: Duration,
     pub(crate) idempotency_keys_after: Duration,
+    pub(crate) audit_after: Duration,
+    pub(crate) reconcile_runs_after: Duration,
+    pub(crate) aggregate_versions_after: Duration,
     pub(crate) batch_size: u32,
     pub(crate) max_batches: u32,
 }
@@ -51,6 +56,31 @@ impl RetentionConfig {
         self
     }
 
+    /// Operator audit rows (`admin_audit`) older than this (by `at`) are deleted. Default 365
+    /// days: the longest of all, since it answers "who did that" after the fact.
+    pub fn audit_after(mut self, audit_after: Duration) -> Self {
+        self.audit_after = audit_after;
+        self
+    }
+
+    /// Finished reconcile runs older than this (by `started_at`) are deleted. Default 30 days.
+    pub fn reconcile_runs_after(mut self, reconcile_runs_after: Duration) -> Self {
+        self.reconcile_runs_after = reconcile_runs_after;
+        self
+    }
+
+    /// The versions a consumer that skips stale events keeps per aggregate
+    /// (`aggregate_versions`) are deleted when not updated for this long (by `updated_at`)
+    /// and no event of the aggregate is left that could be compared with them: none waiting
+    /// in the outbox, and none of that consumer's received, retrying or dead-lettered. Default
+    /// 30 days. Past it, an event of the aggregate that arrives later anyway (a broker
+    /// redelivering an old message) is applied as if first: keep it longer than any such
+    /// delay.
+    pub fn aggregate_versions_after(mut self, aggregate_versions_after: Duration) -> Self {
+        self.aggregate_versions_after = aggregate_versions_after;
+        self
+    }
+
     /// Rows per delete statement: each batch is its own short transaction. Default 1000.
     pub fn batch_size(mut self, batch_size: u32) -> Self {
         self.batch_size = batch_size;
@@ -72,6 +102,9 @@ impl Default for RetentionConfig {
             published_outbox_after: Duration::from_secs(7 * DAY),
             processed_inbox_after: Duration::from_secs(7 * DAY),
             idempotency_keys_after: Duration::from_secs(30 * DAY),
+            audit_after: Duration::from_secs(365 * DAY),
+            reconcile_runs_after: Duration::from_secs(30 * DAY),
+            aggregate_versions_after: Duration::from_secs(30 * DAY),
             batch_size: 1000,
             max_batches: 100,
         }
@@ -99,6 +132,12 @@ pub struct RetentionReport {
     pub inbox_deleted: u64,
     /// Idempotency keys.
     pub keys_deleted: u64,
+    /// Operator audit rows.
+    pub audit_deleted: u64,
+    /// Reconcile runs.
+    pub reconcile_runs_deleted: u64,
+    /// Stale-check versions.
+    pub aggregate_versions_deleted: u64,
     /// A table had more expired rows than `max_batches` allowed: run again soon.
     pub more_left: bool,
 }
@@ -136,6 +175,9 @@ impl Retention {
             (Expired::ProcessedInbox, c.processed_inbox_after),
             (Expired::PublishedOutbox, c.published_outbox_after),
             (Expired::IdempotencyKeys, c.idempotency_keys_after),
+            (Expired::AdminAudit, c.audit_after),
+            (Expired::ReconcileRuns, c.reconcile_runs_after),
+            (Expired::AggregateVersions, c.aggregate_versions_after),
         ];
         for (what, older_than) in plan {
             let (deleted, more) = self.drain(what, older_than).await?;
@@ -143,6 +185,9 @@ impl Retention {
                 Expired::PublishedOutbox => report.outbox_deleted = deleted,
                 Expired::ProcessedInbox => report.inbox_deleted = deleted,
                 Expired::IdempotencyKeys => report.keys_deleted = deleted,
+                Expired::AdminAudit => report.audit_deleted = deleted,
+                Expired::ReconcileRuns => report.reconcile_runs_deleted = deleted,
+                Expired::AggregateVersions => report.aggregate_versions_deleted = deleted,
             }
             report.more_left |= more;
         }
@@ -151,6 +196,9 @@ impl Retention {
             outbox_deleted = report.outbox_deleted,
             inbox_deleted = report.inbox_deleted,
             keys_deleted = report.keys_deleted,
+            audit_deleted = report.audit_deleted,
+            reconcile_runs_deleted = report.reconcile_runs_deleted,
+            aggregate_versions_deleted = report.aggregate_versions_deleted,
             more_left = report.more_left,
             "retention.completed"
         );

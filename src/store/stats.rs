@@ -345,6 +345,13 @@ pub(crate) enum Expired {
     ProcessedInbox,
     /// Business idempotency keys, by `created_at`.
     IdempotencyKeys,
+    /// Operator audit rows, by `at`.
+    AdminAudit,
+    /// Reconcile runs, by `started_at`; never one still running.
+    ReconcileRuns,
+    /// Stale-check versions (`aggregate_versions`), by `updated_at`, once no event that could
+    /// be compared with them is left (see the statement).
+    AggregateVersions,
 }
 
 /// Rows one [`delete_expired`] batch found expired, and those it deleted.
@@ -375,8 +382,9 @@ impl Expiry {
 /// by someone else are skipped, never waited for. Dead letters and IGNORED rows never match:
 /// they are an operator's to decide about.
 ///
-/// Expected plans: index scans of `outbox_events_published`, `inbox_events_processed` and
-/// `idempotency_keys_created`.
+/// Expected plans: index scans of `outbox_events_published`, `inbox_events_processed`,
+/// `idempotency_keys_created`, `admin_audit_at`, `reconcile_runs_started` and
+/// `aggregate_versions_updated`.
 /// For the outbox, `after` is the previous batch's [`Expiry::after`] in this run: the batch
 /// takes rows past it, in `(published_at, id)` order.
 pub(crate) async fn delete_expired(
@@ -432,6 +440,45 @@ pub(crate) async fn delete_expired(
                  WHERE created_at < now() - $1 * interval '1 millisecond' \
                  ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
              deleted AS (DELETE FROM idempotency_keys WHERE key IN (SELECT key FROM expired) RETURNING 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+        }
+        Expired::AdminAudit => {
+            "WITH expired AS ( \
+                 SELECT id FROM admin_audit WHERE at < now() - $1 * interval '1 millisecond' \
+                 ORDER BY at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             deleted AS (DELETE FROM admin_audit WHERE id IN (SELECT id FROM expired) RETURNING 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+        }
+        Expired::ReconcileRuns => {
+            "WITH expired AS ( \
+                 SELECT id FROM reconcile_runs \
+                 WHERE started_at < now() - $1 * interval '1 millisecond' AND finished_at IS NOT NULL \
+                 ORDER BY started_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             deleted AS (DELETE FROM reconcile_runs WHERE id IN (SELECT id FROM expired) RETURNING 1) \
+             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+        }
+        // A version is what an event of its aggregate is compared with, so it goes only when
+        // no such event can still come: the consumer has no row of the aggregate that may yet
+        // be applied (received, waiting for a retry, or a dead letter an operator may retry),
+        // and the outbox no event of it still to be fanned out. Those rows are the work in
+        // flight and the dead letters, read once per batch through their partial indexes.
+        Expired::AggregateVersions => {
+            "WITH expired AS ( \
+                 SELECT consumer, aggregate_type, aggregate_id FROM aggregate_versions v \
+                 WHERE updated_at < now() - $1 * interval '1 millisecond' \
+                   AND (consumer, aggregate_type, aggregate_id) NOT IN ( \
+                       SELECT consumer, aggregate_type, aggregate_id FROM inbox_events \
+                       WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')) \
+                   AND (aggregate_type, aggregate_id) NOT IN ( \
+                       SELECT aggregate_type, aggregate_id FROM outbox_events \
+                       WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING', 'DEAD_LETTER')) \
+                 ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             deleted AS (DELETE FROM aggregate_versions v USING expired e \
+                 WHERE (v.consumer, v.aggregate_type, v.aggregate_id) \
+                     = (e.consumer, e.aggregate_type, e.aggregate_id) RETURNING 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
                     NULL::timestamptz AS last_at, NULL::uuid AS last_id"
         }

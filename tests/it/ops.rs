@@ -286,6 +286,97 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     db.finish(&[]).await;
 }
 
+/// The history tables are bounded too: old audit rows, finished reconcile runs and
+/// stale-check versions go, young ones stay; a version stays while an event it may be compared
+/// with is still on its way (a retry, a dead letter, an event not yet fanned out).
+#[actix_rt::test]
+async fn retention_bounds_the_audit_trail_reconcile_runs_and_versions() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO admin_audit (who, action, target, at)
+         SELECT 'alice', 'consumer.pause', 'consumer:mail', now() - (d || ' days')::interval
+         FROM unnest(ARRAY[400, 366, 300, 1]) d;
+         INSERT INTO reconcile_runs (rule, dry_run, started_at, finished_at)
+         VALUES ('r', false, now() - interval '40 days', now() - interval '40 days'),
+                ('r', false, now() - interval '40 days', NULL),
+                ('r', false, now() - interval '2 days', now() - interval '2 days');
+         INSERT INTO aggregate_versions (consumer, aggregate_type, aggregate_id, version, updated_at)
+         VALUES ('mail', 'order', 'idle', 3, now() - interval '40 days'),
+                ('mail', 'order', 'young', 3, now() - interval '2 days'),
+                ('mail', 'order', 'retrying', 3, now() - interval '40 days'),
+                ('mail', 'order', 'dead', 3, now() - interval '40 days'),
+                ('mail', 'order', 'pending', 3, now() - interval '40 days'),
+                ('stats', 'order', 'retrying', 3, now() - interval '40 days');
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status)
+         VALUES (gen_random_uuid(), 'mail', 'T', 1, 'order', 'retrying', '{}', 'c', now(), 'RETRY_PENDING'),
+                (gen_random_uuid(), 'mail', 'T', 1, 'order', 'dead', '{}', 'c', now(), 'DEAD_LETTER'),
+                (gen_random_uuid(), 'mail', 'T', 1, 'order', 'idle', '{}', 'c', now(), 'PROCESSED');
+         INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+             correlation_id, status)
+         VALUES (gen_random_uuid(), 'T', 'order', 'pending', '{}', 'c', 'PENDING');",
+    )
+    .await;
+    let report = Retention::new(db.pool.clone(), RetentionConfig::default())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            report.audit_deleted,
+            report.reconcile_runs_deleted,
+            report.aggregate_versions_deleted
+        ),
+        (2, 1, 2)
+    );
+    let text = |sql: &'static str| db.count(sql);
+    assert_eq!(
+        text("SELECT count(*) AS n FROM admin_audit WHERE at > now() - interval '365 days'").await,
+        2,
+        "a year of audit rows stays"
+    );
+    assert_eq!(
+        text("SELECT count(*) AS n FROM reconcile_runs WHERE finished_at IS NULL OR started_at > now() - interval '3 days'").await,
+        2,
+        "the young run and the one still running stay"
+    );
+    // The version of `stats` goes: the retrying row is `mail`'s, not its.
+    assert_eq!(
+        text(
+            "SELECT count(*) AS n FROM aggregate_versions WHERE consumer = 'mail' \
+             AND aggregate_id IN ('young', 'retrying', 'dead', 'pending')"
+        )
+        .await,
+        4
+    );
+    assert_eq!(
+        text("SELECT count(*) AS n FROM aggregate_versions").await,
+        4
+    );
+    // Shorter ages, set per table.
+    let short = RetentionConfig::default()
+        .audit_after(std::time::Duration::from_secs(3600))
+        .reconcile_runs_after(std::time::Duration::from_secs(3600))
+        .aggregate_versions_after(std::time::Duration::from_secs(3600));
+    let report = Retention::new(db.pool.clone(), short)
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            report.audit_deleted,
+            report.reconcile_runs_deleted,
+            report.aggregate_versions_deleted
+        ),
+        (2, 1, 1),
+        "all but the running run and the versions still needed"
+    );
+    db.finish(&[]).await;
+}
+
 /// A backlog of expired rows larger than one run deletes is worked off run after run, not one
 /// run per `retention_interval` (an hour here), and the first run is at start. An age of
 /// `Duration::MAX` keeps rows, rather than failing every run.

@@ -1,0 +1,2 @@
+DROP INDEX aggregate_versions_updated;
+DROP INDEX reconcile_runs_started;
