@@ -252,10 +252,13 @@ impl NewEvent {
                 rules.max_payload_bytes
             ));
         }
-        if let Some(path) = rules.find_sensitive(&self.payload) {
-            return bad(format!(
-                "payload key {path} looks like a secret or personal data; carry an id instead"
-            ));
+        // Metadata is stored and shipped with the payload, so a secret there leaks the same way.
+        for (root, value) in [("payload", &self.payload), ("metadata", &self.metadata)] {
+            if let Some(path) = rules.find_sensitive(value, root) {
+                return bad(format!(
+                    "key {path} looks like a secret or personal data; carry an id instead"
+                ));
+            }
         }
         Ok(())
     }
@@ -275,60 +278,149 @@ fn has_nul(v: &serde_json::Value) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PayloadRules {
     pub max_payload_bytes: usize,
-    /// Lower-case fragments; a key containing one (ignoring `_` and `-`) is rejected.
+    /// Each sensitive key's words written together, lower case ([`normalize_key`]): a key is
+    /// rejected when a contiguous run of its own words spells one of these.
     pub sensitive_keys: Vec<String>,
 }
 
-/// Keys rejected by default: payloads carry ids, never secrets or personal data.
+/// Keys rejected by default, in the payload and in the metadata: events carry ids, never
+/// secrets or personal data.
+///
+/// A key is split into words (on `_`, `-`, `.`, any other character that is not a letter or a
+/// digit, camelCase humps and letter/digit changes) and lower-cased. A sensitive key matches
+/// when its own words appear as a contiguous run of the key's words, or the same letters run
+/// together (`apikey`): `password` catches `password`, `userPassword` and `password_hash`;
+/// `api_key` catches `api_key`, `X-Api-Key` and `apikey`; `token` catches `access_token`.
+/// Whole words, not fragments, so that an id or a count that merely contains a sensitive
+/// word goes through: `payment_authorization_id`, `tokens_used` (a plural is another word).
+/// For the same reason `authorization` is not on the list: in a payments event the word names
+/// a business fact. Compounds such as `access_token` are listed for their spelling without
+/// separators (`accesstoken`), which no shorter entry catches.
+///
+/// The plain [`enqueue`](crate::enqueue) and the test harness always use this list;
+/// [`EventRegistry::sensitive_keys`] replaces it for a registry's enqueues.
 pub const DEFAULT_SENSITIVE_KEYS: &[&str] = &[
     "password",
-    "token",
+    "passwd",
+    "passphrase",
     "secret",
+    "client_secret",
+    "private_key",
+    "credentials",
+    "token",
+    "access_token",
+    "refresh_token",
     "api_key",
-    "authorization",
-    "phone",
+    "card_number",
+    "cvv",
     "email",
+    "email_address",
+    "phone",
+    "phone_number",
 ];
 
 impl Default for PayloadRules {
     fn default() -> Self {
         PayloadRules {
             max_payload_bytes: MAX_PAYLOAD_BYTES,
-            sensitive_keys: DEFAULT_SENSITIVE_KEYS
-                .iter()
-                .map(|k| normalize_key(k))
-                .collect(),
+            sensitive_keys: normalize_keys(DEFAULT_SENSITIVE_KEYS),
         }
     }
 }
 
-pub(crate) fn normalize_key(key: &str) -> String {
-    key.chars()
-        .filter(|c| *c != '_' && *c != '-')
-        .flat_map(char::to_lowercase)
+/// The lower-case words of a key: split on every character that is not a letter or a digit,
+/// before an upper-case letter that follows a lower-case one or a digit (`userPassword`),
+/// before the last capital of a run followed by a lower-case letter (`APIKey` → `api`,
+/// `key`), and where letters and digits meet (`email2`).
+fn key_words(key: &str) -> Vec<String> {
+    let chars: Vec<char> = key.chars().collect();
+    let mut words = Vec::new();
+    let mut word = String::new();
+    for (i, &c) in chars.iter().enumerate() {
+        if !c.is_alphanumeric() {
+            if !word.is_empty() {
+                words.push(std::mem::take(&mut word));
+            }
+            continue;
+        }
+        if let Some(&prev) = i.checked_sub(1).and_then(|p| chars.get(p)) {
+            let next = chars.get(i + 1).copied();
+            let hump = c.is_uppercase() && (prev.is_lowercase() || prev.is_numeric());
+            let acronym_end =
+                c.is_uppercase() && prev.is_uppercase() && next.is_some_and(|n| n.is_lowercase());
+            let digits = prev.is_alphanumeric() && (prev.is_numeric() != c.is_numeric());
+            if (hump || acronym_end || digits) && !word.is_empty() {
+                words.push(std::mem::take(&mut word));
+            }
+        }
+        word.extend(c.to_lowercase());
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    words
+}
+
+/// A sensitive key as [`PayloadRules::sensitive_keys`] holds it: its words written together.
+fn normalize_key(key: &str) -> String {
+    key_words(key).concat()
+}
+
+/// [`normalize_key`] for a list, leaving out keys with no letter or digit (they would match
+/// nothing, or everything).
+pub(crate) fn normalize_keys(keys: &[&str]) -> Vec<String> {
+    keys.iter()
+        .map(|k| normalize_key(k))
+        .filter(|k| !k.is_empty())
         .collect()
 }
 
+/// Whether a contiguous run of `words` written together is `sensitive`.
+fn spells(words: &[String], sensitive: &str) -> bool {
+    (0..words.len()).any(|start| {
+        let mut run = String::new();
+        for w in &words[start..] {
+            run.push_str(w);
+            if !sensitive.starts_with(run.as_str()) {
+                return false;
+            }
+            if run.len() == sensitive.len() {
+                return true;
+            }
+        }
+        false
+    })
+}
+
 impl PayloadRules {
-    /// The path of the first object key, at any depth, that looks sensitive.
-    fn find_sensitive(&self, value: &serde_json::Value) -> Option<String> {
+    /// Whether `key` has a sensitive key among its words.
+    fn is_sensitive(&self, key: &str) -> bool {
+        let words = key_words(key);
+        self.sensitive_keys.iter().any(|s| spells(&words, s))
+    }
+
+    /// The path, from `root` (`payload`, `metadata`), of the first object key at any depth
+    /// that looks sensitive, e.g. `payload.items[0].apiKey`.
+    fn find_sensitive(&self, value: &serde_json::Value, root: &str) -> Option<String> {
+        self.sensitive_below(value)
+            .map(|rest| format!("{root}{rest}"))
+    }
+
+    /// [`PayloadRules::find_sensitive`]'s path below `value`; built on the way back up, so
+    /// that a clean event (every event, nearly) costs no path strings.
+    fn sensitive_below(&self, value: &serde_json::Value) -> Option<String> {
         match value {
             serde_json::Value::Object(map) => map.iter().find_map(|(k, v)| {
-                let norm = normalize_key(k);
-                if self
-                    .sensitive_keys
-                    .iter()
-                    .any(|s| norm.contains(s.as_str()))
-                {
-                    Some(k.clone())
+                if self.is_sensitive(k) {
+                    Some(format!(".{k}"))
                 } else {
-                    self.find_sensitive(v).map(|inner| format!("{k}.{inner}"))
+                    self.sensitive_below(v).map(|rest| format!(".{k}{rest}"))
                 }
             }),
             serde_json::Value::Array(items) => items
                 .iter()
                 .enumerate()
-                .find_map(|(i, v)| self.find_sensitive(v).map(|inner| format!("[{i}].{inner}"))),
+                .find_map(|(i, v)| self.sensitive_below(v).map(|rest| format!("[{i}]{rest}"))),
             _ => None,
         }
     }
@@ -343,18 +435,127 @@ mod tests {
         NewEvent::new("T", "a", "1", payload).validate(&PayloadRules::default())
     }
 
+    fn rejected_at(event: NewEvent) -> Option<String> {
+        let err = event.validate(&PayloadRules::default()).err()?;
+        assert_eq!(err.code().as_str(), "EVENT_SCHEMA_INVALID", "{err}");
+        let msg = err.to_string();
+        let path = msg.split("key ").nth(1)?.split(' ').next()?;
+        Some(path.to_owned())
+    }
+
     #[test]
     fn secret_looking_keys_are_rejected_at_any_depth() {
         assert!(check(json!({"order_id": "o1", "status": "PAID"})).is_ok());
-        for bad in [
-            json!({"password": "x"}),
-            json!({"customer": {"Email": "a@b"}}),
-            json!({"items": [{"API-Key": "k"}]}),
-            json!({"accessToken": "t"}),
-            json!({"phone_number": "1"}),
+        for (bad, path) in [
+            (json!({"password": "x"}), "payload.password"),
+            (
+                json!({"customer": {"Email": "a@b"}}),
+                "payload.customer.Email",
+            ),
+            (
+                json!({"items": [{"API-Key": "k"}]}),
+                "payload.items[0].API-Key",
+            ),
+            (json!({"accessToken": "t"}), "payload.accessToken"),
+            (json!({"phone_number": "1"}), "payload.phone_number"),
         ] {
-            let err = check(bad.clone()).unwrap_err();
-            assert_eq!(err.code().as_str(), "EVENT_SCHEMA_INVALID", "{bad}");
+            let event = NewEvent::new("T", "a", "1", bad.clone());
+            assert_eq!(rejected_at(event).as_deref(), Some(path), "{bad}");
+        }
+    }
+
+    #[test]
+    fn metadata_is_checked_like_the_payload() {
+        let event = |metadata| NewEvent::new("T", "a", "1", json!({"id": 1})).metadata(metadata);
+        assert!(rejected_at(event(json!({"traceparent": "00-abc-def-01"}))).is_none());
+        assert_eq!(
+            rejected_at(event(json!({"password": "x"}))).as_deref(),
+            Some("metadata.password")
+        );
+        assert_eq!(
+            rejected_at(event(json!({"http": {"headers": [{"X-Api-Key": "k"}]}}))).as_deref(),
+            Some("metadata.http.headers[0].X-Api-Key")
+        );
+    }
+
+    #[test]
+    fn sensitive_keys_match_whole_words_not_fragments() {
+        let rules = PayloadRules::default();
+        for caught in [
+            "password",
+            "userPassword",
+            "password_hash",
+            "NEW-PASSWORD",
+            "password2",
+            "api_key",
+            "apiKey",
+            "APIKey",
+            "X-Api-Key",
+            "apikey",
+            "access_token",
+            "accesstoken",
+            "refreshToken",
+            "client.secret",
+            "card_number",
+            "cardNumber",
+            "customer email",
+            "emailAddress",
+        ] {
+            assert!(rules.is_sensitive(caught), "{caught} should be caught");
+        }
+        for passes in [
+            "payment_authorization_id",
+            "tokens_used",
+            "order_id",
+            "smartphone_model",
+            "secretary_id",
+            "cardinality",
+            "emails_sent",
+            "passenger_count",
+            "api_version",
+        ] {
+            assert!(!rules.is_sensitive(passes), "{passes} should pass");
+        }
+    }
+
+    #[test]
+    fn configured_keys_of_several_words_match_as_a_run() {
+        let rules = PayloadRules {
+            sensitive_keys: normalize_keys(&["credit_card", "IBAN", "", "--"]),
+            ..PayloadRules::default()
+        };
+        assert_eq!(rules.sensitive_keys, vec!["creditcard", "iban"]);
+        for caught in [
+            "credit_card",
+            "creditCard",
+            "customer_credit_card_id",
+            "IBAN",
+            "iban2",
+        ] {
+            assert!(rules.is_sensitive(caught), "{caught} should be caught");
+        }
+        for passes in [
+            "credit",
+            "card",
+            "credit_limit_card",
+            "credit_cards",
+            "password",
+        ] {
+            assert!(!rules.is_sensitive(passes), "{passes} should pass");
+        }
+    }
+
+    #[test]
+    fn keys_split_into_lower_case_words() {
+        for (key, words) in [
+            ("userPassword", &["user", "password"][..]),
+            ("X-Api-Key", &["x", "api", "key"]),
+            ("XMLHttpRequest", &["xml", "http", "request"]),
+            ("a.b_c-d e", &["a", "b", "c", "d", "e"]),
+            ("oauth2Token", &["oauth", "2", "token"]),
+            ("__", &[]),
+        ] {
+            assert_eq!(key_words(key), words, "{key}");
         }
     }
 

@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{normalize_key, NewEvent, PayloadRules};
+use super::{normalize_keys, NewEvent, PayloadRules};
 use crate::error::{Error, Result};
 
 /// A typed event: a fact in the past tense about one aggregate.
@@ -126,9 +126,11 @@ impl EventRegistry {
         self
     }
 
-    /// Replaces the rejected key fragments (default [`DEFAULT_SENSITIVE_KEYS`](crate::event::DEFAULT_SENSITIVE_KEYS)).
+    /// Replaces the keys rejected in payloads and metadata (default
+    /// [`DEFAULT_SENSITIVE_KEYS`](crate::event::DEFAULT_SENSITIVE_KEYS), which says how a key
+    /// matches: by whole words, so `credit_card` catches `creditCard` but not `credit_cards`).
     pub fn sensitive_keys(mut self, keys: &[&str]) -> Self {
-        self.rules.sensitive_keys = keys.iter().map(|k| normalize_key(k)).collect();
+        self.rules.sensitive_keys = normalize_keys(keys);
         self
     }
 

@@ -183,6 +183,8 @@ async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
         ("old-version", changed("x", "PAID", 1).version(1)),
         ("secret", NewEvent::new("ORDER_STATUS_CHANGED", "order", "x",
             json!({"order_id": "x", "status": "PAID", "version": 1, "customer": {"email": "a@b.c"}})).version(2)),
+        // Metadata is stored and shipped with the payload: it is checked the same way.
+        ("secret-metadata", changed("x", "PAID", 2).metadata(json!({"X-Api-Key": "k"}))),
         // What PostgreSQL itself would refuse gets the same code, not DATABASE_ERROR.
         ("nul-payload", NewEvent::new("ORDER_STATUS_CHANGED", "order", "x",
             json!({"order_id": "x", "status": "PAID\u{0}", "version": 1})).version(2)),

@@ -155,6 +155,28 @@ fn code(view: &actix_outbox::testing::InboxView) -> Option<&str> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Enqueue.
+
+#[test]
+fn the_harness_refuses_the_events_enqueue_refuses() {
+    let mut h = Harness::new();
+    let plain = |payload| NewEvent::new("ORDER_PAID", "order", "o1", payload);
+    let refused = [
+        plain(serde_json::json!({"order_id": "o1", "userPassword": "x"})),
+        plain(serde_json::json!({"order_id": "o1"}))
+            .metadata(serde_json::json!({"X-Api-Key": "k"})),
+    ];
+    for event in &refused {
+        let err = h.enqueue(event).unwrap_err();
+        assert_eq!(err.code().as_str(), "EVENT_SCHEMA_INVALID", "{err}");
+    }
+    // Whole words, not fragments: an id and a count that only contain a sensitive word.
+    let fine = plain(serde_json::json!({"payment_authorization_id": "p1", "tokens_used": 3}));
+    assert!(h.enqueue(&fine).is_ok());
+    assert_eq!(h.publish(), 1, "only the accepted event was written");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Retry timing.
 
 #[actix_rt::test]

@@ -194,7 +194,107 @@ async fn the_metrics_endpoint_serves_outbox_and_inbox_series() {
         text.contains("inbox_processed_total{consumer=\"mail\"} 5"),
         "{text}"
     );
+    let breaks = convention_breaks(&text);
+    assert!(breaks.is_empty(), "{breaks:#?}\nin:\n{text}");
     db.finish(&[&rt]).await;
+}
+
+/// How a scrape breaks Prometheus' conventions for the families in it: a `# TYPE` and a
+/// `# HELP` for each, `_total` on counters and only on them, one label set per family.
+/// Dashboards and alerts are built on these names; the scrape is what they read.
+fn convention_breaks(text: &str) -> Vec<String> {
+    use std::collections::BTreeMap;
+    let mut types = BTreeMap::new();
+    let mut helps = Vec::new();
+    let mut labels: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut breaks = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            types.insert(name.to_owned(), kind.to_owned());
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            if help.trim().is_empty() {
+                breaks.push(format!("{name}: empty help"));
+            }
+            helps.push(name.to_owned());
+            continue;
+        }
+        let series = line.split(['{', ' ']).next().unwrap_or(line);
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| {
+                let base = series.strip_suffix(s)?;
+                matches!(
+                    types.get(base).map(String::as_str),
+                    Some("histogram" | "summary")
+                )
+                .then_some(base)
+            })
+            .unwrap_or(series);
+        // Label values here are consumer names and bucket bounds: no quotes or commas.
+        let keys: Vec<String> = line
+            .split_once('{')
+            .and_then(|(_, rest)| rest.split_once('}'))
+            .map(|(inside, _)| {
+                inside
+                    .split(',')
+                    .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.to_owned()))
+                    .filter(|k| k != "le" && k != "quantile")
+                    .collect()
+            })
+            .unwrap_or_default();
+        match labels.get(family) {
+            Some(seen) if *seen != keys => breaks.push(format!(
+                "{family}: series with labels {seen:?} and {keys:?}"
+            )),
+            Some(_) => {}
+            None => {
+                labels.insert(family.to_owned(), keys);
+            }
+        }
+    }
+    for family in labels.keys() {
+        if !family.starts_with("outbox_") && !family.starts_with("inbox_") {
+            breaks.push(format!("{family}: not prefixed outbox_ or inbox_"));
+        }
+        match types.get(family).map(String::as_str) {
+            None => breaks.push(format!("{family}: no # TYPE")),
+            Some("counter") if !family.ends_with("_total") => {
+                breaks.push(format!("{family}: a counter must end in _total"))
+            }
+            Some(kind) if kind != "counter" && family.ends_with("_total") => {
+                breaks.push(format!("{family}: a {kind} must not end in _total"))
+            }
+            Some(_) => {}
+        }
+        if !helps.contains(family) {
+            breaks.push(format!("{family}: no # HELP"));
+        }
+    }
+    breaks
+}
+
+#[test]
+fn the_scrape_check_catches_a_broken_scrape() {
+    let good = "# HELP inbox_failed_total x\n# TYPE inbox_failed_total counter\n\
+                inbox_failed_total{consumer=\"a\"} 1\ninbox_failed_total{consumer=\"b\"} 0\n\
+                # HELP inbox_lag_seconds x\n# TYPE inbox_lag_seconds histogram\n\
+                inbox_lag_seconds_bucket{consumer=\"a\",le=\"1\"} 1\n\
+                inbox_lag_seconds_sum{consumer=\"a\"} 0.5\ninbox_lag_seconds_count{consumer=\"a\"} 1\n";
+    assert_eq!(convention_breaks(good), Vec::<String>::new());
+    for bad in [
+        "# HELP inbox_failed x\n# TYPE inbox_failed counter\ninbox_failed 1\n",
+        "# HELP outbox_pending_total x\n# TYPE outbox_pending_total gauge\noutbox_pending_total 1\n",
+        "# TYPE outbox_pending gauge\noutbox_pending 1\n",
+        "# HELP outbox_pending x\noutbox_pending 1\n",
+        "# HELP outbox_pending x\n# TYPE outbox_pending gauge\n\
+         outbox_pending 1\noutbox_pending{consumer=\"a\"} 1\n",
+    ] {
+        assert_eq!(convention_breaks(bad).len(), 1, "{bad}");
+    }
 }
 
 #[actix_rt::test]
