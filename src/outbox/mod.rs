@@ -21,7 +21,8 @@ use crate::store;
 /// [`OutboxHandle::wake`](crate::OutboxHandle::wake) after the commit for immediate delivery
 /// (otherwise the next poll finds it).
 ///
-/// This checks the envelope and the payload's size and keys (nothing secret-looking); for type,
+/// This checks the envelope, the payload's size, and the keys of payload and metadata (nothing
+/// secret-looking); for type,
 /// version and payload-shape checks against registered types, enqueue through an
 /// [`EventRegistry`](crate::EventRegistry).
 ///
