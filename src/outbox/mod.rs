@@ -22,9 +22,8 @@ use crate::store;
 /// (otherwise the next poll finds it).
 ///
 /// This checks the envelope, the payload's size, and the keys of payload and metadata (nothing
-/// secret-looking); for type,
-/// version and payload-shape checks against registered types, enqueue through an
-/// [`EventRegistry`](crate::EventRegistry).
+/// secret-looking); for type, version and payload-shape checks against registered types,
+/// enqueue through an [`EventRegistry`](crate::EventRegistry).
 ///
 /// It takes a shared reference so that it can be *pipelined* with the business statements of
 /// the same transaction: futures polled together on one connection are sent without waiting
