@@ -150,8 +150,14 @@
 //! - Handlers that only decide (no database): [`testing::Harness`] runs your real actor through
 //!   publish and delivery cycles with a manual clock — retries fire when you advance it — and
 //!   lets you pause consumers, deliver out of order or twice, and inspect each inbox row.
-//! - Handlers that write through [`Delivery::conn`]: run the real runtime against PostgreSQL
-//!   (one database per test) and count rows; [`OutboxRuntime::inject_fault`] kills actors and
+//! - Handlers that write through [`Delivery::conn`]: the same harness built with
+//!   [`testing::Harness::with_database`] runs each attempt in a real transaction on your test
+//!   database (committed when it succeeds, rolled back when it fails or crashes); count the
+//!   effect rows. [`testing::Harness::check_redelivery`] crashes each delivery before its
+//!   commit and delivers it again, and reports the consumers whose effects the crash repeats
+//!   (they write outside the delivery's transaction).
+//! - The runtime itself, against PostgreSQL (one database per test), for what the harness does
+//!   not model (concurrency, batches, leases): [`OutboxRuntime::inject_fault`] kills actors and
 //!   [`testing::ScriptedTransport`] makes a broker fail, hang or crash after publishing.
 
 #![warn(missing_docs)]

@@ -1,9 +1,11 @@
 //! The in-memory harness (`actix_outbox::testing::Harness`).
 //!
 //! The first group runs without a database and without real time: every retry fires because
-//! the test moved the manual clock, never because time passed. The last test is the
-//! conformance check that keeps the fake faithful: one scripted scenario runs through the
-//! harness and through the real runtime on PostgreSQL, and every inbox row must end the same.
+//! the test moved the manual clock, never because time passed. Then the conformance check that
+//! keeps the fake faithful: one scripted scenario runs through the harness and through the
+//! real runtime on PostgreSQL, and every inbox row must end the same. The last group gives the
+//! harness a database (`Harness::with_database`): handlers write through their deliveries in
+//! real transactions, and the redelivery check tells consumers that write outside them.
 
 use crate::common;
 
@@ -1088,4 +1090,509 @@ async fn the_harness_and_the_postgres_runtime_agree_on_a_scripted_scenario() {
     );
     drop(conn);
     db.finish(&[&rt]).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// With a database (`Harness::with_database`): each attempt is a real transaction.
+
+/// Where a [`Writer`] writes its effect on each attempt.
+#[derive(Clone, Copy, PartialEq)]
+enum Writes {
+    /// An `effects` row through the delivery's connection: commits with the delivery.
+    ThroughDelivery,
+    /// A `sent_mail` row on a pool connection of its own, outside the delivery's transaction.
+    OwnConnection,
+    /// A `sent_mail_keyed` row on its own connection, keyed by the event id.
+    OwnConnectionKeyed,
+}
+
+/// A consumer that writes one row per attempt, and fails its first attempt (after writing)
+/// for the aggregates listed in `fail_first`.
+#[derive(Clone)]
+struct Writer {
+    writes: Writes,
+    pool: actix_outbox::PgPool,
+    fail_first: &'static [&'static str],
+    /// Handler calls, failed ones included.
+    calls: Arc<AtomicU32>,
+}
+
+impl Writer {
+    fn new(writes: Writes, pool: &actix_outbox::PgPool) -> Writer {
+        Writer {
+            writes,
+            pool: pool.clone(),
+            fail_first: &[],
+            calls: Arc::default(),
+        }
+    }
+
+    async fn write(&self, d: &Delivery) -> Result<(), HandlerError> {
+        use diesel::sql_types::{Integer, Text, Uuid as SqlUuid};
+        use diesel_async::RunQueryDsl;
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let id = d.event_id().as_uuid();
+        match self.writes {
+            Writes::ThroughDelivery => {
+                let mut conn = d.conn().await?;
+                diesel::sql_query(
+                    "INSERT INTO effects (consumer, event_id, attempt) VALUES ($1, $2, $3)",
+                )
+                .bind::<Text, _>(d.consumer().as_str())
+                .bind::<SqlUuid, _>(id)
+                .bind::<Integer, _>(d.attempt() as i32)
+                .execute(&mut *conn)
+                .await?;
+            }
+            Writes::OwnConnection | Writes::OwnConnectionKeyed => {
+                let sql = if self.writes == Writes::OwnConnection {
+                    "INSERT INTO sent_mail (event_id) VALUES ($1)"
+                } else {
+                    "INSERT INTO sent_mail_keyed (event_id) VALUES ($1) ON CONFLICT DO NOTHING"
+                };
+                let mut conn = self.pool.get().await.map_err(actix_outbox::Error::from)?;
+                diesel::sql_query(sql)
+                    .bind::<SqlUuid, _>(id)
+                    .execute(&mut conn)
+                    .await?;
+            }
+        }
+        if d.attempt() == 1 && self.fail_first.contains(&d.aggregate_id()) {
+            return Err(HandlerError::retry(
+                "fails its first attempt, after writing",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Actor for Writer {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Writer {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let me = self.clone();
+        Box::pin(async move { me.write(&d).await })
+    }
+}
+
+impl Handler<DeliveryBatch> for Writer {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        let me = self.clone();
+        Box::pin(async move {
+            for d in b.deliveries() {
+                me.write(d).await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A database of the test's own, with the tables the [`Writer`]s write to.
+async fn writer_db() -> TestDb {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE sent_mail (event_id uuid NOT NULL);
+         CREATE TABLE sent_mail_keyed (event_id uuid PRIMARY KEY);",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    db
+}
+
+/// `(event_id, attempt)` of every `effects` row of `consumer`, sorted.
+async fn effects_of(db: &TestDb, consumer: &str) -> Vec<(uuid::Uuid, i32)> {
+    use diesel::sql_types::{Integer, Uuid as SqlUuid};
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Effect {
+        #[diesel(sql_type = SqlUuid)]
+        event_id: uuid::Uuid,
+        #[diesel(sql_type = Integer)]
+        attempt: i32,
+    }
+    let mut conn = db.pool.get().await.unwrap();
+    let rows: Vec<Effect> = diesel::sql_query(
+        "SELECT event_id, attempt FROM effects WHERE consumer = $1 ORDER BY event_id, attempt",
+    )
+    .bind::<diesel::sql_types::Text, _>(consumer)
+    .load(&mut conn)
+    .await
+    .unwrap();
+    rows.into_iter().map(|e| (e.event_id, e.attempt)).collect()
+}
+
+fn sorted(mut v: Vec<(uuid::Uuid, i32)>) -> Vec<(uuid::Uuid, i32)> {
+    v.sort();
+    v
+}
+
+#[actix_rt::test]
+async fn with_a_database_a_failed_attempt_rolls_back_and_each_event_commits_one_effect() {
+    let db = writer_db().await;
+    let mut h = Harness::with_database(db.pool.clone());
+    let retry = RetryPolicy::fixed(3, Duration::from_secs(60));
+    let one = Writer {
+        fail_first: &["o2"],
+        ..Writer::new(Writes::ThroughDelivery, &db.pool)
+    };
+    let batch = Writer {
+        fail_first: &["o2"],
+        ..Writer::new(Writes::ThroughDelivery, &db.pool)
+    };
+    h.consumer(config("one", retry.clone()), {
+        let one = one.clone();
+        move || one.clone()
+    })
+    .unwrap();
+    h.batch_consumer(config("batch", retry), {
+        let batch = batch.clone();
+        move || batch.clone()
+    })
+    .unwrap();
+    let ids: Vec<EventId> = ["o1", "o2", "o3"]
+        .iter()
+        .map(|o| h.enqueue(&event(o)).unwrap())
+        .collect();
+    h.publish();
+
+    let out = h.deliver().await;
+    assert_eq!(out.len(), 6);
+    for consumer in ["one", "batch"] {
+        let failed = h.row(consumer, ids[1]).unwrap();
+        assert_eq!(
+            (failed.status, failed.attempts),
+            (InboxStatus::RetryPending, 1)
+        );
+        // o2's first attempt wrote its row before failing: the rollback took it away.
+        assert_eq!(
+            effects_of(&db, consumer).await,
+            sorted(vec![(ids[0].as_uuid(), 1), (ids[2].as_uuid(), 1)]),
+            "{consumer}: the failed attempt's write must roll back"
+        );
+    }
+
+    h.advance(Duration::from_secs(60));
+    let out = h.deliver().await;
+    assert_eq!(out.len(), 2, "only o2 was due again");
+    for consumer in ["one", "batch"] {
+        assert!(h
+            .inbox(consumer)
+            .iter()
+            .all(|r| r.status == InboxStatus::Processed));
+        assert_eq!(
+            effects_of(&db, consumer).await,
+            sorted(vec![
+                (ids[0].as_uuid(), 1),
+                (ids[1].as_uuid(), 2),
+                (ids[2].as_uuid(), 1)
+            ]),
+            "{consumer}: exactly one effect per event, from its committed attempt"
+        );
+    }
+    // The handlers did run four times each: the missing row is the rollback's doing.
+    assert_eq!(one.calls.load(Ordering::SeqCst), 4);
+    assert_eq!(batch.calls.load(Ordering::SeqCst), 4);
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn the_redelivery_check_passes_a_consumer_that_writes_through_its_delivery() {
+    let db = writer_db().await;
+    let mut h = Harness::with_database(db.pool.clone());
+    let writer = Writer::new(Writes::ThroughDelivery, &db.pool);
+    h.consumer(config("one", RetryPolicy::default()), {
+        let writer = writer.clone();
+        move || writer.clone()
+    })
+    .unwrap();
+    let ids: Vec<EventId> = ["o1", "o2", "o3"]
+        .iter()
+        .map(|o| h.enqueue(&event(o)).unwrap())
+        .collect();
+    h.publish();
+
+    let report = h
+        .check_redelivery("SELECT consumer, event_id FROM effects")
+        .await
+        .unwrap();
+    report.assert_idempotent();
+    assert_eq!(report.checks.len(), 3, "{report}");
+    for (check, id) in report.checks.iter().zip(&ids) {
+        assert_eq!(check.event_id, *id);
+        assert_eq!(check.event_type, "ORDER_STATUS_CHANGED");
+        assert!(check.crash.is_empty(), "{report}");
+        // The committed redelivery wrote its row: the check saw the effect.
+        assert_eq!(check.redelivery.added.len(), 1, "{report}");
+        assert_eq!(check.outcome.status, InboxStatus::Processed);
+    }
+    // Two deliveries per event, one of them committed, as the runtime would leave it.
+    assert_eq!(writer.calls.load(Ordering::SeqCst), 6);
+    assert_eq!(
+        effects_of(&db, "one").await,
+        sorted(ids.iter().map(|id| (id.as_uuid(), 1)).collect())
+    );
+    assert!(h
+        .inbox("one")
+        .iter()
+        .all(|r| (r.status, r.attempts) == (InboxStatus::Processed, 1)));
+    assert!(h
+        .check_redelivery("SELECT 1")
+        .await
+        .unwrap()
+        .checks
+        .is_empty());
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn the_redelivery_check_reports_a_consumer_that_writes_outside_its_transaction() {
+    let db = writer_db().await;
+    let mut h = Harness::with_database(db.pool.clone());
+    h.consumer(config("mailer", RetryPolicy::default()), {
+        let w = Writer::new(Writes::OwnConnection, &db.pool);
+        move || w.clone()
+    })
+    .unwrap();
+    h.consumer(config("keyed", RetryPolicy::default()), {
+        let w = Writer::new(Writes::OwnConnectionKeyed, &db.pool);
+        move || w.clone()
+    })
+    .unwrap();
+    let ids: Vec<EventId> = ["o1", "o2"]
+        .iter()
+        .map(|o| h.enqueue(&event(o)).unwrap())
+        .collect();
+    h.publish();
+
+    let report = h
+        .check_redelivery(
+            "SELECT 'mail' AS kind, event_id FROM sent_mail
+             UNION ALL SELECT 'keyed', event_id FROM sent_mail_keyed",
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.checks.len(), 4, "{report}");
+    assert!(!report.is_idempotent());
+    let findings: Vec<_> = report.findings().collect();
+    assert_eq!(findings.len(), 2, "{report}");
+    for (finding, id) in findings.iter().zip(&ids) {
+        assert_eq!(finding.consumer.as_str(), "mailer");
+        assert_eq!(finding.event_id, *id);
+        let row = format!(r#"{{"kind": "mail", "event_id": "{id}"}}"#);
+        assert_eq!(finding.crash.added, vec![row.clone()], "{report}");
+        assert_eq!(finding.redelivery.added, vec![row], "{report}");
+    }
+    // The keyed consumer's crash leaves its row behind too, but the redelivery adds nothing.
+    let keyed: Vec<_> = report
+        .checks
+        .iter()
+        .filter(|c| c.consumer.as_str() == "keyed")
+        .collect();
+    assert_eq!(keyed.len(), 2);
+    assert!(keyed
+        .iter()
+        .all(|c| c.is_idempotent() && c.crash.added.len() == 1 && c.redelivery.is_empty()));
+
+    let message =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| report.assert_idempotent()))
+            .expect_err("assert_idempotent must fail")
+            .downcast::<String>()
+            .unwrap();
+    for id in &ids {
+        assert!(message.contains(&id.to_string()), "{message}");
+    }
+    assert!(message.contains("mailer ORDER_STATUS_CHANGED"), "{message}");
+    // Every row ends processed all the same: one committed delivery per event.
+    for consumer in ["mailer", "keyed"] {
+        assert!(h
+            .inbox(consumer)
+            .iter()
+            .all(|r| r.status == InboxStatus::Processed));
+    }
+    assert_eq!(db.count("SELECT count(*) AS n FROM sent_mail").await, 4);
+    db.finish(&[]).await;
+}
+
+/// How a [`RuleBreaker`]'s first attempt misuses its delivery's connection.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Breaks {
+    /// Keeps the connection past its return (until `release`), and writes then.
+    KeepsConnection,
+    /// Leaves a transaction of its own open (diesel's depth 2).
+    OpensTransaction,
+    /// Swallows a failed statement and returns Ok from the aborted transaction.
+    SwallowsFailure,
+    /// Runs `COMMIT` itself, out of sight of diesel's depth.
+    CommitsByHand,
+}
+
+/// Writes an `effects` row on each attempt; attempt 1 breaks the lending rules as `breaks`
+/// says and returns Ok. Attempt 2 behaves.
+#[derive(Clone)]
+struct RuleBreaker {
+    breaks: Breaks,
+    release: Arc<Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>,
+    done: Arc<Mutex<Option<tokio::sync::oneshot::Sender<()>>>>,
+}
+
+impl RuleBreaker {
+    fn new(breaks: Breaks) -> RuleBreaker {
+        RuleBreaker {
+            breaks,
+            release: Arc::default(),
+            done: Arc::default(),
+        }
+    }
+}
+
+impl Actor for RuleBreaker {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for RuleBreaker {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        use diesel::sql_types::{Integer, Text, Uuid as SqlUuid};
+        use diesel_async::{AnsiTransactionManager, RunQueryDsl, TransactionManager};
+        let me = self.clone();
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            let breaks = (d.attempt() == 1).then_some(me.breaks);
+            if breaks == Some(Breaks::OpensTransaction) {
+                AnsiTransactionManager::begin_transaction(&mut *conn).await?;
+            }
+            let insert = diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ($1, $2, $3)",
+            )
+            .bind::<Text, _>(d.consumer().as_str().to_owned())
+            .bind::<SqlUuid, _>(d.event_id().as_uuid())
+            .bind::<Integer, _>(d.attempt() as i32);
+            if breaks == Some(Breaks::KeepsConnection) {
+                let release = me.release.lock().unwrap().take().unwrap();
+                let done = me.done.lock().unwrap().take().unwrap();
+                actix_rt::spawn(async move {
+                    let _ = release.await;
+                    // Into a transaction nobody will commit.
+                    let _ = insert.execute(&mut *conn).await;
+                    drop(conn);
+                    let _ = done.send(());
+                });
+                return Ok(());
+            }
+            insert.execute(&mut *conn).await?;
+            match breaks {
+                Some(Breaks::SwallowsFailure) => {
+                    let _ = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
+                }
+                Some(Breaks::CommitsByHand) => {
+                    diesel::sql_query("COMMIT").execute(&mut *conn).await?;
+                }
+                _ => {}
+            }
+            Ok(())
+        })
+    }
+}
+
+#[actix_rt::test]
+async fn a_handler_that_misuses_its_connection_fails_that_attempt_and_the_next_commits() {
+    use Breaks::*;
+    let db = writer_db().await;
+    let mut h = Harness::with_database(db.pool.clone());
+    let (release, released) = tokio::sync::oneshot::channel();
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let keeper = RuleBreaker {
+        release: Arc::new(Mutex::new(Some(released))),
+        done: Arc::new(Mutex::new(Some(done))),
+        ..RuleBreaker::new(KeepsConnection)
+    };
+    let retry = RetryPolicy::fixed(3, Duration::from_secs(1));
+    h.consumer(config("keeps", retry.clone()), move || keeper.clone())
+        .unwrap();
+    let others = [
+        ("opens", OpensTransaction),
+        ("swallows", SwallowsFailure),
+        ("commits", CommitsByHand),
+    ];
+    for (name, breaks) in others {
+        let breaker = RuleBreaker::new(breaks);
+        h.consumer(config(name, retry.clone()), move || breaker.clone())
+            .unwrap();
+    }
+    let id = h.enqueue(&event("o1")).unwrap();
+    h.publish();
+
+    let out = h.deliver().await;
+    assert_eq!(out.len(), 4);
+    let message = |consumer: &str| {
+        let o = out
+            .iter()
+            .find(|o| o.consumer.as_str() == consumer)
+            .unwrap();
+        o.result.as_ref().unwrap_err().message().to_owned()
+    };
+    assert!(message("keeps").contains("kept its connection"), "{out:?}");
+    assert!(message("opens").contains("another depth"), "{out:?}");
+    assert!(message("swallows").contains("could not commit"), "{out:?}");
+    assert!(
+        message("commits").contains("ended the delivery's transaction itself"),
+        "{out:?}"
+    );
+    for consumer in ["keeps", "opens", "swallows", "commits"] {
+        let row = h.row(consumer, id).unwrap();
+        assert_eq!((row.status, row.attempts), (InboxStatus::RetryPending, 1));
+    }
+    // The kept connection writes now, then lets go: its transaction never commits.
+    release.send(()).unwrap();
+    finished.await.unwrap();
+    for consumer in ["keeps", "opens", "swallows"] {
+        assert!(effects_of(&db, consumer).await.is_empty(), "{consumer}");
+    }
+    // A COMMIT by hand cannot be undone: the harness fails the attempt, and says so.
+    assert_eq!(effects_of(&db, "commits").await, vec![(id.as_uuid(), 1)]);
+
+    // The next attempt gets a sound transaction, and commits.
+    h.advance(Duration::from_secs(1));
+    h.deliver().await;
+    for consumer in ["keeps", "opens", "swallows"] {
+        assert_eq!(h.row(consumer, id).unwrap().status, InboxStatus::Processed);
+        assert_eq!(effects_of(&db, consumer).await, vec![(id.as_uuid(), 2)]);
+    }
+    assert_eq!(h.row("commits", id).unwrap().status, InboxStatus::Processed);
+    db.finish(&[]).await;
+}
+
+#[actix_rt::test]
+async fn the_redelivery_check_needs_a_database_and_a_valid_effects_query() {
+    let mut h = Harness::new();
+    let err = h.check_redelivery("SELECT 1").await.unwrap_err();
+    assert_eq!(err.code().as_str(), "CONFIG_INVALID");
+
+    let db = writer_db().await;
+    let mut h = Harness::with_database(db.pool.clone());
+    h.consumer(config("one", RetryPolicy::default()), {
+        let w = Writer::new(Writes::ThroughDelivery, &db.pool);
+        move || w.clone()
+    })
+    .unwrap();
+    let id = h.enqueue(&event("o1")).unwrap();
+    h.publish();
+    let err = h
+        .check_redelivery("SELECT nothing FROM no_such_table")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().as_str(), "DATABASE_ERROR");
+    // Refused before anything was delivered.
+    assert_eq!(h.row("one", id).unwrap().status, InboxStatus::Received);
+    db.finish(&[]).await;
 }

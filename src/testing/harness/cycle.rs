@@ -8,11 +8,12 @@ use tokio::sync::RwLock;
 use crate::consumer::actor::HandlerRef;
 use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
 use crate::consumer::upcast;
-use crate::consumer::{Delivery, DeliveryBatch, DeliveryMode, HandlerError};
+use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, DeliveryMode, HandlerError};
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::EventId;
-use crate::store::inbox::{truncate, Failure};
+use crate::store::inbox::{truncate, Failure, InboxRow};
 
+use super::database::Called;
 use super::*;
 
 impl Harness {
@@ -114,36 +115,14 @@ impl Harness {
             }
         }
 
-        // No connection: `Delivery::conn` reports the delivery as finished.
-        let slot = Arc::new(RwLock::new(None));
-        let delivery = Delivery {
-            row: row.clone(),
-            consumer: cfg.name.clone(),
-            slot: slot.clone(),
-            events: cfg.events.clone(),
-            mode: DeliveryMode::Live,
-        };
         let handler = self.consumers[c].handler.clone();
-        let sent = match &handler {
-            HandlerRef::One(h) => tokio::time::timeout(cfg.handler_timeout, h.send(delivery)).await,
-            HandlerRef::Batch(h) => {
-                let batch = DeliveryBatch {
-                    deliveries: vec![delivery],
-                    slot,
-                };
-                tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
-            }
+        let called = match self.database.clone() {
+            Some(pool) => super::database::call(&pool, &cfg, &handler, row.clone(), commit).await,
+            None => without_database(&cfg, &handler, row.clone()).await,
         };
-        outcome.handler_ran = true;
-        // The same errors as `consumer::batch` makes: they are stored.
-        let result = match sent {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => {
-                outcome.handler_lost = !handler.connected();
-                Err(HandlerError::retry(HANDLER_LOST))
-            }
-            Err(_) => Err(handler_timed_out(&cfg)),
-        };
+        outcome.handler_ran = called.ran;
+        outcome.handler_lost = called.lost;
+        let result = called.result;
         if commit {
             match &result {
                 Ok(()) => {
@@ -201,6 +180,44 @@ impl Harness {
             .unwrap_or(DateTime::<Utc>::MAX_UTC);
         e.error_code = Some(truncate(&f.code, 200));
         e.last_error = Some(truncate(&f.message, 2000));
+    }
+}
+
+/// Calls the handler with a delivery that has no connection: `Delivery::conn` reports the
+/// delivery as finished.
+async fn without_database(cfg: &ConsumerConfig, handler: &HandlerRef, row: InboxRow) -> Called {
+    let slot = Arc::new(RwLock::new(None));
+    let delivery = Delivery {
+        row,
+        consumer: cfg.name.clone(),
+        slot: slot.clone(),
+        events: cfg.events.clone(),
+        mode: DeliveryMode::Live,
+    };
+    let sent = match handler {
+        HandlerRef::One(h) => tokio::time::timeout(cfg.handler_timeout, h.send(delivery)).await,
+        HandlerRef::Batch(h) => {
+            let batch = DeliveryBatch {
+                deliveries: vec![delivery],
+                slot,
+            };
+            tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
+        }
+    };
+    let mut lost = false;
+    // The same errors as `consumer::batch` makes: they are stored.
+    let result = match sent {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => {
+            lost = !handler.connected();
+            Err(HandlerError::retry(HANDLER_LOST))
+        }
+        Err(_) => Err(handler_timed_out(cfg)),
+    };
+    Called {
+        result,
+        lost,
+        ran: true,
     }
 }
 

@@ -5,13 +5,16 @@
 //! It models the outbox and inbox state machines of `store/outbox.rs` and `store/inbox.rs` in
 //! memory and reuses the runtime's decisions (`consumer::decide`, `consumer::upcast`, the
 //! [`RetryPolicy`](crate::RetryPolicy) math) instead of copying them. Its limits: handlers get
-//! no database connection, transactions are not modelled (a failed attempt's in-memory side
-//! effects stay), consumers and rows are driven one at a time. `tests/harness.rs` runs one
-//! scripted scenario through this model and through the runtime on PostgreSQL and compares
-//! every inbox row, which keeps the model honest. The user-facing docs are on [`Harness`].
+//! a database connection only from a harness built with [`Harness::with_database`] (then each
+//! attempt is a real transaction, and only the inbox and outbox stay in memory), a failed
+//! attempt's in-memory side effects stay, consumers and rows are driven one at a time.
+//! `tests/harness.rs` runs one scripted scenario through this model and through the runtime on
+//! PostgreSQL and compares every inbox row, which keeps the model honest. The user-facing
+//! docs are on [`Harness`].
 //!
 //! Here: [`Harness`] and its public steps. `model.rs`: the rows and views it keeps.
-//! `cycle.rs`: one delivery, marked as the runtime marks it.
+//! `cycle.rs`: one delivery, marked as the runtime marks it. `database.rs`: an attempt's
+//! transaction, with a database. `redelivery.rs`: the crash-and-redeliver check.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,13 +28,17 @@ use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch};
 use crate::error::{Error, Result};
 use crate::event::{EventId, EventRegistry, NewEvent, PayloadRules};
 use crate::store::inbox::InboxRow;
+use crate::store::PgPool;
 
 mod cycle;
+mod database;
 mod model;
+mod redelivery;
 
 use cycle::{unique_violation, view};
 use model::*;
 pub use model::{InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
+pub use redelivery::{EffectChanges, RedeliveryCheck, RedeliveryReport};
 
 /// An in-memory outbox, inbox and consumer runtime with a manual clock: the runtime's
 /// delivery logic without PostgreSQL and without real time, for fast, deterministic tests of
@@ -55,6 +62,9 @@ pub use model::{InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 /// - [`Harness::deliver_out_of_order`] and [`Harness::redeliver`] deliver chosen events in a
 ///   chosen order, or again, as concurrency and crashes do in production.
 /// - [`Harness::pause`] / [`Harness::resume`] are the consumer's pause switch.
+/// - [`Harness::check_redelivery`], with a database ([`Harness::with_database`]), crashes each
+///   due delivery before its commit, delivers it again, and reports the events whose effects
+///   the crash repeated.
 ///
 /// A handler actor that stops while handling (a panic in `handle`) fails that attempt exactly as
 /// in the runtime and is rebuilt from its factory before the next delivery
@@ -64,13 +74,18 @@ pub use model::{InboxStatus, InboxView, OutboxStatus, OutboxView, Outcome};
 ///
 /// # Limits
 ///
-/// - **No database in handlers.** A [`Delivery`] made by the harness has no connection:
-///   [`Delivery::conn`] (and everything built on it, such as [`Delivery::enqueue`]) returns a
-///   retryable [`HandlerError`](crate::HandlerError), so such an attempt fails. Keep the decision logic of a consumer
-///   in code that takes its inputs from the delivery and writes through a port the test can
-///   observe, and test the database writes with the real runtime against PostgreSQL.
-/// - **Transactions are not modelled.** A failed attempt's in-memory side effects stay; in the
-///   runtime only the database writes made through [`Delivery::conn`] roll back.
+/// - **A database only when given one.** A [`Delivery`] made by [`Harness::new`] has no
+///   connection: [`Delivery::conn`] (and everything built on it, such as
+///   [`Delivery::enqueue`]) returns a retryable [`HandlerError`](crate::HandlerError), so such
+///   an attempt fails. Build the harness with [`Harness::with_database`] to run handlers that
+///   write: each attempt is then a real transaction on that database, committed or rolled back
+///   as the runtime would.
+/// - **Only the database is transactional.** A failed attempt's in-memory side effects stay,
+///   and so do writes made outside the delivery's transaction (a pool connection of the
+///   handler's own); with a database, the writes made through [`Delivery::conn`] roll back,
+///   as in the runtime. [`Harness::check_redelivery`] finds the consumers whose outside writes
+///   a crash would repeat. The inbox and outbox are in memory either way: a follow-up a
+///   handler enqueues lands in the database's `outbox_events`, not in the harness's outbox.
 /// - **One process, one handler at a time.** Consumers are driven one after the other and rows
 ///   one after the other. The runtime's `concurrency`, `batch_size`, `pipeline` and
 ///   `rate_limit` are not modelled, nor is `ordered` (here an aggregate's next event does not
@@ -149,6 +164,9 @@ pub struct Harness {
     /// In registration order, which is the order [`Harness::deliver`] visits them in.
     consumers: Vec<ConsumerSlot>,
     events: Option<Arc<EventRegistry>>,
+    /// Where attempts run their transactions ([`Harness::with_database`]); `None`: deliveries
+    /// have no connection.
+    database: Option<PgPool>,
 }
 
 impl Default for Harness {
@@ -171,6 +189,7 @@ impl std::fmt::Debug for Harness {
                     .map(|c| &c.cfg.name)
                     .collect::<Vec<_>>(),
             )
+            .field("database", &self.database.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -185,6 +204,36 @@ impl Harness {
             next_inbox_id: 1,
             consumers: Vec::new(),
             events: None,
+            database: None,
+        }
+    }
+
+    /// A harness whose deliveries have a database: every attempt runs in a transaction of its
+    /// own on a connection from `pool`, lent to the handler through its [`Delivery`] as the
+    /// runtime lends it, so [`Delivery::conn`], [`Delivery::shared_conn`],
+    /// [`Delivery::enqueue`] and [`DeliveryBatch::conn`] work. The transaction commits when
+    /// the handler returns `Ok` and the row is marked PROCESSED; it rolls back when the
+    /// attempt fails, and always on [`Harness::redeliver`] (a crash before the commit). The
+    /// clock, the order of deliveries, pause and the inbox and outbox stay in memory as in
+    /// [`Harness::new`]: the database holds only what handlers write.
+    ///
+    /// An attempt fails, rolled back, rather than commit something the runtime would not: a
+    /// handler that keeps the connection past its return, leaves a transaction of its own
+    /// open, ends the delivery's transaction itself (`COMMIT` by hand), or returns `Ok` from a
+    /// transaction a failed statement has aborted. When the harness cannot open the
+    /// transaction (the pool times out), the attempt fails with the pool's error code,
+    /// without its handler.
+    ///
+    /// The database needs the library's migrations ([`migrate`](crate::migrate)) when a
+    /// handler enqueues follow-ups: they land in its `outbox_events`, not in the harness's
+    /// outbox, so they are not published to the harness's consumers. Give the pool a
+    /// connection more than handlers take of their own while they run: the attempt holds
+    /// one. See [`Harness::check_redelivery`] for the check this makes possible, and the
+    /// [`testing`](crate::testing) module for an example.
+    pub fn with_database(pool: PgPool) -> Self {
+        Harness {
+            database: Some(pool),
+            ..Harness::new()
         }
     }
 
@@ -453,7 +502,8 @@ impl Harness {
     /// Delivers an event again as a failed commit (a connection lost after the handler
     /// returned) or a crash does: the handler runs on the row as it stands, and the attempt's
     /// transaction rolls back, so the row keeps its state and attempt count and the next cycle
-    /// delivers the same attempt again.
+    /// delivers the same attempt again. With a database ([`Harness::with_database`]) the
+    /// handler's writes through its delivery roll back with it, whatever it returned.
     ///
     /// Returns `None`, counting a duplicate, when the row is already PROCESSED or DEAD_LETTER:
     /// the inbox never hands a finished row out again. Returns `None` as well when the consumer

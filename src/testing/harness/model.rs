@@ -63,7 +63,8 @@ pub struct Outcome {
     pub result: std::result::Result<(), HandlerError>,
     /// The row's state after the delivery.
     pub status: InboxStatus,
-    /// Whether the handler actor was called (not for a stale or unreadable event).
+    /// Whether the handler actor was called (not for a stale or unreadable event, nor when
+    /// the harness could not open the attempt's transaction).
     pub handler_ran: bool,
     /// The handler actor stopped while handling (a panic in `handle`); it is rebuilt from its
     /// factory before the next delivery.
