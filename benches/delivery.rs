@@ -1000,8 +1000,8 @@ const CLAIM_SQL: &str = include_str!("../src/store/claim.sql");
 
 #[derive(QueryableByName)]
 struct ClaimRow {
-    #[diesel(sql_type = Nullable<Text>)]
-    consumer: Option<String>,
+    #[diesel(sql_type = Text)]
+    kind: String,
     #[diesel(sql_type = BigInt)]
     rows: i64,
 }
@@ -1021,12 +1021,14 @@ async fn time_claims(
             .bind::<BigInt, _>(batch)
             .bind::<Nullable<Text>, _>(None::<&str>)
             .bind::<Nullable<Text>, _>(None::<&str>)
+            // No per-event rows, as with `info` logging.
+            .bind::<diesel::sql_types::Bool, _>(false)
             .load(conn)
             .await?;
         let ms = t.elapsed().as_secs_f64() * 1e3;
         let published = rows
             .iter()
-            .find(|r| r.consumer.is_none())
+            .find(|r| r.kind == "total")
             .map_or(0, |r| r.rows);
         Ok((ms, published))
     };

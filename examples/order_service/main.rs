@@ -35,6 +35,8 @@
 
 mod api;
 mod consumers;
+#[path = "../common/logging.rs"]
+mod logging;
 mod reconcile;
 mod rng;
 mod stats;
@@ -104,12 +106,7 @@ fn rate(name: &str) -> Result<f64, String> {
 
 #[actix_web::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    logging::init();
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

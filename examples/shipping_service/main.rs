@@ -41,17 +41,15 @@ CREATE TABLE IF NOT EXISTS shipments (
     created_at timestamptz NOT NULL DEFAULT now()
 );";
 
+#[path = "../common/logging.rs"]
+mod logging;
+
 /// Serialises the schema script between instances starting at once.
 const SCHEMA_LOCK_KEY: i64 = 0x7368_6970_7069_6e67; // "shipping"
 
 #[actix_web::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    logging::init();
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

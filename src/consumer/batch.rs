@@ -281,6 +281,11 @@ fn record(
     metrics::inbox_processed(consumer, done as u64);
     metrics::inbox_failed(consumer, failed as u64);
     metrics::inbox_dead_lettered(consumer, dead as u64);
+    if !settled.is_empty() {
+        // The batch's line; each event's own are at `debug` (`log.rs`).
+        tracing::info!(name: "consumer.completed", consumer, processed = done, failed, dead,
+            "consumer.completed");
+    }
     out.processed = processed.len();
     out.failed = failed;
     out.next_retry = decide::next_retry(settled);

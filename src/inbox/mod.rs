@@ -170,30 +170,22 @@ pub async fn receive(
     event: &crate::event::OutboxEvent,
 ) -> Result<Received> {
     let rows = store::inbox::receive(conn, event).await?;
-    // Counted per consumer, as the in-process fan-out counts them, so that the duplicate-rate
-    // alarm sees the redeliveries of external transports. Counted when written: a caller that
-    // then rolls back has counted them anyway.
+    // Counted and logged per consumer, as the in-process fan-out does, so that the
+    // duplicate-rate alarm sees the redeliveries of external transports. Counted when written:
+    // a caller that then rolls back has counted them anyway.
     for row in &rows {
+        let mut fields: crate::telemetry::EventFields<'_> = event.into();
+        fields.consumer = Some(&row.consumer);
         if row.new {
             crate::telemetry::metrics::inbox_received(&row.consumer, 1);
+            crate::telemetry::event!(debug, "event.received", fields);
         } else {
             crate::telemetry::metrics::inbox_duplicate(&row.consumer, 1);
+            crate::telemetry::event!(info, "event.duplicate", fields, code = "DUPLICATE_EVENT");
         }
     }
     let new = rows.iter().filter(|r| r.new).count();
     let duplicates = rows.len() - new;
-    if duplicates > 0 {
-        crate::telemetry::event!(
-            info,
-            "event.duplicate",
-            event.into(),
-            duplicates,
-            code = "DUPLICATE_EVENT"
-        );
-    }
-    if new > 0 {
-        crate::telemetry::event!(debug, "event.received", event.into(), new);
-    }
     Ok(Received { new, duplicates })
 }
 

@@ -132,7 +132,7 @@ fn validate_all(events: &[NewEvent]) -> Result<()> {
 /// The one insert path, shared with [`EventRegistry`](crate::EventRegistry).
 pub(crate) async fn insert_validated(conn: &AsyncPgConnection, events: &[NewEvent]) -> Result<()> {
     store::outbox::insert_events(conn, events).await?;
-    created(events);
+    enqueued(events);
     Ok(())
 }
 
@@ -154,14 +154,16 @@ where
     }
     let written = store::outbox::insert_events_with(conn, business, events).await?;
     if written {
-        created(events);
+        enqueued(events);
     }
     Ok(written)
 }
 
-fn created(events: &[NewEvent]) {
+/// Written in the caller's transaction, which may still roll back: `outbox.enqueued`. The
+/// event's `outbox.created` comes from the publisher, which sees only committed events.
+fn enqueued(events: &[NewEvent]) {
     for e in events {
-        crate::telemetry::event!(debug, "outbox.created", e.into());
+        crate::telemetry::event!(debug, "outbox.enqueued", e.into());
     }
 }
 

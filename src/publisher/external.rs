@@ -64,6 +64,10 @@ async fn publish_one(
 ) -> Result<()> {
     let token = row.lease_token;
     let event = OutboxEvent::from(row);
+    if event.attempt == 1 {
+        // First seen committed: the claim reads only committed rows.
+        crate::telemetry::event!(debug, "outbox.created", (&event).into());
+    }
     crate::telemetry::event!(debug, "outbox.publish.started", (&event).into());
     // (error, whether it was our timeout): the code differs, the retry decision does not.
     let failure = match tokio::time::timeout(cfg.publish_timeout, transport.publish(&event)).await {

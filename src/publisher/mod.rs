@@ -177,7 +177,9 @@ async fn claim_in_process(
     limit: i64,
     notify_as: Option<&str>,
 ) -> bool {
-    tracing::trace!(name: "outbox.publish.started", limit, "outbox.publish.started");
+    // The per-event lines cost a row each in the claim's answer: asked for only when they
+    // would be written.
+    let detail = tracing::enabled!(tracing::Level::DEBUG);
     let mut conn = match pool.get().await {
         Ok(conn) => conn,
         Err(e) => {
@@ -187,7 +189,7 @@ async fn claim_in_process(
         }
     };
     let notify = notify_as.map(|me| (INBOX_CHANNEL, me));
-    let claim = store::outbox::claim_and_fan_out(&mut conn, limit, notify);
+    let claim = store::outbox::claim_and_fan_out(&mut conn, limit, notify, detail);
     let fan_out = match store::timed(store::DB_TIMEOUT, claim).await {
         Ok(fan_out) => fan_out,
         Err(t) => {
@@ -208,12 +210,8 @@ async fn claim_in_process(
             }
             for (consumer, n) in &f.duplicates {
                 metrics::inbox_duplicate(consumer, *n as u64);
-                tracing::info!(name: "event.duplicate", consumer, duplicates = n,
-                    "event.duplicate: already in the inbox, absorbed");
             }
-            if f.published > 0 {
-                tracing::debug!(name: "outbox.published", published = f.published, "outbox.published");
-            }
+            log_fan_out(&f);
             let full = f.published as i64 >= limit;
             if !f.delivered.is_empty() {
                 registry.do_send(InboxRowsWritten {
@@ -227,6 +225,44 @@ async fn claim_in_process(
             tracing::warn!(name: "outbox.publish.failed", error = %e, code = %e.code(), "outbox.publish.failed");
             false
         }
+    }
+}
+
+/// The in-process route's lines. The claim is the publish: one statement claims the committed
+/// events, writes their inbox rows and marks them published, so an event's `outbox.created`
+/// (first seen committed), `outbox.publish.started` and `outbox.published` come from its answer
+/// together, per event at `debug`; a line per claim says the same at `info`. A duplicate is
+/// rare and worth seeing: one line per (event, consumer), at `info`.
+fn log_fan_out(f: &store::outbox::FanOut) {
+    for p in &f.events {
+        if p.attempt == 1 {
+            crate::telemetry::event!(debug, "outbox.created", p.into());
+        }
+        crate::telemetry::event!(debug, "outbox.publish.started", p.into());
+        crate::telemetry::event!(debug, "outbox.published", p.into());
+    }
+    if !f.received.is_empty() {
+        let events: std::collections::HashMap<_, _> =
+            f.events.iter().map(|p| (p.event_id, p)).collect();
+        for (consumer, id) in &f.received {
+            if let Some(p) = events.get(id) {
+                let mut fields: crate::telemetry::EventFields<'_> = (*p).into();
+                fields.consumer = Some(consumer);
+                fields.attempt = None;
+                crate::telemetry::event!(debug, "event.received", fields);
+            }
+        }
+    }
+    for (consumer, p) in &f.duplicate_events {
+        let mut fields: crate::telemetry::EventFields<'_> = p.into();
+        fields.consumer = Some(consumer);
+        fields.attempt = None;
+        crate::telemetry::event!(info, "event.duplicate", fields);
+    }
+    if f.published > 0 {
+        let rows: usize = f.delivered.iter().map(|(_, n)| n).sum();
+        tracing::info!(name: "outbox.published", published = f.published, inbox_rows = rows,
+            "outbox.published");
     }
 }
 

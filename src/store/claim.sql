@@ -4,6 +4,13 @@
 --   $1  batch size
 --   $2  NOTIFY channel for other instances, or NULL when none listen
 --   $3  this instance's id, the payload's prefix (its own listener ignores it)
+--   $4  whether to answer a row per event and per inbox row written, for the per-event log
+--       lines (`debug`); off, those branches are skipped whole (a one-time filter)
+--
+-- The answer, one row per `kind`: `count` per subscribed consumer (rows wanted, rows written),
+-- one `total` (rows published; notifications sent), `duplicate` per inbox row that already
+-- existed (always: rare, and logged at `info`), and with $4 `event` per event published and
+-- `received` per inbox row written.
 WITH due AS (
     SELECT id FROM outbox_events
     WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now()
@@ -25,7 +32,7 @@ WITH due AS (
     FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
     ORDER BY p.seq, s.consumer
     ON CONFLICT (event_id, consumer) DO NOTHING
-    RETURNING consumer
+    RETURNING consumer, event_id
 ), unrouted AS (
     -- Events no consumer is subscribed to: recorded, so that health can say so (the migration
     -- `unrouted_events`). Costs a row only for such an event.
@@ -45,10 +52,26 @@ WITH due AS (
     SELECT s.consumer, count(*) AS n
     FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
     GROUP BY s.consumer
-)
-SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w
+), counted AS (
+    SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w
     LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d
     USING (consumer)
--- The NULL row: rows published, and (as `wanted`) notifications sent; naming `notified` here is
--- what makes PostgreSQL run it.
-UNION ALL SELECT NULL, (SELECT count(*) FROM notified), count(*) FROM published
+)
+SELECT 'count' AS kind, consumer, NULL::uuid AS event_id, wanted, rows,
+       NULL::text AS event_type, NULL::text AS aggregate_id, NULL::text AS correlation_id,
+       NULL::text AS causation_id
+FROM counted
+-- The `total` row: rows published, and (as `wanted`) notifications sent; naming `notified` here
+-- is what makes PostgreSQL run it.
+UNION ALL SELECT 'total', NULL, NULL, (SELECT count(*) FROM notified), count(*),
+       NULL, NULL, NULL, NULL FROM published
+UNION ALL SELECT 'duplicate', s.consumer, p.id, p.attempt_count, 0, p.event_type,
+       p.aggregate_id, p.correlation_id, p.causation_id
+    FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
+    WHERE EXISTS (SELECT FROM counted WHERE wanted > rows)
+      AND NOT EXISTS (SELECT FROM delivered d WHERE d.event_id = p.id AND d.consumer = s.consumer)
+UNION ALL SELECT 'event', NULL, p.id, p.attempt_count, 0, p.event_type, p.aggregate_id,
+       p.correlation_id, p.causation_id
+    FROM published p WHERE $4::bool
+UNION ALL SELECT 'received', d.consumer, d.event_id, 0, 0, NULL, NULL, NULL, NULL
+    FROM delivered d WHERE $4::bool

@@ -135,12 +135,50 @@ impl<B> QueryId for InsertEvents<'_, B> {
 
 #[derive(QueryableByName)]
 struct FanOutRow {
+    #[diesel(sql_type = Text)]
+    kind: String,
     #[diesel(sql_type = Nullable<Text>)]
     consumer: Option<String>,
+    #[diesel(sql_type = Nullable<diesel::sql_types::Uuid>)]
+    event_id: Option<uuid::Uuid>,
     #[diesel(sql_type = BigInt)]
     wanted: i64,
     #[diesel(sql_type = BigInt)]
     rows: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    event_type: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    aggregate_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    correlation_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    causation_id: Option<String>,
+}
+
+/// One event a claim published, for its log lines.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(crate) struct Published {
+    pub event_id: uuid::Uuid,
+    pub event_type: String,
+    pub aggregate_id: String,
+    pub correlation_id: String,
+    pub causation_id: Option<String>,
+    /// This publish attempt, from 1.
+    pub attempt: i64,
+}
+
+impl<'a> From<&'a Published> for crate::telemetry::EventFields<'a> {
+    fn from(p: &'a Published) -> Self {
+        crate::telemetry::EventFields {
+            consumer: None,
+            event_id: p.event_id,
+            event_type: &p.event_type,
+            aggregate_id: &p.aggregate_id,
+            correlation_id: Some(&p.correlation_id),
+            causation_id: p.causation_id.as_deref(),
+            attempt: Some(p.attempt),
+        }
+    }
 }
 
 /// What one claim published and which consumers got new inbox rows.
@@ -152,6 +190,11 @@ pub(crate) struct FanOut {
     pub delivered: Vec<(String, usize)>,
     /// Inbox rows that already existed (the event had been fanned out before), per consumer.
     pub duplicates: Vec<(String, usize)>,
+    /// Each (event, consumer) whose inbox row already existed.
+    pub duplicate_events: Vec<(String, Published)>,
+    /// With `detail`: each event published, and each (event, consumer) inbox row written.
+    pub events: Vec<Published>,
+    pub received: Vec<(String, uuid::Uuid)>,
 }
 
 /// Sent before the claim in its transaction: the [`PLAN_GUARD`](store::PLAN_GUARD)'s settings
@@ -186,6 +229,9 @@ pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 /// plan then scans the table); the [`PLAN_GUARD`](store::PLAN_GUARD) sent before it does.
 /// `tests/plan.rs` asserts the plan on an empty, a fresh, a large and a backlogged table.
 ///
+/// With `detail`, the answer also names each event published and each inbox row written, for
+/// the per-event log lines; without, those parts of the statement do not run.
+///
 /// With `notify = Some((channel, sender))` the same statement sends one notification,
 /// `sender|consumer,…`, for other instances; it goes out with the commit that makes the rows
 /// visible, so it cannot be lost between the two and costs no round trip of its own.
@@ -193,6 +239,7 @@ pub(crate) async fn claim_and_fan_out(
     conn: &mut AsyncPgConnection,
     limit: i64,
     notify: Option<(&str, &str)>,
+    detail: bool,
 ) -> Result<FanOut> {
     // BEGIN, the plan guard and no wait for the WAL flush, the claim and COMMIT, in one round
     // trip. The transaction manager counts the transaction until the COMMIT is known to have
@@ -211,7 +258,8 @@ pub(crate) async fn claim_and_fan_out(
             diesel::sql_query(CLAIM_SQL)
                 .bind::<BigInt, _>(limit)
                 .bind::<Nullable<Text>, _>(notify.map(|n| n.0))
-                .bind::<Nullable<Text>, _>(notify.map(|n| n.1)),
+                .bind::<Nullable<Text>, _>(notify.map(|n| n.1))
+                .bind::<diesel::sql_types::Bool, _>(detail),
         )
         .load::<FanOutRow>(&mut c);
         futures_util::future::join4(
@@ -229,8 +277,16 @@ pub(crate) async fn claim_and_fan_out(
     store::left_transaction(conn)?;
     let mut out = FanOut::default();
     for row in rows {
-        match row.consumer {
-            Some(consumer) => {
+        let published = |row: FanOutRow| Published {
+            event_id: row.event_id.unwrap_or_default(),
+            event_type: row.event_type.unwrap_or_default(),
+            aggregate_id: row.aggregate_id.unwrap_or_default(),
+            correlation_id: row.correlation_id.unwrap_or_default(),
+            causation_id: row.causation_id,
+            attempt: row.wanted,
+        };
+        match (row.kind.as_str(), row.consumer.clone()) {
+            ("count", Some(consumer)) => {
                 if row.wanted > row.rows {
                     out.duplicates
                         .push((consumer.clone(), (row.wanted - row.rows) as usize));
@@ -239,7 +295,13 @@ pub(crate) async fn claim_and_fan_out(
                     out.delivered.push((consumer, row.rows as usize));
                 }
             }
-            None => out.published = row.rows as usize,
+            ("total", _) => out.published = row.rows as usize,
+            ("duplicate", Some(consumer)) => out.duplicate_events.push((consumer, published(row))),
+            ("event", _) => out.events.push(published(row)),
+            ("received", Some(consumer)) => out
+                .received
+                .push((consumer, row.event_id.unwrap_or_default())),
+            _ => {}
         }
     }
     Ok(out)

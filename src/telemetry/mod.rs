@@ -28,7 +28,8 @@ macro_rules! event {
         tracing::$level!(
             name: $name,
             consumer = f.consumer, event_id = %f.event_id, event_type = f.event_type,
-            aggregate_id = f.aggregate_id, correlation_id = f.correlation_id,
+            aggregate_id = f.aggregate_id,
+            correlation_id = %$crate::telemetry::Correlation(f.correlation_id, f.event_id),
             causation_id = f.causation_id, attempt = f.attempt,
             $($($extra)+,)?
             $name
@@ -36,3 +37,17 @@ macro_rules! event {
     }};
 }
 pub(crate) use event;
+
+/// The correlation id a line shows: the event's own, or, for an event that starts a chain and
+/// has none yet (a new event before it is written), its id, which the insert makes its
+/// correlation id.
+pub(crate) struct Correlation<'a>(pub Option<&'a str>, pub uuid::Uuid);
+
+impl std::fmt::Display for Correlation<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(c) => f.write_str(c),
+            None => write!(f, "{}", self.1),
+        }
+    }
+}

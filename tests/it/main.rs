@@ -17,6 +17,7 @@ mod fanout;
 mod harness;
 mod isolation;
 mod lifecycle;
+mod logs;
 #[cfg(feature = "nats")]
 mod nats;
 mod network;

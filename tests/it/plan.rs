@@ -15,7 +15,7 @@
 use crate::common;
 
 use common::*;
-use diesel::sql_types::{BigInt, Json, Nullable, Text};
+use diesel::sql_types::{BigInt, Bool, Json, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde_json::Value;
@@ -100,17 +100,18 @@ async fn explain_unguarded(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'stati
         .bind::<BigInt, _>(500_i64)
         .bind::<Nullable<Text>, _>(None::<&str>)
         .bind::<Nullable<Text>, _>(None::<&str>)
+        .bind::<Bool, _>(false)
         .get_result(conn)
         .await
         .expect("EXPLAIN the claim");
     conn.batch_execute(&format!(
-        "PREPARE claim_plan_test (int8, text, text) AS {}; SET plan_cache_mode = force_generic_plan",
+        "PREPARE claim_plan_test (int8, text, text, bool) AS {}; SET plan_cache_mode = force_generic_plan",
         CLAIM_SQL
     ))
     .await
     .expect("PREPARE the claim");
     let generic: ExplainRow =
-        diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500, NULL, NULL)")
+        diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500, NULL, NULL, false)")
             .get_result(conn)
             .await
             .expect("EXPLAIN the prepared claim");
@@ -231,6 +232,7 @@ async fn claim_uses_the_due_index_on_a_fresh_unanalyzed_table() {
         .bind::<BigInt, _>(500_i64)
         .bind::<Nullable<Text>, _>(None::<&str>)
         .bind::<Nullable<Text>, _>(None::<&str>)
+        .bind::<Bool, _>(true)
         .execute(&mut conn)
         .await
         .expect("run the claim");
