@@ -173,6 +173,7 @@ impl AdminConfig {
 /// | `GET /` | the dashboard page |
 /// | `GET /health` | [`HealthReport`](crate::health::HealthReport) from the latest stats sample |
 /// | `GET /overview` | live counts per consumer, last hour's failures and duplicates, health |
+/// | `GET /charts?minutes=&consumer=` | per consumer and minute: throughput and lag, from the stats samples |
 /// | `GET /metrics` | Prometheus text (needs [`AdminConfig::metrics`]) |
 /// | `GET /outbox?status=&type=&before=&limit=` | outbox rows, newest first (limit ≤ 200) |
 /// | `GET /inbox?status=&type=&consumer=&before=&limit=` | inbox rows, newest first |

@@ -317,6 +317,86 @@ pub(crate) async fn consumer_sums(
         .collect())
 }
 
+/// One point of a consumer's chart: a time bucket of the stats samples, over every instance.
+#[cfg(feature = "admin")]
+#[derive(Debug, Clone, PartialEq, QueryableByName)]
+pub(crate) struct ChartPoint {
+    #[diesel(sql_type = Text)]
+    pub consumer: String,
+    /// The bucket's start.
+    #[diesel(sql_type = Timestamptz)]
+    pub at: DateTime<Utc>,
+    /// Events processed in the bucket, every instance's.
+    #[diesel(sql_type = BigInt)]
+    pub processed: i64,
+    /// Each instance's processed count over the intervals its samples cover, summed over
+    /// the instances.
+    #[diesel(sql_type = Double)]
+    pub per_second: f64,
+    /// The largest backlog sampled in the bucket (a database-wide gauge: a maximum, not a sum).
+    #[diesel(sql_type = BigInt)]
+    pub backlog: i64,
+    /// The largest age of the oldest due row sampled in the bucket.
+    #[diesel(sql_type = Double)]
+    pub oldest_due_age: f64,
+    /// Instances with a sample in the bucket.
+    #[diesel(sql_type = BigInt)]
+    pub instances: i64,
+    /// Samples read for the whole window, the same on every row.
+    #[diesel(sql_type = BigInt)]
+    samples: i64,
+}
+
+/// The charts' statement; `tests/it/ops.rs` asserts its plan.
+#[cfg(feature = "admin")]
+const CHART_SERIES: &str = include_str!("chart_series.sql");
+
+/// Per-consumer chart series over the stats samples of the `window` up to the database's now.
+#[cfg(feature = "admin")]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ChartSeries {
+    /// The window's end, the database's now: the x axis ends there.
+    pub until: DateTime<Utc>,
+    /// Samples read: at `limit`, the oldest part of the window was left out.
+    pub samples: i64,
+    /// Ordered by consumer, then time.
+    pub points: Vec<ChartPoint>,
+}
+
+/// The charts of the last `window`, in buckets of `bucket` (whole seconds, at least one),
+/// from at most `limit` samples, the newest; of one `consumer` or of all. See
+/// `chart_series.sql` for how instances' samples combine.
+#[cfg(feature = "admin")]
+pub(crate) async fn chart_series(
+    conn: &mut AsyncPgConnection,
+    window: Duration,
+    bucket: Duration,
+    limit: i64,
+    consumer: Option<&str>,
+) -> Result<ChartSeries> {
+    #[derive(QueryableByName)]
+    struct Now {
+        #[diesel(sql_type = Timestamptz)]
+        now: DateTime<Utc>,
+    }
+    let Now { now } = diesel::sql_query("SELECT now() AS now")
+        .get_result(conn)
+        .await?;
+    let points: Vec<ChartPoint> = diesel::sql_query(CHART_SERIES)
+        .bind::<Timestamptz, _>(now)
+        .bind::<BigInt, _>(store::millis(window))
+        .bind::<BigInt, _>(bucket.as_secs().clamp(1, i64::MAX as u64) as i64)
+        .bind::<BigInt, _>(limit)
+        .bind::<Nullable<Text>, _>(consumer)
+        .load(conn)
+        .await?;
+    Ok(ChartSeries {
+        until: now,
+        samples: points.as_slice().first().map_or(0, |p| p.samples),
+        points,
+    })
+}
+
 /// Deletes at most `batch` samples older than `older_than`.
 pub(crate) async fn prune_samples(
     conn: &mut AsyncPgConnection,

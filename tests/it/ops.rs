@@ -1,5 +1,5 @@
 //! Operations against real PostgreSQL: lag health from stored samples, the Prometheus endpoint,
-//! retention, and the dashboard driven in headless Chromium.
+//! retention, and the dashboard (its actions and its charts) driven in headless Chromium.
 
 use crate::common;
 #[path = "../browser/webdriver.rs"]
@@ -821,4 +821,470 @@ async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
         assert!(text.contains(line), "{line} not in:\n{text}");
     }
     db.finish(&[&rt]).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Charts
+
+/// The charts' statement exactly as the library runs it.
+const CHART_SERIES_SQL: &str = include_str!("../../src/store/chart_series.sql");
+
+/// One consumer's numbers in a stored sample: (name, processed, backlog, oldest due age).
+type Numbers = (&'static str, u64, i64, f64);
+
+/// Stores samples as the sampler would, with exact values and times, and returns the start of
+/// the current minute (epoch seconds) they are placed from. Each sample is (instance, seconds
+/// from that minute, interval in ms, consumers). Bucket boundaries are whole minutes, so a
+/// sample placed a few seconds into a minute stays in that minute's bucket whenever the test
+/// runs.
+async fn store_samples(db: &TestDb, samples: &[(&str, i64, i64, &[Numbers])]) -> i64 {
+    let minute = db
+        .count("SELECT (floor(extract(epoch FROM now()) / 60) * 60)::int8 AS n")
+        .await;
+    let mut sql = String::new();
+    for (instance, offset, interval_ms, consumers) in samples {
+        let consumers: Vec<Value> = consumers
+            .iter()
+            .map(|(name, processed, backlog, age)| {
+                serde_json::json!({"consumer": name, "processed": processed, "backlog": backlog,
+                    "oldest_due_age_seconds": age})
+            })
+            .collect();
+        let at = minute + offset;
+        let sample = serde_json::json!({"at": chrono::DateTime::from_timestamp(at, 0).unwrap(),
+            "outbox": {}, "consumers": consumers, "instance": instance});
+        sql.push_str(&format!(
+            "INSERT INTO outbox_stats_samples (instance, sampled_at, interval_ms, sample, health) \
+             VALUES ('{instance}', to_timestamp({at}), {interval_ms}, '{sample}', '{{}}');\n"
+        ));
+    }
+    exec(db, &sql).await;
+    minute
+}
+
+/// Two instances, two consumers. What the last hour's charts must show, per minute:
+///
+/// | minute | mailer: per second, oldest waited | search |
+/// |---|---|---|
+/// | -45 | 150 / 15 s = 10, 60 | – |
+/// | -10 | i1 (30 + 60) / 30 s + i2 45 / 15 s = 6; worst of 12.5, 8, 20.25 | 30 / 30 s + 0 = 1; 3 |
+/// | -9  | 15 / 15 s = 1, 1 | – |
+/// | -5  | 0, 0 | – |
+/// | -2  | 120 / 60 s = 2, 4.5 | 30 / 60 s = 0.5, 0 |
+///
+/// A sample 90 minutes old is outside the window. A chart that averaged the instances (3 at
+/// -10), divided by the bucket (2.25), or summed the lag (40.75) would differ. The window ends
+/// at each request, so the -45 minute sample stays in it for a quarter of an hour: no test
+/// here comes near that.
+async fn store_chart_samples(db: &TestDb) -> i64 {
+    store_samples(
+        db,
+        &[
+            ("i1", -90 * 60 + 5, 15_000, &[("mailer", 999, 99, 999.0)]),
+            ("i1", -45 * 60 + 5, 15_000, &[("mailer", 150, 40, 60.0)]),
+            (
+                "i1",
+                -10 * 60 + 5,
+                15_000,
+                &[("mailer", 30, 5, 12.5), ("search", 15, 1, 3.0)],
+            ),
+            (
+                "i2",
+                -10 * 60 + 10,
+                15_000,
+                &[("mailer", 45, 7, 20.25), ("search", 0, 1, 2.5)],
+            ),
+            (
+                "i1",
+                -10 * 60 + 20,
+                15_000,
+                &[("mailer", 60, 6, 8.0), ("search", 15, 0, 0.0)],
+            ),
+            ("i1", -9 * 60 + 5, 15_000, &[("mailer", 15, 3, 1.0)]),
+            ("i1", -5 * 60 + 30, 15_000, &[("mailer", 0, 0, 0.0)]),
+            (
+                "i2",
+                -2 * 60 + 1,
+                60_000,
+                &[("mailer", 120, 2, 4.5), ("search", 30, 0, 0.0)],
+            ),
+        ],
+    )
+    .await
+}
+
+/// (minutes from the current minute, per second, oldest due age) of each expected point.
+const MAILER_POINTS: [(i64, f64, f64); 5] = [
+    (-45, 10.0, 60.0),
+    (-10, 6.0, 20.25),
+    (-9, 1.0, 1.0),
+    (-5, 0.0, 0.0),
+    (-2, 2.0, 4.5),
+];
+const SEARCH_POINTS: [(i64, f64, f64); 2] = [(-10, 1.0, 3.0), (-2, 0.5, 0.0)];
+
+fn epoch_of(at: &str) -> i64 {
+    chrono::DateTime::parse_from_rfc3339(at)
+        .unwrap_or_else(|e| panic!("{at:?}: {e}"))
+        .timestamp()
+}
+
+/// `(minute offset, per second, oldest due age)` of a consumer's points in a `/charts` reply.
+fn reply_points(v: &Value, consumer: &str, minute: i64) -> Vec<(i64, f64, f64)> {
+    let c = v["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == consumer)
+        .unwrap_or_else(|| panic!("no {consumer} in {v}"));
+    c["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let at = epoch_of(p["at"].as_str().unwrap());
+            assert_eq!((at - minute) % 60, 0, "buckets start on the minute: {p}");
+            (
+                (at - minute) / 60,
+                p["processed_per_second"].as_f64().unwrap(),
+                p["oldest_due_age_seconds"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[actix_rt::test]
+async fn the_charts_endpoint_adds_up_instances_throughput_and_takes_the_worst_lag() {
+    let db = TestDb::new().await;
+    let minute = store_chart_samples(&db).await;
+    let cfg = AdminConfig::new(db.pool.clone())
+        .bearer_token("alice", TOKEN)
+        .unwrap();
+    let app = init_service(App::new().service(admin_scope("/ops", cfg))).await;
+    let get = |uri: &str| {
+        TestRequest::get()
+            .uri(uri)
+            .insert_header(("Authorization", format!("Bearer {TOKEN}")))
+            .to_request()
+    };
+    let read = |res: actix_web::dev::ServiceResponse| async move {
+        let status = res.status().as_u16();
+        let body = read_body(res).await;
+        (status, serde_json::from_slice::<Value>(&body).unwrap())
+    };
+
+    let (status, v) = read(call_service(&app, get("/ops/charts")).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["minutes"].as_i64(), v["bucket_seconds"].as_i64()),
+        (Some(60), Some(60))
+    );
+    assert_eq!(
+        (v["samples"].as_i64(), v["truncated"].as_bool()),
+        (Some(7), Some(false))
+    );
+    let names: Vec<&str> = v["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["consumer"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["mailer", "search"]);
+    assert_eq!(reply_points(&v, "mailer", minute), MAILER_POINTS);
+    assert_eq!(reply_points(&v, "search", minute), SEARCH_POINTS);
+    let at_ten = &v["consumers"][0]["points"][1];
+    assert_eq!(
+        (
+            &at_ten["processed"],
+            &at_ten["backlog"],
+            &at_ten["instances"]
+        ),
+        (&Value::from(135), &Value::from(7), &Value::from(2)),
+        "{at_ten}"
+    );
+
+    // A shorter window and one consumer. The window ends at the request, so the -45 minute
+    // sample is out of a 30-minute one however late the request comes; the -2 minute one is
+    // in unless the request comes 28 minutes after the samples were stored.
+    let (status, v) =
+        read(call_service(&app, get("/ops/charts?minutes=30&consumer=search")).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["consumers"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(reply_points(&v, "search", minute), SEARCH_POINTS);
+    let (_, v) =
+        read(call_service(&app, get("/ops/charts?minutes=30&consumer=mailer")).await).await;
+    assert_eq!(reply_points(&v, "mailer", minute), MAILER_POINTS[1..]);
+
+    for (uri, code) in [
+        ("/ops/charts?minutes=0", "INVALID_QUERY"),
+        ("/ops/charts?minutes=1441", "INVALID_QUERY"),
+        ("/ops/charts?minutes=an%20hour", "INVALID_QUERY"),
+        ("/ops/charts?since=1h", "INVALID_QUERY"),
+        (
+            "/ops/charts?consumer=no%20such%20name%21",
+            "INVALID_CONSUMER",
+        ),
+    ] {
+        let (status, v) = read(call_service(&app, get(uri)).await).await;
+        assert_eq!(
+            (status, v["error"]["code"].as_str()),
+            (400, Some(code)),
+            "{uri}: {v}"
+        );
+    }
+    db.finish(&[]).await;
+}
+
+/// The charts' statement reads the samples' time index backwards and stops at the window's
+/// start, when the samples kept (a sampler's history of a day) far outnumber the window's.
+#[actix_rt::test]
+async fn the_charts_query_reads_the_samples_index_for_its_window() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO outbox_stats_samples (instance, sampled_at, interval_ms, sample, health) \
+         SELECT 'i1', now() - n * interval '1 minute', 60000, \
+             '{\"consumers\": [{\"consumer\": \"mailer\", \"processed\": 1}]}', '{}' \
+         FROM generate_series(0, 1439) n; \
+         ANALYZE outbox_stats_samples",
+    )
+    .await;
+    #[derive(diesel::QueryableByName)]
+    struct Plan {
+        #[diesel(sql_type = diesel::sql_types::Json)]
+        #[diesel(column_name = "QUERY PLAN")]
+        plan: Value,
+    }
+    fn nodes(plan: &Value, out: &mut Vec<(String, String)>) {
+        let text = |k: &str| plan.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+        let on = if plan.get("Index Name").is_some() {
+            text("Index Name")
+        } else {
+            text("Relation Name")
+        };
+        out.push((text("Node Type"), on));
+        for child in plan
+            .get("Plans")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            nodes(child, out);
+        }
+    }
+    let mut conn = db.pool.get().await.unwrap();
+    let Plan { plan } = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {CHART_SERIES_SQL}"))
+        .bind::<diesel::sql_types::Timestamptz, _>(chrono::Utc::now())
+        .bind::<diesel::sql_types::BigInt, _>(3_600_000_i64)
+        .bind::<diesel::sql_types::BigInt, _>(60_i64)
+        .bind::<diesel::sql_types::BigInt, _>(6000_i64)
+        .bind::<diesel::sql_types::Nullable<Text>, _>(None::<&str>)
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    drop(conn);
+    let mut found = Vec::new();
+    nodes(&plan[0]["Plan"], &mut found);
+    let shown = format!("{found:?}");
+    assert!(
+        found
+            .iter()
+            .any(|(t, on)| t == "Index Scan" && on == "outbox_stats_samples_at"),
+        "no index scan of outbox_stats_samples_at: {shown}"
+    );
+    assert!(
+        !found.iter().any(|(_, on)| on == "outbox_stats_samples"),
+        "the samples table is read past its index: {shown}"
+    );
+    db.finish(&[]).await;
+}
+
+/// One chart as the page drew it: its circles' bucket, value and position, the line's
+/// coordinates, the y axis' scale, and the labels.
+#[derive(Debug, serde::Deserialize)]
+struct DrawnChart {
+    consumer: String,
+    kind: String,
+    max: f64,
+    y0: f64,
+    y1: f64,
+    label_max: String,
+    label_min: String,
+    points: Vec<DrawnPoint>,
+    path: String,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct DrawnPoint {
+    at: String,
+    value: f64,
+    cx: f64,
+    cy: f64,
+    title: String,
+}
+
+const READ_CHARTS: &str =
+    "return JSON.stringify([...document.querySelectorAll('#charts svg.chart')]
+    .map((s) => ({
+      consumer: s.dataset.consumer, kind: s.dataset.chart, max: +s.dataset.max,
+      y0: +s.dataset.y0, y1: +s.dataset.y1,
+      label_max: s.querySelector('text.y-max').textContent,
+      label_min: s.querySelector('text.y-min').textContent,
+      path: s.querySelector('path.line').getAttribute('d'),
+      points: [...s.querySelectorAll('circle.pt')].map((c) => ({
+        at: c.dataset.at, value: +c.dataset.value, cx: +c.getAttribute('cx'),
+        cy: +c.getAttribute('cy'), title: c.querySelector('title').textContent })),
+    })))";
+
+/// Checks one drawn chart against the expected `(minute offset, value)` points: the values
+/// and their count, each circle's height on the chart's own scale, left to right in time,
+/// and a line through exactly those circles, broken where a minute has no sample.
+fn assert_chart(
+    drawn: &[DrawnChart],
+    consumer: &str,
+    kind: &str,
+    minute: i64,
+    want: &[(i64, f64)],
+) {
+    let c = drawn
+        .iter()
+        .find(|c| c.consumer == consumer && c.kind == kind)
+        .unwrap_or_else(|| panic!("no {kind} chart for {consumer}: {drawn:?}"));
+    let got: Vec<(i64, f64)> = c
+        .points
+        .iter()
+        .map(|p| ((epoch_of(&p.at) - minute) / 60, p.value))
+        .collect();
+    assert_eq!(got, want, "{consumer} {kind}");
+    let top = want.iter().map(|w| w.1).fold(0.0, f64::max);
+    assert_eq!(
+        c.max,
+        if top > 0.0 { top } else { 1.0 },
+        "{consumer} {kind}: y scale"
+    );
+    assert_eq!(c.label_min, "0");
+    assert_eq!(
+        c.label_max.parse::<f64>().unwrap(),
+        c.max,
+        "{consumer} {kind}: max label"
+    );
+    let mut coords = Vec::new();
+    for (p, w) in c.points.iter().zip(want) {
+        let height = c.y0 - w.1 / c.max * (c.y0 - c.y1);
+        assert!(
+            (p.cy - height).abs() < 0.01,
+            "{consumer} {kind}: {p:?} drawn at the wrong height {height}"
+        );
+        assert!(
+            p.title.contains(&format!(": {} ", w.1)),
+            "{consumer} {kind}: title {:?}",
+            p.title
+        );
+        coords.push((p.cx, p.cy));
+    }
+    assert!(
+        coords.windows(2).all(|w| w[0].0 < w[1].0),
+        "{consumer} {kind}: not left to right: {coords:?}"
+    );
+    let numbers: Vec<f64> = c
+        .path
+        .split(|ch: char| ch == 'M' || ch == 'L' || ch.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let through: Vec<f64> = coords.iter().flat_map(|(x, y)| [*x, *y]).collect();
+    assert_eq!(
+        numbers, through,
+        "{consumer} {kind}: the line misses the points"
+    );
+    let breaks = 1 + want.windows(2).filter(|w| w[1].0 - w[0].0 > 1).count();
+    assert_eq!(
+        c.path.matches('M').count(),
+        breaks,
+        "{consumer} {kind}: {}",
+        c.path
+    );
+}
+
+#[actix_rt::test]
+async fn the_dashboard_charts_each_consumers_throughput_and_lag_from_the_samples() {
+    let Some((chromium, chromedriver)) = browser_or_skip() else {
+        return;
+    };
+    let db = TestDb::new().await;
+    let minute = store_chart_samples(&db).await;
+    // A pool of the server's own, as in the dashboard test above.
+    let admin_pool = actix_outbox::connect(&db.url, 4).await.unwrap();
+    let cfg = AdminConfig::new(admin_pool)
+        .bearer_token("alice", TOKEN)
+        .unwrap();
+    let server = HttpServer::new(move || App::new().service(admin_scope("/ops", cfg.clone())))
+        .workers(1)
+        .disable_signals()
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let server_handle = server.handle();
+    actix_rt::spawn(server);
+
+    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let browser = webdriver::Driver::start(&chromium, &chromedriver, scratch).await;
+    let step = Duration::from_secs(30);
+    browser.goto(&format!("http://{addr}/ops/")).await;
+    let token = browser.wait_for("#token", step).await;
+    browser.type_text(&token, TOKEN).await;
+    browser
+        .click(&browser.wait_for("#signin", step).await)
+        .await;
+    browser
+        .wait_for(
+            r#"#charts svg.chart[data-consumer="search"][data-chart="lag"]"#,
+            step,
+        )
+        .await;
+
+    let drawn: Vec<DrawnChart> = serde_json::from_str(&browser.script(READ_CHARTS).await).unwrap();
+    assert_eq!(
+        drawn.len(),
+        4,
+        "two charts for each of two consumers: {drawn:?}"
+    );
+    let kind = |points: &[(i64, f64, f64)], lag: bool| -> Vec<(i64, f64)> {
+        points
+            .iter()
+            .map(|p| (p.0, if lag { p.2 } else { p.1 }))
+            .collect()
+    };
+    assert_chart(
+        &drawn,
+        "mailer",
+        "throughput",
+        minute,
+        &kind(&MAILER_POINTS, false),
+    );
+    assert_chart(&drawn, "mailer", "lag", minute, &kind(&MAILER_POINTS, true));
+    assert_chart(
+        &drawn,
+        "search",
+        "throughput",
+        minute,
+        &kind(&SEARCH_POINTS, false),
+    );
+    assert_chart(&drawn, "search", "lag", minute, &kind(&SEARCH_POINTS, true));
+    let outside = browser
+        .script("return String(document.querySelectorAll('#charts script, #charts image, #charts use, #charts foreignObject').length)")
+        .await;
+    assert_eq!(outside, "0", "the charts are plain SVG shapes");
+    // The rest of the page still loads beside them.
+    browser.wait_for(r#"body[data-loaded="true"]"#, step).await;
+
+    let png = browser.screenshot().await;
+    let shot = scratch.join("ao-dashboard-charts.png");
+    std::fs::write(&shot, &png).unwrap();
+    eprintln!("charts screenshot: {}", shot.display());
+
+    browser.quit().await;
+    server_handle.stop(true).await;
+    db.finish(&[]).await;
 }

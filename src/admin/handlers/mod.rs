@@ -3,8 +3,9 @@
 //! the transaction locks its rows, re-checks them, changes them and writes the audit row.
 //!
 //! Here: the routes and what they share. `reads.rs`: health, overview, metrics, lists,
-//! timeline, audit. `actions.rs`: retry, ignore, pause, resume, unsubscribe. `replays.rs`:
-//! ask for, list and cancel replays.
+//! timeline, audit. `charts.rs`: each consumer's throughput and lag over the last hour.
+//! `actions.rs`: retry, ignore, pause, resume, unsubscribe. `replays.rs`: ask for, list and
+//! cancel replays.
 
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use crate::admin::{State, DASHBOARD};
 use crate::store::status::{InboxStatus, OutboxStatus};
 
 mod actions;
+mod charts;
 mod reads;
 mod replays;
 
@@ -57,6 +59,7 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         )
         .service(get("/health", health))
         .service(get("/overview", overview))
+        .service(get("/charts", charts::charts))
         .service(get("/metrics", metrics_text))
         .service(get("/outbox", list_outbox))
         .service(get("/inbox", list_inbox))
