@@ -124,7 +124,8 @@
 //! 0  error       the error enum and its stable codes
 //! ```
 //!
-//! - `event/`: ids, the envelope, typed [`Event`]s, the [`EventRegistry`], [`OutboxEvent`](event::OutboxEvent).
+//! - `event/`: ids, the envelope, typed [`Event`]s, the [`EventRegistry`], [`OutboxEvent`](event::OutboxEvent),
+//!   and the redaction of error text before it is stored ([`redact`]).
 //! - `messages`: what actors say to each other (wake, drain, stop, "inbox rows written") and
 //!   the `NOTIFY` channels between instances; an actor depends on the messages it handles,
 //!   never on the actor at the other end.
@@ -230,6 +231,13 @@ pub mod transport {
     pub use crate::inbox::{receive, Received};
     pub use crate::messages::BoxFuture;
     pub use crate::publisher::{ExternalConfig, Transport, TransportError};
+}
+
+pub mod redact {
+    //! What is left of an error message when it is stored (`last_error`) or logged: the
+    //! default redaction, which an application's own
+    //! ([`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors)) may call.
+    pub use crate::event::redact::default_redactor;
 }
 
 pub mod reconcile {

@@ -31,6 +31,7 @@ use super::lend::Hung;
 use super::pass::{refused_by_server, Pass, PassEnd};
 use super::{decide, log, ConsumerConfig};
 use crate::error::Result;
+use crate::event::redact::Redactor;
 use crate::store::inbox::{self, InboxRow, Outcome, Settle};
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 use crate::telemetry::metrics;
@@ -157,7 +158,8 @@ impl Drop for Unsettled {
             arbiter.spawn(async move {
                 if let Ok(mut conn) = pool.get().await {
                     let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                        inbox::settle_now(c, &outcomes).await
+                        // Rows given back store no message: nothing to redact.
+                        inbox::settle_now(c, &outcomes, &Redactor::default()).await
                     })
                     .await;
                 }
@@ -202,7 +204,7 @@ impl Batch<'_> {
                 PassEnd::Commit(mut back, outcomes, processed) => {
                     let all: Vec<Outcome> = decided.iter().cloned().chain(outcomes).collect();
                     let committed = store::bounded(&mut back, DB_TIMEOUT, async |c| {
-                        inbox::settle_and_commit(c, &all).await
+                        inbox::settle_and_commit(c, &all, &cfg.redact).await
                     });
                     match committed.await {
                         Ok(()) => {
@@ -231,7 +233,7 @@ impl Batch<'_> {
                     hung.park(cfg, pool, slot, backend, parked).await;
                     let mut conn = pool.get_owned().await?;
                     store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                        inbox::settle_now(c, &decided).await
+                        inbox::settle_now(c, &decided, &cfg.redact).await
                     })
                     .await?;
                     record(cfg, &[], &decided, &mut out);

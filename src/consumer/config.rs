@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Error;
+use crate::event::redact::Redactor;
 use crate::event::{ConsumerName, EventRegistry};
 use crate::retry::RetryPolicy;
 
@@ -27,6 +28,9 @@ pub struct ConsumerConfig {
     pub(crate) lease: Option<Duration>,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
     pub(crate) events: Option<Arc<EventRegistry>>,
+    /// Set by the builder from [`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors):
+    /// what of a handler's error message is stored and logged.
+    pub(crate) redact: Redactor,
 }
 
 impl ConsumerConfig {
@@ -55,6 +59,7 @@ impl ConsumerConfig {
             rate_limit: None,
             lease: None,
             events: None,
+            redact: Redactor::default(),
         }
     }
     /// Subscribes to an event type.

@@ -13,7 +13,7 @@ pub enum HandlerError {
     Retry {
         /// Stored as `error_code`.
         code: ErrorCode,
-        /// Stored as `last_error`.
+        /// Stored as `last_error`, redacted.
         message: String,
     },
     /// May succeed after `after` (e.g. a rate limit said so); still counts as an attempt.
@@ -23,7 +23,7 @@ pub enum HandlerError {
         after: Duration,
         /// Stored as `error_code`.
         code: ErrorCode,
-        /// Stored as `last_error`.
+        /// Stored as `last_error`, redacted.
         message: String,
     },
     /// Cannot succeed: dead-lettered at once with its code.
@@ -31,7 +31,7 @@ pub enum HandlerError {
     Permanent {
         /// Stored as `error_code`.
         code: ErrorCode,
-        /// Stored as `last_error`.
+        /// Stored as `last_error`, redacted.
         message: String,
     },
 }
@@ -67,7 +67,8 @@ impl HandlerError {
             | HandlerError::Permanent { code, .. } => code,
         }
     }
-    /// The message stored as `last_error`.
+    /// The message stored as `last_error`, once redacted
+    /// ([`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors)).
     pub fn message(&self) -> &str {
         match self {
             HandlerError::Retry { message, .. }

@@ -18,6 +18,7 @@ use tokio::sync::{RwLock, Semaphore};
 use super::actor::HandlerRef;
 use super::decide::{handler_timed_out, HANDLER_LOST};
 use super::{ConsumerConfig, Delivery, DeliveryBatch, DeliveryMode, HandlerError};
+use crate::event::redact::Redactor;
 use crate::event::ConsumerName;
 use crate::store::inbox::{self, InboxRow, Outcome};
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
@@ -187,7 +188,7 @@ impl Hung {
         let parked = self.parked.clone();
         parked.fetch_add(1, Ordering::Relaxed);
         super::log::hung(cfg, self.parked());
-        let (consumer, pool) = (cfg.name.clone(), pool.clone());
+        let (consumer, pool, redact) = (cfg.name.clone(), pool.clone(), cfg.redact.clone());
         let lease = cfg.lease_period();
         let token = outcomes.first().map(|o| o.token);
         actix_rt::spawn(async move {
@@ -213,7 +214,13 @@ impl Hung {
                 });
                 if let Ok(false) = alive.await {
                     drop(conn);
-                    settle(&pool, &consumer, outcomes.take().unwrap_or_default()).await;
+                    settle(
+                        &pool,
+                        &consumer,
+                        &redact,
+                        outcomes.take().unwrap_or_default(),
+                    )
+                    .await;
                 } else if let Some(token) = token {
                     let lease_ms = crate::store::millis(lease);
                     let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -229,7 +236,7 @@ impl Hung {
             drop(place);
             tracing::info!(consumer = %consumer, hung = left, "a hung handler let go");
             if let Some(outcomes) = outcomes {
-                settle(&pool, &consumer, outcomes).await;
+                settle(&pool, &consumer, &redact, outcomes).await;
             }
         });
     }
@@ -237,11 +244,11 @@ impl Hung {
 
 /// Settles a parked call's rows. On failure they stay leased, and the reaper settles them
 /// once their lease expires.
-async fn settle(pool: &PgPool, consumer: &ConsumerName, outcomes: Vec<Outcome>) {
+async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outcomes: Vec<Outcome>) {
     let settled = match pool.get().await {
         Ok(mut conn) => {
             store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                inbox::settle_now(c, &outcomes).await
+                inbox::settle_now(c, &outcomes, redact).await
             })
             .await
         }

@@ -14,7 +14,7 @@ pub(crate) fn completed(cfg: &ConsumerConfig, row: &InboxRow) {
 
 pub(crate) fn failed(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
     telemetry::event!(warn, "consumer.failed", fields(cfg, row),
-        error_code = %err.code(), error = %err.message());
+        error_code = %err.code(), error = %cfg.redact.apply(err.message()));
 }
 
 /// `row`'s fields, with its consumer and the attempt its handler is making now.

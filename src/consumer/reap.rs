@@ -48,7 +48,7 @@ async fn reap_on(conn: &mut AsyncPgConnection, cfg: &ConsumerConfig) -> Result<u
     }
     let outcomes = settle_expired(&cfg.retry, &judged);
     let settled = store::bounded(conn, DB_TIMEOUT, async |c| {
-        inbox::settle_now(c, &outcomes).await
+        inbox::settle_now(c, &outcomes, &cfg.redact).await
     })
     .await?;
     let (mut charged, mut dead) = (0, 0);

@@ -16,7 +16,7 @@ use super::decide::{decide, handler_timed_out};
 use super::pass::{tm, upcast, Step};
 use super::{lend, ConsumerConfig, DeliveryMode, HandlerError};
 use crate::error::Result;
-use crate::store::inbox::{truncate, InboxRow};
+use crate::store::inbox::InboxRow;
 use crate::store::replay::{self as stmt, Due};
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 
@@ -157,12 +157,13 @@ async fn fail(
     row: &InboxRow,
     err: &HandlerError,
 ) -> Result<()> {
-    let f = decide(&cfg.retry, row, err);
-    let message = truncate(&format!("event {}: {}", row.event_id, f.message), 2000);
+    let mut f = decide(&cfg.retry, row, err);
     tracing::warn!(consumer = %cfg.name, replay = id, event_id = %row.event_id,
-        error_code = %f.code, error = %f.message, ended = f.dead, "replay step failed");
+        error_code = %f.code, error = %cfg.redact.apply(&f.message), ended = f.dead,
+        "replay step failed");
+    f.message = format!("event {}: {}", row.event_id, f.message);
     store::bounded(conn, DB_TIMEOUT, async |c| {
-        stmt::failed(c, id, f.dead, f.delay_ms, &f.code, &message).await
+        stmt::failed(c, id, &f, &cfg.redact).await
     })
     .await
 }

@@ -7,6 +7,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 
 mod published;
+pub(crate) mod redact;
 mod registry;
 
 pub use published::OutboxEvent;
@@ -298,7 +299,9 @@ pub(crate) struct PayloadRules {
 /// separators (`accesstoken`), which no shorter entry catches.
 ///
 /// The plain [`enqueue`](crate::enqueue) and the test harness always use this list;
-/// [`EventRegistry::sensitive_keys`] replaces it for a registry's enqueues.
+/// [`EventRegistry::sensitive_keys`] replaces it for a registry's enqueues. The default
+/// redaction of stored error text ([`default_redactor`](crate::redact::default_redactor))
+/// blanks the values of `key=value` pairs by the same list and matching.
 pub const DEFAULT_SENSITIVE_KEYS: &[&str] = &[
     "password",
     "passwd",

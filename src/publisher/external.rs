@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::transport::{ExternalConfig, Transport, TransportError};
 use crate::error::{ErrorCode, Result};
 use crate::event::OutboxEvent;
+use crate::store::inbox::Failure;
 use crate::store::lease::{self, LeasedRow};
 use crate::store::{self, PgPool};
 use crate::telemetry::metrics;
@@ -87,18 +88,14 @@ async fn publish_one(
         Some((err, timed_out)) => {
             let (dead, delay, code) = decide(cfg, &event, err, *timed_out);
             crate::telemetry::event!(warn, "outbox.publish.failed", (&event).into(),
-                error_code = %code, error = %err, dead);
-            let delay_ms = crate::retry::delay_ms(delay);
-            lease::mark_failed(
-                conn,
-                event.id.as_uuid(),
-                token,
+                error_code = %code, error = %cfg.redact.apply(&err.to_string()), dead);
+            let failure = Failure {
                 dead,
-                delay_ms,
-                code.as_str(),
-                &err.to_string(),
-            )
-            .await
+                delay_ms: crate::retry::delay_ms(delay),
+                code: code.as_str().to_owned(),
+                message: err.to_string(),
+            };
+            lease::mark_failed(conn, event.id.as_uuid(), token, &failure, &cfg.redact).await
         }
     })
     .await?;

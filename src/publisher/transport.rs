@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, ErrorCode};
+use crate::event::redact::Redactor;
 use crate::event::{EventId, OutboxEvent};
 use crate::messages::BoxFuture;
 use crate::retry::RetryPolicy;
@@ -73,6 +74,8 @@ pub struct ExternalConfig {
     pub(crate) retry: RetryPolicy,
     pub(crate) reap_interval: Duration,
     pub(crate) batch_size: u32,
+    /// Set by the builder from [`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors).
+    pub(crate) redact: Redactor,
 }
 
 /// Setters, one per setting: start from the default and chain them; the runtime checks the
@@ -124,6 +127,7 @@ impl Default for ExternalConfig {
             retry: RetryPolicy::default(),
             reap_interval: Duration::from_secs(5),
             batch_size: 100,
+            redact: Redactor::default(),
         }
     }
 }

@@ -18,6 +18,7 @@ use diesel_async::{
 };
 
 use crate::error::Result;
+use crate::event::redact::Redactor;
 use crate::store::PgPool;
 
 pub use crate::messages::BoxFuture;
@@ -100,6 +101,8 @@ pub(crate) struct ReconcilerActor {
     /// How late a follow-up may be before the built-in checks call it drift.
     window: Duration,
     dry_run: bool,
+    /// What of a failed run's error `reconcile_runs` keeps.
+    redact: Redactor,
     last: Option<DriftReport>,
 }
 
@@ -110,6 +113,7 @@ impl ReconcilerActor {
         interval: Duration,
         window: Duration,
         dry_run: bool,
+        redact: Redactor,
     ) -> Self {
         ReconcilerActor {
             pool,
@@ -117,6 +121,7 @@ impl ReconcilerActor {
             interval,
             window,
             dry_run,
+            redact,
             last: None,
         }
     }
@@ -153,6 +158,7 @@ async fn run_rule(
     pool: PgPool,
     rule: Rc<dyn ReconcileRule>,
     dry_run: bool,
+    redact: Redactor,
 ) -> Result<ReconcileReport> {
     let mut report = ReconcileReport {
         rule: rule.name().to_owned(),
@@ -181,6 +187,7 @@ async fn run_rule(
         started,
         &report,
         outcome.as_ref().err(),
+        &redact,
     )
     .await;
     let unlocked = diesel::sql_query(
@@ -227,8 +234,8 @@ impl Drop for Held {
     }
 }
 
-/// One `reconcile_runs` row for the run, failed or not. Not recorded if the connection broke
-/// (the run's error is returned anyway).
+/// One `reconcile_runs` row for the run, failed or not, its error as `redact` leaves it. Not
+/// recorded if the connection broke (the run's error is returned anyway).
 async fn record_run(
     conn: &mut AsyncPgConnection,
     rule: &str,
@@ -236,6 +243,7 @@ async fn record_run(
     started: chrono::DateTime<chrono::Utc>,
     report: &ReconcileReport,
     error: Option<&crate::Error>,
+    redact: &Redactor,
 ) {
     let recorded = diesel::sql_query(
         "INSERT INTO reconcile_runs (rule, dry_run, started_at, finished_at, found, repaired, error) \
@@ -247,7 +255,7 @@ async fn record_run(
     .bind::<Integer, _>(report.found as i32)
     .bind::<Integer, _>(report.repaired as i32)
     .bind::<diesel::sql_types::Nullable<Text>, _>(
-        error.map(|e| crate::store::inbox::truncate(&e.to_string(), 2000)),
+        error.map(|e| crate::store::inbox::error_text(redact, &e.to_string())),
     )
     .execute(conn)
     .await;
@@ -305,7 +313,12 @@ impl Actor for ReconcilerActor {
         for rule in &self.rules {
             let rule = rule.clone();
             ctx.run_interval(rule.interval(), move |act, ctx| {
-                let fut = run_rule(act.pool.clone(), rule.clone(), act.dry_run);
+                let fut = run_rule(
+                    act.pool.clone(),
+                    rule.clone(),
+                    act.dry_run,
+                    act.redact.clone(),
+                );
                 ctx.spawn(fut.into_actor(act).map(|res, _, _| {
                     if let Err(e) = res {
                         tracing::warn!(error = %e, "reconcile run failed");
@@ -337,10 +350,11 @@ impl Handler<RunNow> for ReconcilerActor {
     type Result = ResponseFuture<Vec<Result<ReconcileReport>>>;
     fn handle(&mut self, _: RunNow, _: &mut Context<Self>) -> Self::Result {
         let (pool, rules, dry_run) = (self.pool.clone(), self.rules.clone(), self.dry_run);
+        let redact = self.redact.clone();
         Box::pin(async move {
             let mut reports = Vec::with_capacity(rules.len());
             for rule in rules {
-                reports.push(run_rule(pool.clone(), rule, dry_run).await);
+                reports.push(run_rule(pool.clone(), rule, dry_run, redact.clone()).await);
             }
             reports
         })

@@ -18,6 +18,7 @@ use crate::consumer::actor::{HandlerFactory, HandlerRef};
 use crate::consumer::function::FnConsumer;
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::error::{Error, Result};
+use crate::event::redact::Redactor;
 use crate::event::EventRegistry;
 use crate::maintenance::{Retention, RetentionConfig, StatsConfig};
 use crate::messages::{Drain, Stop, Wake};
@@ -46,6 +47,7 @@ pub struct RuntimeConfig {
     pub(crate) retention_interval: Duration,
     pub(crate) contract_check: contract::ContractCheck,
     pub(crate) contract_window: u32,
+    pub(crate) redact: Redactor,
 }
 
 /// Setters, one per setting: start from the default and chain them; the runtime checks the
@@ -156,6 +158,21 @@ impl RuntimeConfig {
         self.retention_interval = retention_interval;
         self
     }
+
+    /// What of an error message is stored and logged: every `last_error` (inbox, outbox,
+    /// replays) and `reconcile_runs.error` is `redact(message)` cut to 2,000 characters, and
+    /// the failure log lines carry `redact(message)`. Replaces the default,
+    /// [`default_redactor`](crate::redact::default_redactor), which blanks what looks like a
+    /// secret or an e-mail address; call it from `redact` to keep it. `redact` runs while a
+    /// batch's transaction is open: keep it quick, with no I/O. One that panics stores
+    /// `[redacted]` alone.
+    pub fn redact_errors<F>(mut self, redact: F) -> Self
+    where
+        F: Fn(&str) -> String + Send + Sync + 'static,
+    {
+        self.redact = Redactor::custom(redact);
+        self
+    }
 }
 
 impl Default for RuntimeConfig {
@@ -173,6 +190,7 @@ impl Default for RuntimeConfig {
             stats: StatsConfig::default(),
             retention: None,
             retention_interval: Duration::from_secs(3600),
+            redact: Redactor::default(),
             contract_check: contract::ContractCheck::Warn,
             contract_window: 10_000,
         }
@@ -345,10 +363,11 @@ impl OutboxBuilder {
     ///
     /// # Cancel safety
     /// Dropping the future before it resolves stops whatever it had started.
-    pub async fn start(self) -> Result<OutboxRuntime> {
+    pub async fn start(mut self) -> Result<OutboxRuntime> {
         self.config.validate()?;
-        if let Route::External(_, cfg) = &self.route {
+        if let Route::External(_, cfg) = &mut self.route {
             cfg.validate()?;
+            Rc::make_mut(cfg).redact = self.config.redact.clone();
         }
         let mut rules = std::collections::HashSet::new();
         for rule in &self.rules {
@@ -399,6 +418,7 @@ impl OutboxBuilder {
             .into_iter()
             .map(|(mut cfg, factory)| {
                 cfg.events = self.events.clone();
+                cfg.redact = self.config.redact.clone();
                 ConsumerSlot {
                     cfg: Arc::new(cfg),
                     factory,

@@ -226,6 +226,7 @@ impl SupervisorActor {
                 self.config.reconcile_interval,
                 self.config.consistency_window,
                 self.config.reconcile_dry_run,
+                self.config.redact.clone(),
             );
             self.reconciler = Some(reconciler.start());
         }

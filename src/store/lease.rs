@@ -10,7 +10,8 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
-use crate::store::inbox::truncate;
+use crate::event::redact::Redactor;
+use crate::store::inbox::{error_text, truncate, Failure};
 use crate::store::Prepared;
 
 /// One leased outbox row.
@@ -111,15 +112,13 @@ pub(crate) async fn mark_published(
 }
 
 /// Records a failed publish of a leased row: RETRY_PENDING at `now() + delay_ms`, or
-/// DEAD_LETTER. Fenced like [`mark_published`].
+/// DEAD_LETTER, its message as `redact` leaves it. Fenced like [`mark_published`].
 pub(crate) async fn mark_failed(
     conn: &mut AsyncPgConnection,
     id: uuid::Uuid,
     token: i64,
-    dead: bool,
-    delay_ms: i64,
-    code: &str,
-    message: &str,
+    failure: &Failure,
+    redact: &Redactor,
 ) -> Result<bool> {
     let n = Prepared(diesel::sql_query(
         "UPDATE outbox_events SET \
@@ -130,10 +129,10 @@ pub(crate) async fn mark_failed(
     )
     .bind::<SqlUuid, _>(id)
     .bind::<BigInt, _>(token)
-    .bind::<Bool, _>(dead)
-    .bind::<BigInt, _>(delay_ms)
-    .bind::<Text, _>(truncate(code, 200))
-    .bind::<Text, _>(truncate(message, 2000)))
+    .bind::<Bool, _>(failure.dead)
+    .bind::<BigInt, _>(failure.delay_ms)
+    .bind::<Text, _>(truncate(&failure.code, 200))
+    .bind::<Text, _>(error_text(redact, &failure.message)))
     .execute(conn)
     .await?;
     Ok(n == 1)

@@ -9,8 +9,9 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
-use super::inbox::InboxRow;
+use super::inbox::{error_text, truncate, Failure, InboxRow};
 use crate::error::Result;
+use crate::event::redact::Redactor;
 
 /// What an operator asks to re-apply: a consumer's processed events, optionally narrowed by
 /// type, by the time the events were written, and by correlation id.
@@ -286,14 +287,13 @@ pub(crate) async fn advance(
 }
 
 /// Records a failed step (its transaction rolled back): tried again after `delay_ms`, or, when
-/// `dead`, the replay ends FAILED with the error, its cursor at the row that failed.
+/// `dead`, the replay ends FAILED with the error (as `redact` leaves it), its cursor at the
+/// row that failed.
 pub(crate) async fn failed(
     conn: &mut AsyncPgConnection,
     id: i64,
-    dead: bool,
-    delay_ms: i64,
-    code: &str,
-    message: &str,
+    failure: &Failure,
+    redact: &Redactor,
 ) -> Result<()> {
     diesel::sql_query(
         "UPDATE replays SET attempts = attempts + 1, error_code = $3, last_error = $4, \
@@ -303,10 +303,10 @@ pub(crate) async fn failed(
          WHERE id = $1 AND status = 'RUNNING'",
     )
     .bind::<BigInt, _>(id)
-    .bind::<Bool, _>(dead)
-    .bind::<Text, _>(code)
-    .bind::<Text, _>(message)
-    .bind::<BigInt, _>(delay_ms)
+    .bind::<Bool, _>(failure.dead)
+    .bind::<Text, _>(truncate(&failure.code, 200))
+    .bind::<Text, _>(error_text(redact, &failure.message))
+    .bind::<BigInt, _>(failure.delay_ms)
     .execute(conn)
     .await?;
     Ok(())

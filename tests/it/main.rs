@@ -26,6 +26,7 @@ mod ordered;
 mod pipeline;
 mod plan;
 mod reconcile;
+mod redact;
 mod replay;
 mod server_crash;
 mod transport;

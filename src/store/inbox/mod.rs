@@ -26,6 +26,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
+use crate::event::redact::Redactor;
 use crate::store::{self, Prepared};
 
 /// One claimed inbox row: everything a handler needs without re-reading the outbox.
@@ -196,6 +197,16 @@ async fn guarded<T>(
     committed?;
     store::left_transaction(conn)?;
     Ok(r)
+}
+
+/// The most characters of error text stored in a row.
+pub(crate) const MAX_ERROR_CHARS: usize = 2000;
+
+/// An error message as any table stores it (`last_error`, `reconcile_runs.error`): redacted
+/// first, so that no secret is cut where the redaction would no longer see it, then
+/// [`truncate`]d. Every write of a handler's or a transport's error text goes through here.
+pub(crate) fn error_text(redact: &Redactor, message: &str) -> String {
+    truncate(&redact.apply(message), MAX_ERROR_CHARS)
 }
 
 /// `s` as a `text` value PostgreSQL accepts: at most `max` characters (then `…`), and without

@@ -6,9 +6,10 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
+use crate::event::redact::Redactor;
 use crate::store::{self, Prepared};
 
-use super::{guarded, truncate};
+use super::{error_text, guarded, truncate};
 
 /// How one leased row is settled: its mark, which also takes it out of its lease.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,7 +36,8 @@ pub(crate) enum Settle {
     Suspect { delay_ms: i64 },
 }
 
-/// A failed attempt, as decided by the consumer's retry policy.
+/// A failed attempt, as decided by its retry policy: a handler's (consumer), or a publish's
+/// (external transport, [`mark_failed`](crate::store::lease::mark_failed)).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Failure {
     pub dead: bool,
@@ -57,16 +59,18 @@ pub(crate) struct Outcome {
 /// pipelined. Should any row no longer be held by its lease, the marks raise an error, so the
 /// `COMMIT` rolls the effects back instead of committing them beside another delivery's; so
 /// does a transaction a handler left failed. An error with the `COMMIT` answered leaves the
-/// connection outside any transaction; one without, inside, for the pool to close.
+/// connection outside any transaction; one without, inside, for the pool to close. Failures'
+/// messages are stored as `redact` leaves them.
 pub(crate) async fn settle_and_commit(
     conn: &mut AsyncPgConnection,
     outcomes: &[Outcome],
+    redact: &Redactor,
 ) -> Result<()> {
     let (g, s, committed) = {
         let c: &AsyncPgConnection = conn;
         futures_util::future::join3(
             store::run(c, store::PLAN_GUARD),
-            settle(c, outcomes, true),
+            settle(c, outcomes, redact, true),
             store::run(c, "COMMIT"),
         )
         .await
@@ -81,15 +85,17 @@ pub(crate) async fn settle_and_commit(
 }
 
 /// Settles `outcomes` in a transaction of their own (pipelined, one round trip). A row its
-/// lease no longer holds is left as it is. Returns how many rows changed.
+/// lease no longer holds is left as it is. Returns how many rows changed. Failures' messages
+/// are stored as `redact` leaves them.
 pub(crate) async fn settle_now(
     conn: &mut AsyncPgConnection,
     outcomes: &[Outcome],
+    redact: &Redactor,
 ) -> Result<usize> {
     if outcomes.is_empty() {
         return Ok(0);
     }
-    guarded(conn, async |c| settle(c, outcomes, false).await).await
+    guarded(conn, async |c| settle(c, outcomes, redact, false).await).await
 }
 
 /// The one statement that marks leased rows and takes them out of their leases (a lease goes
@@ -99,7 +105,12 @@ pub(crate) async fn settle_now(
 /// are locked first, in token order, so a batch and the reaper settling the same lease take
 /// turns. A row given back (`release`) is not written at all: nothing of it changes but its
 /// lease, so it only counts as held (a failing consumer gives most of its batch back).
-async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool) -> Result<usize> {
+async fn settle(
+    mut conn: &AsyncPgConnection,
+    outcomes: &[Outcome],
+    redact: &Redactor,
+    check: bool,
+) -> Result<usize> {
     if outcomes.is_empty() {
         return Ok(0);
     }
@@ -132,13 +143,13 @@ async fn settle(mut conn: &AsyncPgConnection, outcomes: &[Outcome], check: bool)
                 if f.dead { "dead" } else { "retry" },
                 f.delay_ms,
                 Some(truncate(&f.code, 200)),
-                Some(truncate(&f.message, 2000)),
+                Some(error_text(redact, &f.message)),
             ),
             Settle::Died { failure: f, .. } => (
                 if f.dead { "died_dead" } else { "died_retry" },
                 f.delay_ms,
                 Some(truncate(&f.code, 200)),
-                Some(truncate(&f.message, 2000)),
+                Some(error_text(redact, &f.message)),
             ),
             Settle::Release => ("release", 0, None, None),
             Settle::Isolate => ("isolate", 0, None, None),

@@ -10,8 +10,9 @@ use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
 use crate::consumer::upcast;
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, DeliveryMode, HandlerError};
 use crate::error::{Error, ErrorCode, Result};
+use crate::event::redact::Redactor;
 use crate::event::EventId;
-use crate::store::inbox::{truncate, Failure, InboxRow};
+use crate::store::inbox::{error_text, truncate, Failure, InboxRow};
 
 use super::database::Called;
 use super::*;
@@ -179,7 +180,8 @@ impl Harness {
             .checked_add_signed(delay)
             .unwrap_or(DateTime::<Utc>::MAX_UTC);
         e.error_code = Some(truncate(&f.code, 200));
-        e.last_error = Some(truncate(&f.message, 2000));
+        // The runtime's default: a harness has no `RuntimeConfig`.
+        e.last_error = Some(error_text(&Redactor::default(), &f.message));
     }
 }
 
