@@ -2,6 +2,9 @@
 //! the audit rows written with them. (The correlation timeline is the library's own
 //! [`timeline`](crate::ops::timeline).)
 //!
+//! Each list's statement is a file under `admin/`, which `tests/it/plan.rs` includes too and
+//! explains on a million-row history: every filter is read through an index.
+//!
 //! Lists never read `payload` unless the caller asks for it (the application enabled a
 //! redacted view): a column that is not selected cannot leak.
 
@@ -107,11 +110,6 @@ pub(crate) struct InboxItem {
     pub payload: Option<serde_json::Value>,
 }
 
-/// The columns of an [`OutboxItem`] but its payload.
-const OUTBOX_ITEM: &str = "id, event_type, event_version, aggregate_type, aggregate_id, \
-    aggregate_version, status, attempt_count, error_code, last_error, correlation_id, \
-    causation_id, created_at, next_attempt_at, published_at, updated_at";
-
 /// What became of one event for one consumer: a consumer that has a row for it, or is
 /// subscribed to its type now and has none (subscribed after it was published).
 #[derive(Debug, Clone, QueryableByName, Serialize)]
@@ -150,29 +148,15 @@ pub(crate) async fn event_fanout(
     id: uuid::Uuid,
     with_payload: bool,
 ) -> Result<(Option<OutboxItem>, Vec<Fanout>)> {
-    let outbox: Vec<OutboxItem> = diesel::sql_query(format!(
-        "SELECT {OUTBOX_ITEM}, CASE WHEN $2 THEN payload END AS payload \
-         FROM outbox_events WHERE id = $1",
-    ))
-    .bind::<SqlUuid, _>(id)
-    .bind::<Bool, _>(with_payload)
-    .load(conn)
-    .await?;
-    let consumers: Vec<Fanout> = diesel::sql_query(
-        "WITH r AS (SELECT * FROM inbox_events WHERE event_id = $1), \
-              t AS (SELECT coalesce((SELECT event_type FROM outbox_events WHERE id = $1), \
-                                    (SELECT event_type FROM r LIMIT 1)) AS event_type), \
-              s AS (SELECT consumer FROM consumer_subscriptions \
-                    WHERE event_type = (SELECT event_type FROM t)) \
-         SELECT c.consumer, c.consumer IN (SELECT consumer FROM s) AS subscribed, \
-             r.id IS NOT NULL AS got, r.id AS inbox_id, r.status, r.attempt_count, r.error_code, \
-             r.last_error, r.received_at, r.processed_at, r.external \
-         FROM (SELECT consumer FROM r UNION SELECT consumer FROM s) c \
-         LEFT JOIN r USING (consumer) ORDER BY c.consumer",
-    )
-    .bind::<SqlUuid, _>(id)
-    .load(conn)
-    .await?;
+    let outbox: Vec<OutboxItem> = diesel::sql_query(include_str!("admin/event_outbox.sql"))
+        .bind::<SqlUuid, _>(id)
+        .bind::<Bool, _>(with_payload)
+        .load(conn)
+        .await?;
+    let consumers: Vec<Fanout> = diesel::sql_query(include_str!("admin/event_fanout.sql"))
+        .bind::<SqlUuid, _>(id)
+        .load(conn)
+        .await?;
     Ok((outbox.into_iter().next(), consumers))
 }
 
@@ -193,20 +177,14 @@ pub(crate) async fn list_outbox(
     f: &ListFilter,
     before: Option<uuid::Uuid>,
 ) -> Result<Vec<OutboxItem>> {
-    let rows = diesel::sql_query(format!(
-        "SELECT {OUTBOX_ITEM}, CASE WHEN $5 THEN payload END AS payload \
-         FROM outbox_events \
-         WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2) \
-           AND ($3::uuid IS NULL OR id < $3) \
-         ORDER BY id DESC LIMIT $4",
-    ))
-    .bind::<Nullable<Text>, _>(f.status.as_deref())
-    .bind::<Nullable<Text>, _>(f.event_type.as_deref())
-    .bind::<Nullable<SqlUuid>, _>(before)
-    .bind::<BigInt, _>(f.limit)
-    .bind::<Bool, _>(f.with_payload)
-    .load(conn)
-    .await?;
+    let rows = diesel::sql_query(include_str!("admin/list_outbox.sql"))
+        .bind::<Nullable<Text>, _>(f.status.as_deref())
+        .bind::<Nullable<Text>, _>(f.event_type.as_deref())
+        .bind::<Nullable<SqlUuid>, _>(before)
+        .bind::<BigInt, _>(f.limit)
+        .bind::<Bool, _>(f.with_payload)
+        .load(conn)
+        .await?;
     Ok(rows)
 }
 
@@ -216,24 +194,15 @@ pub(crate) async fn list_inbox(
     f: &ListFilter,
     before: Option<i64>,
 ) -> Result<Vec<InboxItem>> {
-    let rows = diesel::sql_query(
-        "SELECT id, event_id, consumer, event_type, event_version, aggregate_type, aggregate_id, \
-             aggregate_version, status, attempt_count, error_code, last_error, correlation_id, \
-             causation_id, event_created_at, received_at, next_attempt_at, processed_at, \
-             updated_at, CASE WHEN $6 THEN payload END AS payload \
-         FROM inbox_events \
-         WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2) \
-           AND ($3::text IS NULL OR consumer = $3) AND ($4::int8 IS NULL OR id < $4) \
-         ORDER BY id DESC LIMIT $5",
-    )
-    .bind::<Nullable<Text>, _>(f.status.as_deref())
-    .bind::<Nullable<Text>, _>(f.event_type.as_deref())
-    .bind::<Nullable<Text>, _>(f.consumer.as_deref())
-    .bind::<Nullable<BigInt>, _>(before)
-    .bind::<BigInt, _>(f.limit)
-    .bind::<Bool, _>(f.with_payload)
-    .load(conn)
-    .await?;
+    let rows = diesel::sql_query(include_str!("admin/list_inbox.sql"))
+        .bind::<Nullable<Text>, _>(f.status.as_deref())
+        .bind::<Nullable<Text>, _>(f.event_type.as_deref())
+        .bind::<Nullable<Text>, _>(f.consumer.as_deref())
+        .bind::<Nullable<BigInt>, _>(before)
+        .bind::<BigInt, _>(f.limit)
+        .bind::<Bool, _>(f.with_payload)
+        .load(conn)
+        .await?;
     Ok(rows)
 }
 
@@ -399,14 +368,11 @@ pub(crate) async fn list_audit(
     before: Option<i64>,
     limit: i64,
 ) -> Result<Vec<AuditEntry>> {
-    let rows = diesel::sql_query(
-        "SELECT id, who, action, target, reason, details, at FROM admin_audit \
-         WHERE ($1::int8 IS NULL OR id < $1) ORDER BY id DESC LIMIT $2",
-    )
-    .bind::<Nullable<BigInt>, _>(before)
-    .bind::<BigInt, _>(limit)
-    .load(conn)
-    .await?;
+    let rows = diesel::sql_query(include_str!("admin/list_audit.sql"))
+        .bind::<Nullable<BigInt>, _>(before)
+        .bind::<BigInt, _>(limit)
+        .load(conn)
+        .await?;
     Ok(rows)
 }
 
@@ -449,13 +415,11 @@ pub(crate) async fn blocked_aggregates(
     consumer: Option<&str>,
     limit: i64,
 ) -> Result<Vec<BlockedAggregate>> {
-    let rows = diesel::sql_query(
-        "WITH a AS (              SELECT consumer, aggregate_type, aggregate_id, count(*) - 1 AS waiting,                  min(event_seq) AS head_seq              FROM inbox_events              WHERE ordered AND status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')                AND ($1::text IS NULL OR consumer = $1)              GROUP BY consumer, aggregate_type, aggregate_id HAVING count(*) > 1)          SELECT a.consumer, a.aggregate_type, a.aggregate_id, a.waiting, i.id AS head_id,              i.event_id, i.event_type, i.status, i.attempt_count, i.error_code, i.last_error,              i.next_attempt_at          FROM a JOIN inbox_events i ON i.consumer = a.consumer AND i.ordered              AND i.aggregate_type = a.aggregate_type AND i.aggregate_id = a.aggregate_id              AND i.event_seq = a.head_seq          WHERE i.status IN ('RETRY_PENDING', 'DEAD_LETTER')          ORDER BY a.waiting DESC, i.id LIMIT $2",
-    )
-    .bind::<Nullable<Text>, _>(consumer)
-    .bind::<BigInt, _>(limit)
-    .load(conn)
-    .await?;
+    let rows = diesel::sql_query(include_str!("admin/blocked_aggregates.sql"))
+        .bind::<Nullable<Text>, _>(consumer)
+        .bind::<BigInt, _>(limit)
+        .load(conn)
+        .await?;
     Ok(rows)
 }
 

@@ -183,11 +183,7 @@ pub(crate) async fn list(
     consumer: Option<&str>,
     limit: i64,
 ) -> Result<Vec<Replay>> {
-    let sql = format!(
-        "SELECT {COLUMNS} FROM replays WHERE $1::text IS NULL OR consumer = $1 \
-         ORDER BY id DESC LIMIT $2"
-    );
-    let rows = diesel::sql_query(sql)
+    let rows = diesel::sql_query(include_str!("replay_list.sql"))
         .bind::<Nullable<Text>, _>(consumer)
         .bind::<BigInt, _>(limit)
         .load(conn)

@@ -53,36 +53,12 @@ pub(crate) async fn timeline(
     conn: &mut AsyncPgConnection,
     correlation_id: &str,
 ) -> Result<Vec<TimelineEntry>> {
-    // Inbox rows are found two ways, each through an index: those of events published from
-    // this database through their outbox rows, those whose event has no outbox row here
-    // (`external`: received from another database, or its outbox row deleted by retention)
-    // through the inbox's partial correlation index. Not a cached statement: an
-    // operator's query, planned afresh for the tables as they are.
-    let rows = diesel::sql_query(
-        "WITH o AS MATERIALIZED ( \
-             SELECT id, event_type, aggregate_id, status, attempt_count, error_code, causation_id, \
-                 created_at, published_at, seq \
-             FROM outbox_events WHERE correlation_id = $1 \
-         ) \
-         SELECT * FROM ( \
-             SELECT 'outbox' AS kind, id AS event_id, event_type, aggregate_id, NULL::text AS consumer, \
-                 status, attempt_count AS attempts, error_code, causation_id, created_at AS at, \
-                 published_at AS finished_at, seq AS ord \
-             FROM o \
-             UNION ALL \
-             SELECT 'inbox', event_id, event_type, aggregate_id, consumer, status, attempt_count, \
-                 error_code, causation_id, received_at, processed_at, id \
-             FROM inbox_events WHERE event_id IN (SELECT id FROM o) \
-             UNION ALL \
-             SELECT 'inbox', event_id, event_type, aggregate_id, consumer, status, attempt_count, \
-                 error_code, causation_id, received_at, processed_at, id \
-             FROM inbox_events \
-             WHERE external AND correlation_id = $1 AND event_id NOT IN (SELECT id FROM o) \
-         ) t ORDER BY at, kind DESC, ord LIMIT $2",
-    )
-    .bind::<Text, _>(correlation_id)
-    .bind::<diesel::sql_types::BigInt, _>(TIMELINE_LIMIT)
-    .load(conn)
-    .await?;
+    // How each part is found: `timeline.sql`. Not a cached statement: an operator's query,
+    // planned afresh for the tables as they are.
+    let rows = diesel::sql_query(include_str!("timeline.sql"))
+        .bind::<Text, _>(correlation_id)
+        .bind::<diesel::sql_types::BigInt, _>(TIMELINE_LIMIT)
+        .load(conn)
+        .await?;
     Ok(rows)
 }

@@ -11,11 +11,16 @@
 //!
 //! The statement is not copied: it is included from `src/store/claim.sql`, the file the
 //! library includes, so the plan asserted here is the plan of what the publisher runs.
+//!
+//! The operator API's lists and look-ups (the tests after the claims') are held to the same
+//! rule on a million-row inbox and outbox: each filter the API offers is read through a named
+//! index, never by a sequential scan of the table. Their statements are included from the files
+//! under `src/store/` the library includes.
 
 use crate::common;
 
 use common::*;
-use diesel::sql_types::{BigInt, Bool, Json, Nullable, Text};
+use diesel::sql_types::{BigInt, Bool, Json, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde_json::Value;
@@ -40,6 +45,8 @@ struct Node {
     node_type: String,
     relation: Option<String>,
     index: Option<String>,
+    /// The condition an index scan reads by (`Index Cond`), if any.
+    index_cond: Option<String>,
     cte: Option<String>,
     depth: usize,
 }
@@ -55,6 +62,7 @@ fn flatten(plan: &Value, cte: Option<&str>, depth: usize, out: &mut Vec<Node>) {
         node_type: text("Node Type").unwrap_or_default(),
         relation: text("Relation Name"),
         index: text("Index Name"),
+        index_cond: text("Index Cond"),
         cte: cte.clone(),
         depth,
     });
@@ -425,5 +433,330 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         "the lease names the 500 rows, still due"
     );
     drop(conn);
+    db.finish(&[]).await;
+}
+
+// ------------------------------------------------------------------ the operator API's lists
+
+const LIST_INBOX_SQL: &str = include_str!("../../src/store/admin/list_inbox.sql");
+const LIST_OUTBOX_SQL: &str = include_str!("../../src/store/admin/list_outbox.sql");
+const LIST_AUDIT_SQL: &str = include_str!("../../src/store/admin/list_audit.sql");
+const BLOCKED_SQL: &str = include_str!("../../src/store/admin/blocked_aggregates.sql");
+const EVENT_OUTBOX_SQL: &str = include_str!("../../src/store/admin/event_outbox.sql");
+const EVENT_FANOUT_SQL: &str = include_str!("../../src/store/admin/event_fanout.sql");
+const TIMELINE_SQL: &str = include_str!("../../src/store/timeline.sql");
+const REPLAY_LIST_SQL: &str = include_str!("../../src/store/replay_list.sql");
+
+/// The tables a list must never read whole.
+const BIG: &[&str] = &["inbox_events", "outbox_events", "admin_audit", "replays"];
+
+/// `EXPLAIN (FORMAT JSON)` of `$sql` with its parameters bound as the library binds them (so
+/// planned with their values, as the library's uncached statements are), flattened.
+macro_rules! explain {
+    ($conn:expr, $sql:expr $(, $t:ty => $v:expr)* $(,)?) => {{
+        let row: ExplainRow = diesel::sql_query(format!("EXPLAIN (FORMAT JSON) {}", $sql))
+            $(.bind::<$t, _>($v))*
+            .get_result($conn)
+            .await
+            .expect("EXPLAIN");
+        let mut nodes = Vec::new();
+        flatten(&row.plan[0]["Plan"], None, 0, &mut nodes);
+        nodes
+    }};
+}
+
+/// The history the lists are asked about, as a busy deployment holds it: 1,000,000 inbox rows
+/// (4 consumers, 20 types; 1 in 10,000 each RECEIVED, RETRY_PENDING, DEAD_LETTER and IGNORED,
+/// the rest PROCESSED; 30 of a rare consumer and 30 of a rare type; 1 in 1,000 received from
+/// a broker), 1,000,000 outbox rows alike (1 in 10,000 in each state but PUBLISHED, 30 of the
+/// rare type), an ordered consumer with 100 aggregates held up behind a failed head, 200,000
+/// audit rows and 20,000 replays. Written by SQL in a few statements, then analyzed.
+async fn build_history(conn: &mut AsyncPgConnection) {
+    conn.batch_execute(
+        "ALTER TABLE inbox_events SET (autovacuum_enabled = off);
+         ALTER TABLE outbox_events SET (autovacuum_enabled = off);
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status, processed_at,
+             error_code, external)
+         SELECT gen_random_uuid(),
+             CASE WHEN g % 33333 = 7 THEN 'rare-consumer' ELSE 'c' || (g % 4) END,
+             CASE WHEN g % 33333 = 9 THEN 'RARE_TYPE' ELSE 'T' || (g / 4 % 20) END,
+             1, 'order', 'o-' || g, '{\"k\": 1}', 'corr-' || g, now(),
+             CASE g % 10000 WHEN 1 THEN 'DEAD_LETTER' WHEN 2 THEN 'RETRY_PENDING'
+                 WHEN 3 THEN 'IGNORED' WHEN 4 THEN 'RECEIVED' ELSE 'PROCESSED' END,
+             CASE WHEN g % 10000 NOT IN (1, 2, 3, 4) THEN now() END,
+             CASE WHEN g % 10000 IN (1, 2) THEN 'HANDLER_FAILED' END,
+             g % 1000 = 5
+         FROM generate_series(1, 1000000) AS g;
+         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+             aggregate_id, payload, correlation_id, event_created_at, status, event_seq, ordered)
+         SELECT gen_random_uuid(), 'c-ordered', 'T1', 1, 'order', 'held-' || (g / 3), '{}',
+             'held-' || g, now(), CASE WHEN g % 3 = 0 THEN 'RETRY_PENDING' ELSE 'RECEIVED' END,
+             g, true
+         FROM generate_series(0, 299) AS g;
+         INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+             correlation_id, status, published_at)
+         SELECT (lpad(to_hex(1700000000000 + g), 12, '0') || '70008000'
+                 || lpad(to_hex(g), 12, '0'))::uuid,
+             CASE WHEN g % 33333 = 9 THEN 'RARE_TYPE' ELSE 'T' || (g % 20) END, 'order',
+             'o-' || g, '{\"k\": 1}', 'corr-' || g,
+             CASE g % 10000 WHEN 1 THEN 'DEAD_LETTER' WHEN 2 THEN 'RETRY_PENDING'
+                 WHEN 3 THEN 'IGNORED' WHEN 4 THEN 'PENDING' WHEN 5 THEN 'PROCESSING'
+                 ELSE 'PUBLISHED' END,
+             CASE WHEN g % 10000 NOT IN (1, 2, 3, 4, 5) THEN now() END
+         FROM generate_series(1, 1000000) AS g;
+         INSERT INTO admin_audit (who, action, target)
+         SELECT 'op', 'inbox.retry', 'inbox:' || g FROM generate_series(1, 200000) AS g;
+         INSERT INTO replays (consumer, upto_id, cursor_id, total, rate, requested_by, status)
+         SELECT 'c' || (g % 4), 1000, 0, 1000, 100, 'op', 'DONE'
+         FROM generate_series(1, 20000) AS g;
+         INSERT INTO consumer_states (consumer) VALUES ('c0'), ('c1'), ('c2'), ('c3');
+         INSERT INTO consumer_subscriptions (consumer, event_type)
+         SELECT 'c' || c, 'T' || t FROM generate_series(0, 3) c, generate_series(0, 19) t;
+         ANALYZE inbox_events; ANALYZE outbox_events; ANALYZE admin_audit; ANALYZE replays;
+         ANALYZE consumer_states; ANALYZE consumer_subscriptions;",
+    )
+    .await
+    .expect("write the history");
+}
+
+/// `case` reads its rows through `index` (an index scan, an index-only scan or a bitmap of
+/// it), and no table of [`BIG`] is read by a sequential scan.
+fn assert_served(nodes: &[Node], index: &str, case: &str) {
+    let plan = render(nodes);
+    assert!(
+        nodes.iter().any(|n| {
+            matches!(
+                n.node_type.as_str(),
+                "Index Scan" | "Index Only Scan" | "Bitmap Index Scan"
+            ) && n.index.as_deref() == Some(index)
+        }),
+        "{case}: not read through {index}:\n{plan}"
+    );
+    let scans: Vec<&Node> = nodes
+        .iter()
+        .filter(|n| {
+            n.node_type == "Seq Scan" && n.relation.as_deref().is_some_and(|r| BIG.contains(&r))
+        })
+        .collect();
+    assert!(
+        scans.is_empty(),
+        "{case}: a whole table is scanned ({scans:?}):\n{plan}"
+    );
+}
+
+async fn explain_inbox_list(
+    conn: &mut AsyncPgConnection,
+    status: Option<&str>,
+    event_type: Option<&str>,
+    consumer: Option<&str>,
+    before: Option<i64>,
+) -> Vec<Node> {
+    explain!(conn, LIST_INBOX_SQL,
+        Nullable<Text> => status, Nullable<Text> => event_type, Nullable<Text> => consumer,
+        Nullable<BigInt> => before, BigInt => 50_i64, Bool => false)
+}
+
+async fn explain_outbox_list(
+    conn: &mut AsyncPgConnection,
+    status: Option<&str>,
+    event_type: Option<&str>,
+    before: Option<uuid::Uuid>,
+) -> Vec<Node> {
+    explain!(conn, LIST_OUTBOX_SQL,
+        Nullable<Text> => status, Nullable<Text> => event_type,
+        Nullable<SqlUuid> => before, BigInt => 50_i64, Bool => false)
+}
+
+/// The index that serves an inbox list filtered on `status` (`None`: any), whatever the other
+/// filters, unless the rows asked for are a rare consumer's or type's among the delivered
+/// ones (the known limit below). The delivered rows are the mass, so the primary key, walked
+/// newest first, meets a page of them at once.
+fn inbox_index(status: Option<&str>) -> &'static str {
+    match status {
+        None | Some("PROCESSED") => "inbox_events_pkey",
+        Some("RECEIVED" | "RETRY_PENDING") => "inbox_events_due",
+        Some("DEAD_LETTER") => "inbox_events_dead",
+        Some("IGNORED") => "inbox_events_ignored",
+        Some(other) => panic!("no inbox status {other}"),
+    }
+}
+
+fn outbox_index(status: Option<&str>) -> &'static str {
+    match status {
+        None | Some("PUBLISHED") => "outbox_events_pkey",
+        Some("PENDING" | "RETRY_PENDING") => "outbox_events_due",
+        Some("PROCESSING") => "outbox_events_processing",
+        Some("DEAD_LETTER") => "outbox_events_dead",
+        Some("IGNORED") => "outbox_events_ignored",
+        Some(other) => panic!("no outbox status {other}"),
+    }
+}
+
+/// Every list of the operator API, with every filter it offers (each status, alone and with a
+/// consumer and an event type, common or rare, and a page cursor), is read through an index
+/// on a million-row inbox and outbox. The exception is the known limit below.
+#[actix_rt::test]
+async fn every_operator_list_and_filter_is_read_through_an_index() {
+    let db = TestDb::new().await;
+    let mut pooled = db.pool.get().await.unwrap();
+    build_history(&mut pooled).await;
+    let conn = &mut *pooled;
+
+    let statuses = [
+        None,
+        Some("RECEIVED"),
+        Some("RETRY_PENDING"),
+        Some("DEAD_LETTER"),
+        Some("IGNORED"),
+        Some("PROCESSED"),
+    ];
+    let mut cases = 0;
+    for status in statuses {
+        for event_type in [None, Some("T3"), Some("RARE_TYPE")] {
+            for consumer in [None, Some("c1"), Some("rare-consumer")] {
+                let rare = event_type == Some("RARE_TYPE") || consumer == Some("rare-consumer");
+                if rare && matches!(status, None | Some("PROCESSED")) {
+                    continue; // the known limit
+                }
+                for before in [None, Some(500_000_i64)] {
+                    let nodes =
+                        explain_inbox_list(conn, status, event_type, consumer, before).await;
+                    let case = format!(
+                        "inbox list, status {status:?}, type {event_type:?}, consumer \
+                         {consumer:?}, before {before:?}"
+                    );
+                    assert_served(&nodes, inbox_index(status), &case);
+                    cases += 1;
+                }
+            }
+        }
+    }
+
+    let statuses = [
+        None,
+        Some("PENDING"),
+        Some("PROCESSING"),
+        Some("RETRY_PENDING"),
+        Some("DEAD_LETTER"),
+        Some("IGNORED"),
+        Some("PUBLISHED"),
+    ];
+    // The 500,000th outbox row's id: a page cursor halfway down.
+    let middle: uuid::Uuid = "018bcfed-0920-7000-8000-00000007a120".parse().unwrap();
+    for status in statuses {
+        for event_type in [None, Some("T3"), Some("RARE_TYPE")] {
+            if event_type == Some("RARE_TYPE") && matches!(status, None | Some("PUBLISHED")) {
+                continue; // the known limit
+            }
+            for before in [None, Some(middle)] {
+                let nodes = explain_outbox_list(conn, status, event_type, before).await;
+                let case = format!(
+                    "outbox list, status {status:?}, type {event_type:?}, before {before:?}"
+                );
+                assert_served(&nodes, outbox_index(status), &case);
+                cases += 1;
+            }
+        }
+    }
+
+    for before in [None, Some(100_000_i64)] {
+        let nodes = explain!(conn, LIST_AUDIT_SQL, Nullable<BigInt> => before, BigInt => 50_i64);
+        assert_served(
+            &nodes,
+            "admin_audit_pkey",
+            &format!("audit, before {before:?}"),
+        );
+        cases += 1;
+    }
+    for consumer in [None, Some("c1")] {
+        let nodes = explain!(conn, REPLAY_LIST_SQL, Nullable<Text> => consumer, BigInt => 50_i64);
+        assert_served(
+            &nodes,
+            "replays_pkey",
+            &format!("replays, consumer {consumer:?}"),
+        );
+        cases += 1;
+    }
+    for consumer in [None, Some("c-ordered"), Some("c1")] {
+        let nodes = explain!(conn, BLOCKED_SQL, Nullable<Text> => consumer, BigInt => 50_i64);
+        let case = format!("blocked aggregates, consumer {consumer:?}");
+        assert_served(&nodes, "inbox_events_ordered", &case);
+        cases += 1;
+    }
+
+    // One event's fan-out and one correlation's timeline, by key.
+    let event = middle;
+    let nodes = explain!(conn, EVENT_OUTBOX_SQL, SqlUuid => event, Bool => false);
+    assert_served(&nodes, "outbox_events_pkey", "event, its outbox row");
+    let nodes = explain!(conn, EVENT_FANOUT_SQL, SqlUuid => event);
+    assert_served(
+        &nodes,
+        "inbox_events_event_consumer",
+        "event, its inbox rows",
+    );
+    assert_served(&nodes, "outbox_events_pkey", "event, its type");
+    let nodes = explain!(conn, TIMELINE_SQL, Text => "corr-5005", BigInt => 1000_i64);
+    for index in [
+        "outbox_events_correlation",
+        "inbox_events_event_consumer",
+        "inbox_events_correlation",
+    ] {
+        assert_served(&nodes, index, "timeline");
+    }
+    cases += 3;
+    assert_eq!(cases, 136, "every case above was explained");
+    drop(pooled);
+    db.finish(&[]).await;
+}
+
+/// Known limit: the rows of a rare consumer or a rare event type among the delivered
+/// (PROCESSED, PUBLISHED) ones, asked for alone or with that status, have no index: the list
+/// scans the table (or the primary key, to its end) for them. An index that finds them costs
+/// every delivered event one more B-tree entry (the figures are in `docs/operations.md`),
+/// which the drain's write cost does not allow. Run with `--run-ignored all` to see the plans.
+#[actix_rt::test]
+#[ignore = "known limit: a rare consumer's or event type's delivered rows are found by a scan"]
+async fn a_rare_consumer_or_type_among_delivered_rows_is_found_through_an_index() {
+    let db = TestDb::new().await;
+    let mut pooled = db.pool.get().await.unwrap();
+    build_history(&mut pooled).await;
+    let conn = &mut *pooled;
+    let mut failures = Vec::new();
+    let mut check = |nodes: Vec<Node>, column: &str, case: String| {
+        // Found through an index on the filtered column, not walked past with a filter.
+        let by_column = nodes
+            .iter()
+            .any(|n| n.index_cond.as_deref().is_some_and(|c| c.contains(column)));
+        let table_scan = nodes.iter().any(|n| {
+            n.node_type == "Seq Scan" && n.relation.as_deref().is_some_and(|r| BIG.contains(&r))
+        });
+        if !by_column || table_scan {
+            failures.push(format!("{case}:\n{}", render(&nodes)));
+        }
+    };
+    for status in [None, Some("PROCESSED")] {
+        for (event_type, consumer, column) in [
+            (None, Some("rare-consumer"), "consumer"),
+            (Some("RARE_TYPE"), None, "event_type"),
+        ] {
+            let nodes = explain_inbox_list(conn, status, event_type, consumer, None).await;
+            check(nodes, column, format!("inbox, status {status:?}, {column}"));
+        }
+    }
+    for status in [None, Some("PUBLISHED")] {
+        let nodes = explain_outbox_list(conn, status, Some("RARE_TYPE"), None).await;
+        check(
+            nodes,
+            "event_type",
+            format!("outbox, status {status:?}, event_type"),
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "not found through an index:\n{}",
+        failures.join("\n")
+    );
+    drop(pooled);
     db.finish(&[]).await;
 }

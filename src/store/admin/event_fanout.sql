@@ -1,0 +1,14 @@
+-- What became of one event for each consumer (`admin::event_fanout`): the consumers that have
+-- an inbox row for it (by the inbox's unique `(event_id, consumer)` index) and those
+-- subscribed to its type now.
+--   $1 event id
+WITH r AS (SELECT * FROM inbox_events WHERE event_id = $1),
+     t AS (SELECT coalesce((SELECT event_type FROM outbox_events WHERE id = $1),
+                           (SELECT event_type FROM r LIMIT 1)) AS event_type),
+     s AS (SELECT consumer FROM consumer_subscriptions
+           WHERE event_type = (SELECT event_type FROM t))
+SELECT c.consumer, c.consumer IN (SELECT consumer FROM s) AS subscribed,
+    r.id IS NOT NULL AS got, r.id AS inbox_id, r.status, r.attempt_count, r.error_code,
+    r.last_error, r.received_at, r.processed_at, r.external
+FROM (SELECT consumer FROM r UNION SELECT consumer FROM s) c
+LEFT JOIN r USING (consumer) ORDER BY c.consumer
