@@ -144,6 +144,12 @@
 //! - `nats`: the NATS JetStream bridge ([`nats`]): `NatsTransport` publishes outbox events to a
 //!   stream, `NatsReceiver` records a durable consumer's messages in this database's inbox;
 //!   adds async-nats.
+//! - `otel`: OpenTelemetry across the outbox. At enqueue the current span's context is stored
+//!   in the event's metadata as W3C `traceparent` / `tracestate` (and travels as NATS headers);
+//!   each delivery runs in a span `outbox.deliver` ([`Delivery::span`]) whose parent is that
+//!   context, with the event's ids as fields; [`Delivery::enqueue`] gives a follow-up the
+//!   delivery's span as its parent. Install `tracing-opentelemetry`'s layer to export them;
+//!   adds opentelemetry (API only) and tracing-opentelemetry.
 
 //!
 //! ## Testing your consumers

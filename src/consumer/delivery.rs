@@ -31,6 +31,8 @@ pub struct Delivery {
     /// The runtime's event registry, which [`Delivery::enqueue`] validates follow-ups with.
     pub(crate) events: Option<Arc<EventRegistry>>,
     pub(crate) mode: DeliveryMode,
+    /// `outbox.deliver` with the feature `otel`, else a disabled span.
+    pub(crate) span: tracing::Span,
 }
 
 /// Why a handler sees an event: its live delivery, or an operator's replay of an event the
@@ -116,6 +118,14 @@ impl Delivery {
     pub fn consumer(&self) -> &ConsumerName {
         &self.consumer
     }
+    /// The span this delivery runs in. With the feature `otel` it is `outbox.deliver`, with
+    /// the event's ids as fields and the producer's span (carried in the event's metadata) as
+    /// its parent: instrument the handler's own work with it
+    /// (`fut.instrument(d.span().clone())`) to keep it in the producer's trace. Without the
+    /// feature it is disabled and costs nothing.
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
     /// [`DeliveryMode::Replay`] when an operator replays the event, [`DeliveryMode::Live`]
     /// otherwise.
     pub fn mode(&self) -> DeliveryMode {
@@ -200,10 +210,16 @@ impl Delivery {
 
     /// An event caused by this one: same correlation id, this event's id as causation id.
     /// Enqueue it on [`Delivery::conn`] so it commits with the inbox mark.
+    ///
+    /// The trace goes on too: the follow-up's metadata gets this delivery's trace context as
+    /// `traceparent` / `tracestate` (with the feature `otel`, this delivery's span as its
+    /// parent; without, the context this event carried), unless it sets its own.
     pub fn follow_up(&self, event: NewEvent) -> NewEvent {
-        event
+        let mut event = event
             .correlation_id(self.row.correlation_id.clone())
-            .causation_id(self.row.event_id.to_string())
+            .causation_id(self.row.event_id.to_string());
+        crate::telemetry::carry_trace(&self.span, &self.row.metadata, &mut event.metadata);
+        event
     }
 
     /// The inbox transaction's connection. Hold at most one at a time and drop it before the

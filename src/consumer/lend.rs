@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
 use tokio::sync::{RwLock, Semaphore};
+use tracing::Instrument;
 
 use super::actor::HandlerRef;
 use super::decide::{handler_timed_out, HANDLER_LOST};
@@ -62,6 +63,11 @@ pub(crate) async fn hand_over(
         .iter_mut()
         .map(|row| {
             super::log::started(cfg, row);
+            #[cfg(feature = "otel")]
+            let span =
+                crate::telemetry::otel::delivery_span(super::log::fields(cfg, row), &row.metadata);
+            #[cfg(not(feature = "otel"))]
+            let span = tracing::Span::none();
             // The payload and metadata move into the delivery instead of being copied; what
             // stays behind (ids, attempt, aggregate) is all the marks and logs need.
             let mut handed = row.clone_without_payload();
@@ -73,12 +79,16 @@ pub(crate) async fn hand_over(
                 slot: slot.clone(),
                 events: cfg.events.clone(),
                 mode,
+                span,
             }
         })
         .collect();
     let sent = match handler {
         HandlerRef::One(h) => {
-            let calls = deliveries.into_iter().map(|d| h.send(d));
+            let calls = deliveries.into_iter().map(|d| {
+                let span = d.span.clone();
+                h.send(d).instrument(span)
+            });
             let all = futures_util::future::join_all(calls);
             // The first failure stands for the call (for several rows it charges none).
             tokio::time::timeout(cfg.handler_timeout, all)

@@ -18,7 +18,7 @@ pub(crate) fn failed(cfg: &ConsumerConfig, row: &InboxRow, err: &HandlerError) {
 }
 
 /// `row`'s fields, with its consumer and the attempt its handler is making now.
-fn fields<'a>(cfg: &'a ConsumerConfig, row: &'a InboxRow) -> EventFields<'a> {
+pub(super) fn fields<'a>(cfg: &'a ConsumerConfig, row: &'a InboxRow) -> EventFields<'a> {
     EventFields {
         consumer: Some(cfg.name.as_str()),
         attempt: Some(i64::from(row.attempt_count) + 1),

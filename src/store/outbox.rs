@@ -55,7 +55,7 @@ struct InsertEvents<'a, B> {
     agg_ids: Vec<&'a str>,
     agg_versions: Vec<Option<i64>>,
     payloads: Vec<&'a serde_json::Value>,
-    metadata: Vec<&'a serde_json::Value>,
+    metadata: Vec<std::borrow::Cow<'a, serde_json::Value>>,
     correlations: Vec<String>,
     causations: Vec<Option<&'a str>>,
 }
@@ -71,7 +71,17 @@ impl<'a, B> InsertEvents<'a, B> {
             agg_ids: events.iter().map(|e| e.aggregate_id.as_str()).collect(),
             agg_versions: events.iter().map(|e| e.aggregate_version).collect(),
             payloads: events.iter().map(|e| &e.payload).collect(),
-            metadata: events.iter().map(|e| &e.metadata).collect(),
+            // With the feature `otel`, the current span's trace context goes in too.
+            #[cfg(feature = "otel")]
+            metadata: events
+                .iter()
+                .map(|e| crate::telemetry::otel::with_current(&e.metadata))
+                .collect(),
+            #[cfg(not(feature = "otel"))]
+            metadata: events
+                .iter()
+                .map(|e| std::borrow::Cow::Borrowed(&e.metadata))
+                .collect(),
             // An event that starts a chain is its own correlation root.
             correlations: events
                 .iter()

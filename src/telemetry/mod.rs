@@ -3,6 +3,40 @@
 //! a module to the one that serves the figures.
 
 pub(crate) mod metrics;
+#[cfg(feature = "otel")]
+pub(crate) mod otel;
+
+/// The metadata keys of the W3C trace context an event carries.
+pub(crate) const TRACE_KEYS: [&str; 2] = ["traceparent", "tracestate"];
+
+/// Carries the trace to a follow-up event (`to`, its metadata) from the delivery that causes
+/// it: with the feature `otel`, the delivery's own span becomes the follow-up's parent;
+/// otherwise (or when that span is not traced) the delivery's `traceparent` / `tracestate` are
+/// copied, so the trace id at least goes on. A follow-up that sets its own is left alone.
+pub(crate) fn carry_trace(
+    delivery_span: &tracing::Span,
+    from: &serde_json::Value,
+    to: &mut serde_json::Value,
+) {
+    if to.get(TRACE_KEYS[0]).is_some() {
+        return;
+    }
+    #[cfg(feature = "otel")]
+    otel::inject(delivery_span, to);
+    #[cfg(not(feature = "otel"))]
+    let _ = delivery_span;
+    if to.get(TRACE_KEYS[0]).is_some() {
+        return;
+    }
+    let Some(map) = to.as_object_mut() else {
+        return;
+    };
+    for key in TRACE_KEYS {
+        if let Some(v) = from.get(key) {
+            map.insert(key.to_owned(), v.clone());
+        }
+    }
+}
 
 /// The fields every log line about one event carries (ARCHITECTURE §6), whatever the event's
 /// source: an inbox row, an event a transport publishes or a receiving side records, a new

@@ -23,6 +23,8 @@ mod nats;
 mod network;
 mod ops;
 mod ordered;
+#[cfg(feature = "otel")]
+mod otel;
 mod pipeline;
 mod plan;
 mod reconcile;

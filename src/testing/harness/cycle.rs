@@ -195,6 +195,7 @@ async fn without_database(cfg: &ConsumerConfig, handler: &HandlerRef, row: Inbox
         slot: slot.clone(),
         events: cfg.events.clone(),
         mode: DeliveryMode::Live,
+        span: tracing::Span::none(),
     };
     let sent = match handler {
         HandlerRef::One(h) => tokio::time::timeout(cfg.handler_timeout, h.send(delivery)).await,
