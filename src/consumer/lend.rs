@@ -83,6 +83,29 @@ pub(crate) async fn hand_over(
             }
         })
         .collect();
+    let (result, lost, timed_out) = call(cfg, handler, deliveries, &slot).await;
+    let taken = slot.try_write().ok().and_then(|mut g| g.take());
+    let conn = taken.and_then(|mut c| (depth_of(&mut c) == Some(depth)).then_some(c));
+    let held = Arc::strong_count(&slot) > 1;
+    Call {
+        result,
+        lost,
+        timed_out,
+        held,
+        conn,
+        slot,
+    }
+}
+
+/// Calls the handler with `deliveries` (sharing `slot`) within its timeout: a batch handler
+/// once, a handler of one delivery once per delivery, all at once. Returns how the call ended,
+/// whether the handler actor died in it, and whether it timed out.
+pub(crate) async fn call(
+    cfg: &ConsumerConfig,
+    handler: &HandlerRef,
+    deliveries: Vec<Delivery>,
+    slot: &Slot,
+) -> (Result<(), HandlerError>, bool, bool) {
     let sent = match handler {
         HandlerRef::One(h) => {
             let calls = deliveries.into_iter().map(|d| {
@@ -107,28 +130,16 @@ pub(crate) async fn hand_over(
             tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
         }
     };
-    let (mut lost, timed_out) = (false, sent.is_err());
-    let result = match sent {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => {
-            // A panic in `handle` kills the actor; one inside a returned future only kills
-            // that future's task. Either way this call failed; only a dead actor needs
-            // replacing.
-            lost = !handler.connected();
-            Err(HandlerError::retry(HANDLER_LOST))
-        }
-        Err(_) => Err(handler_timed_out(cfg)),
-    };
-    let taken = slot.try_write().ok().and_then(|mut g| g.take());
-    let conn = taken.and_then(|mut c| (depth_of(&mut c) == Some(depth)).then_some(c));
-    let held = Arc::strong_count(&slot) > 1;
-    Call {
-        result,
-        lost,
-        timed_out,
-        held,
-        conn,
-        slot,
+    match sent {
+        Ok(Ok(result)) => (result, false, false),
+        // A panic in `handle` kills the actor; one inside a returned future only kills that
+        // future's task. Either way this call failed; only a dead actor needs replacing.
+        Ok(Err(_)) => (
+            Err(HandlerError::retry(HANDLER_LOST)),
+            !handler.connected(),
+            false,
+        ),
+        Err(_) => (Err(handler_timed_out(cfg)), false, true),
     }
 }
 

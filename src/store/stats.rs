@@ -474,7 +474,7 @@ pub(crate) async fn delete_expired(
     batch: i64,
     after: Option<(DateTime<Utc>, uuid::Uuid)>,
 ) -> Result<Expiry> {
-    let sql = match what {
+    let sql: std::borrow::Cow<'static, str> = match what {
         // The event's inbox rows that stay (dead letters, retries, rows not yet expired) are
         // found by correlation through their outbox row; with it gone, they are marked
         // `external` (no outbox row here), which puts them in the inbox's own correlation index
@@ -504,41 +504,16 @@ pub(crate) async fn delete_expired(
              last AS (SELECT published_at, id FROM expired ORDER BY published_at DESC, id DESC LIMIT 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
                     (SELECT published_at FROM last) AS last_at, (SELECT id FROM last) AS last_id"
+                .into()
         }
         Expired::ProcessedInbox => {
-            "WITH expired AS ( \
-                 SELECT id FROM inbox_events \
-                 WHERE status = 'PROCESSED' AND processed_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             deleted AS (DELETE FROM inbox_events WHERE id IN (SELECT id FROM expired) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+            by_age("inbox_events", "id", "processed_at", "AND status = 'PROCESSED'").into()
         }
-        Expired::IdempotencyKeys => {
-            "WITH expired AS ( \
-                 SELECT key FROM idempotency_keys \
-                 WHERE created_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             deleted AS (DELETE FROM idempotency_keys WHERE key IN (SELECT key FROM expired) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
-        }
-        Expired::AdminAudit => {
-            "WITH expired AS ( \
-                 SELECT id FROM admin_audit WHERE at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             deleted AS (DELETE FROM admin_audit WHERE id IN (SELECT id FROM expired) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
-        }
+        Expired::IdempotencyKeys => by_age("idempotency_keys", "key", "created_at", "").into(),
+        Expired::AdminAudit => by_age("admin_audit", "id", "at", "").into(),
+        // Never a run still going.
         Expired::ReconcileRuns => {
-            "WITH expired AS ( \
-                 SELECT id FROM reconcile_runs \
-                 WHERE started_at < now() - $1 * interval '1 millisecond' AND finished_at IS NOT NULL \
-                 ORDER BY started_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             deleted AS (DELETE FROM reconcile_runs WHERE id IN (SELECT id FROM expired) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+            by_age("reconcile_runs", "id", "started_at", "AND finished_at IS NOT NULL").into()
         }
         // A version is what an event of its aggregate is compared with, so it goes only when
         // no such event can still come: the consumer has no row of the aggregate that may yet
@@ -561,9 +536,10 @@ pub(crate) async fn delete_expired(
                      = (e.consumer, e.aggregate_type, e.aggregate_id) RETURNING 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
                     NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+                .into()
         }
     };
-    let query = diesel::sql_query(sql)
+    let query = diesel::sql_query(sql.into_owned())
         .bind::<BigInt, _>(store::millis(older_than))
         .bind::<BigInt, _>(batch);
     let expiry = if what == Expired::PublishedOutbox {
@@ -576,4 +552,17 @@ pub(crate) async fn delete_expired(
         query.get_result(conn).await?
     };
     Ok(expiry)
+}
+
+/// The delete of the tables whose rows simply age out: the oldest `$2` rows of `table` whose
+/// `at` is older than `$1` ms (and that match `also`), by their key, skipping locked ones.
+fn by_age(table: &str, key: &str, at: &str, also: &str) -> String {
+    format!(
+        "WITH expired AS ( \
+             SELECT {key} FROM {table} WHERE {at} < now() - $1 * interval '1 millisecond' {also} \
+             ORDER BY {at} LIMIT $2 FOR UPDATE SKIP LOCKED), \
+         deleted AS (DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM expired) RETURNING 1) \
+         SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
+                NULL::timestamptz AS last_at, NULL::uuid AS last_id"
+    )
 }

@@ -676,6 +676,42 @@ fn browser_or_skip() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
     }
 }
 
+/// The operator API on a server of its own, and a headless Chromium signed in to its page.
+///
+/// The admin API gets a pool of its own. A connection opened while serving a request runs on
+/// that HTTP worker's runtime and closes when the server stops; in the test's own pool,
+/// `finish` could then be lent one (seen as `connection closed`).
+async fn signed_in_dashboard(
+    db: &TestDb,
+    chromium: &std::path::Path,
+    chromedriver: &std::path::Path,
+) -> (webdriver::Driver, actix_web::dev::ServerHandle) {
+    let admin_pool = actix_outbox::connect(&db.url, 4).await.unwrap();
+    let cfg = AdminConfig::new(admin_pool)
+        .bearer_token("alice", TOKEN)
+        .unwrap();
+    let server = HttpServer::new(move || App::new().service(admin_scope("/ops", cfg.clone())))
+        .workers(1)
+        .disable_signals()
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let server_handle = server.handle();
+    actix_rt::spawn(server);
+
+    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let browser = webdriver::Driver::start(chromium, chromedriver, scratch).await;
+    let step = Duration::from_secs(30);
+    browser.goto(&format!("http://{addr}/ops/")).await;
+    let token = browser.wait_for("#token", step).await;
+    browser.type_text(&token, TOKEN).await;
+    browser
+        .click(&browser.wait_for("#signin", step).await)
+        .await;
+    (browser, server_handle)
+}
+
 #[actix_rt::test]
 async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
     let Some((chromium, chromedriver)) = browser_or_skip() else {
@@ -696,32 +732,8 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
     // runtime's next interval.
     sampler(&db, 5).run_once().await.unwrap();
 
-    // The admin API gets a pool of its own. A connection opened while serving a request runs
-    // on that HTTP worker's runtime and closes when the server stops below; in the test's own
-    // pool, `finish` could then be lent one (seen as `connection closed`).
-    let admin_pool = actix_outbox::connect(&db.url, 4).await.unwrap();
-    let cfg = AdminConfig::new(admin_pool)
-        .bearer_token("alice", TOKEN)
-        .unwrap();
-    let server = HttpServer::new(move || App::new().service(admin_scope("/ops", cfg.clone())))
-        .workers(1)
-        .disable_signals()
-        .bind(("127.0.0.1", 0))
-        .unwrap();
-    let addr = server.addrs()[0];
-    let server = server.run();
-    let server_handle = server.handle();
-    actix_rt::spawn(server);
-
-    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let browser = webdriver::Driver::start(&chromium, &chromedriver, scratch).await;
+    let (browser, server_handle) = signed_in_dashboard(&db, &chromium, &chromedriver).await;
     let step = Duration::from_secs(30);
-    browser.goto(&format!("http://{addr}/ops/")).await;
-    let token = browser.wait_for("#token", step).await;
-    browser.type_text(&token, TOKEN).await;
-    browser
-        .click(&browser.wait_for("#signin", step).await)
-        .await;
 
     let row_css = r#"#dead-letters tr[data-kind="inbox"]"#;
     let row = browser.wait_for(row_css, step).await;
@@ -756,7 +768,7 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
 
     let png = browser.screenshot().await;
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000);
-    let shot = scratch.join("ao-dashboard.png");
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("ao-dashboard.png");
     std::fs::write(&shot, &png).unwrap();
     eprintln!("dashboard screenshot: {}", shot.display());
 
@@ -1213,30 +1225,8 @@ async fn the_dashboard_charts_each_consumers_throughput_and_lag_from_the_samples
     };
     let db = TestDb::new().await;
     let minute = store_chart_samples(&db).await;
-    // A pool of the server's own, as in the dashboard test above.
-    let admin_pool = actix_outbox::connect(&db.url, 4).await.unwrap();
-    let cfg = AdminConfig::new(admin_pool)
-        .bearer_token("alice", TOKEN)
-        .unwrap();
-    let server = HttpServer::new(move || App::new().service(admin_scope("/ops", cfg.clone())))
-        .workers(1)
-        .disable_signals()
-        .bind(("127.0.0.1", 0))
-        .unwrap();
-    let addr = server.addrs()[0];
-    let server = server.run();
-    let server_handle = server.handle();
-    actix_rt::spawn(server);
-
-    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let browser = webdriver::Driver::start(&chromium, &chromedriver, scratch).await;
+    let (browser, server_handle) = signed_in_dashboard(&db, &chromium, &chromedriver).await;
     let step = Duration::from_secs(30);
-    browser.goto(&format!("http://{addr}/ops/")).await;
-    let token = browser.wait_for("#token", step).await;
-    browser.type_text(&token, TOKEN).await;
-    browser
-        .click(&browser.wait_for("#signin", step).await)
-        .await;
     browser
         .wait_for(
             r#"#charts svg.chart[data-consumer="search"][data-chart="lag"]"#,
@@ -1280,7 +1270,7 @@ async fn the_dashboard_charts_each_consumers_throughput_and_lag_from_the_samples
     browser.wait_for(r#"body[data-loaded="true"]"#, step).await;
 
     let png = browser.screenshot().await;
-    let shot = scratch.join("ao-dashboard-charts.png");
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("ao-dashboard-charts.png");
     std::fs::write(&shot, &png).unwrap();
     eprintln!("charts screenshot: {}", shot.display());
 

@@ -6,9 +6,9 @@ use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::RwLock;
 
 use crate::consumer::actor::HandlerRef;
-use crate::consumer::decide::{decide, handler_timed_out, HANDLER_LOST};
+use crate::consumer::decide::decide;
 use crate::consumer::upcast;
-use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, DeliveryMode, HandlerError};
+use crate::consumer::{ConsumerConfig, Delivery, DeliveryMode};
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::redact::Redactor;
 use crate::event::EventId;
@@ -197,26 +197,7 @@ async fn without_database(cfg: &ConsumerConfig, handler: &HandlerRef, row: Inbox
         mode: DeliveryMode::Live,
         span: tracing::Span::none(),
     };
-    let sent = match handler {
-        HandlerRef::One(h) => tokio::time::timeout(cfg.handler_timeout, h.send(delivery)).await,
-        HandlerRef::Batch(h) => {
-            let batch = DeliveryBatch {
-                deliveries: vec![delivery],
-                slot,
-            };
-            tokio::time::timeout(cfg.handler_timeout, h.send(batch)).await
-        }
-    };
-    let mut lost = false;
-    // The same errors as `consumer::batch` makes: they are stored.
-    let result = match sent {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => {
-            lost = !handler.connected();
-            Err(HandlerError::retry(HANDLER_LOST))
-        }
-        Err(_) => Err(handler_timed_out(cfg)),
-    };
+    let (result, lost, _) = crate::consumer::call(cfg, handler, vec![delivery], &slot).await;
     Called {
         result,
         lost,
