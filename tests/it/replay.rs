@@ -23,6 +23,9 @@ use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 #[derive(Clone)]
 struct Projector {
     fail_replay_of: Option<u64>,
+    /// Time each delivery takes after its write, so that steps are in flight when a fault
+    /// strikes.
+    work: Duration,
 }
 
 impl Actor for Projector {
@@ -33,7 +36,7 @@ impl Handler<Delivery> for Projector {
     type Result = ResponseFuture<Result<(), HandlerError>>;
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
-        let fail_replay_of = self.fail_replay_of;
+        let (fail_replay_of, work) = (self.fail_replay_of, self.work);
         Box::pin(async move {
             let mode = match d.mode() {
                 DeliveryMode::Replay => "replay",
@@ -48,6 +51,8 @@ impl Handler<Delivery> for Projector {
             .bind::<Integer, _>(d.attempt() as i32)
             .execute(&mut *conn)
             .await?;
+            drop(conn);
+            actix_rt::time::sleep(work).await;
             let n = d.payload()["n"].as_u64();
             if mode == "replay" && d.attempt() == 1 && n.is_some() && n == fail_replay_of {
                 // Its write above rolls back with the step.
@@ -98,7 +103,10 @@ async fn db_now(db: &TestDb) -> DateTime<Utc> {
 }
 
 async fn start(db: &TestDb, fail_replay_of: Option<u64>) -> OutboxRuntime {
-    let projector = Projector { fail_replay_of };
+    let projector = Projector {
+        fail_replay_of,
+        work: Duration::ZERO,
+    };
     let cfg = consumer("projector", 3)
         .subscribe("ORDER_PLACED")
         .replay_safe(true);
@@ -109,6 +117,7 @@ async fn start(db: &TestDb, fail_replay_of: Option<u64>) -> OutboxRuntime {
             ConsumerConfig::new("mailer").subscribe("ORDER_PLACED"),
             || Projector {
                 fail_replay_of: None,
+                work: Duration::ZERO,
             },
         )
         .start()
@@ -253,4 +262,82 @@ async fn a_cancelled_replay_stops_and_keeps_what_it_applied() {
     assert_eq!(unknown.code().as_str(), "REPLAY_UNKNOWN");
     drop(conn);
     db.finish(&[&rt]).await;
+}
+
+/// Two instances step one replay, and one of them loses its consumer actor again and again
+/// with steps in flight: each event is still re-applied exactly once, because a step's effects
+/// and the cursor commit together and a step cut short commits neither.
+#[actix_rt::test]
+async fn a_replay_stepped_by_two_instances_through_crashes_applies_each_event_once() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let slow = Projector {
+        fail_replay_of: None,
+        work: Duration::from_millis(15),
+    };
+    let instance = || {
+        let slow = slow.clone();
+        OutboxRuntime::builder(db.pool.clone())
+            .config(fast_runtime())
+            .consumer(
+                consumer("projector", 3)
+                    .subscribe("ORDER_PLACED")
+                    .replay_safe(true),
+                move || slow.clone(),
+            )
+            .start()
+    };
+    let a = instance().await.expect("start a");
+    let b = instance().await.expect("start b");
+    produce(&db, 0, 120).await;
+    assert_eq!(db.wait_for(LIVE, 120, WAIT).await, 120);
+
+    // Steps of 4 events, one every 100 ms at the most: the replay takes 3 s whatever the
+    // machine, long enough for several faults, and both instances wake for each step.
+    let mut conn = db.pool.get().await.unwrap();
+    let range = ReplayRange::all().rate(40.0);
+    let replay = ops::replay(&mut conn, &name("projector"), &range, "carol", "rebuild")
+        .await
+        .unwrap();
+    assert_eq!(replay.total, 120);
+    drop(conn);
+    let done = format!(
+        "SELECT count(*) AS n FROM replays WHERE id = {} AND status = 'DONE'",
+        replay.id
+    );
+    let mut crashes = 0;
+    within(WAIT, async {
+        while db.count(&done).await == 0 {
+            if a.inject_fault(actix_outbox::testing::Fault::PanicConsumer(
+                "projector".into(),
+            ))
+            .await
+            {
+                crashes += 1;
+            }
+            actix_rt::time::sleep(Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    assert!(
+        crashes >= 3,
+        "the fault struck during the replay ({crashes} times)"
+    );
+    let replayed = "SELECT count(*) AS n FROM projections WHERE mode = 'replay'";
+    assert_eq!(db.count(replayed).await, 120);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) AS n FROM projections WHERE mode = 'replay'")
+            .await,
+        120,
+        "each event once"
+    );
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) AS n FROM replays WHERE id = {} AND done = 120",
+            replay.id
+        ))
+        .await,
+        1
+    );
+    db.finish(&[&a, &b]).await;
 }
