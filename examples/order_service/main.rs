@@ -107,13 +107,7 @@ fn rate(name: &str) -> Result<f64, String> {
 #[actix_web::main]
 async fn main() -> ExitCode {
     logging::init();
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = %e, "order service failed");
-            ExitCode::FAILURE
-        }
-    }
+    logging::exit(run().await, "order service")
 }
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -50,13 +50,7 @@ const SCHEMA_LOCK_KEY: i64 = 0x7368_6970_7069_6e67; // "shipping"
 #[actix_web::main]
 async fn main() -> ExitCode {
     logging::init();
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = %e, "shipping service failed");
-            ExitCode::FAILURE
-        }
-    }
+    logging::exit(run().await, "shipping service")
 }
 
 /// The stream both services use: `NATS_STREAM`, or `ORDERS`.

@@ -9,18 +9,9 @@
 # The tests use streams of their own (unique names) and delete them, so a shared server is
 # fine as NATS_URL; the private one only keeps a clean clone free of any setup.
 
-nats_log() { printf '[nats] %s\n' "$*" >&2; }
+. scripts/lib/port.sh
 
-nats_free_port() {
-    local port
-    for port in $(seq 54222 54422); do
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-            printf '%s\n' "$port"
-            return 0
-        fi
-    done
-    return 1
-}
+nats_log() { printf '[nats] %s\n' "$*" >&2; }
 
 # Sets NATS_BIN, installing Debian's package when it is missing and we are root.
 nats_ensure_bin() {
@@ -94,7 +85,7 @@ nats_start_private() {
     NATS_PRIVATE_DIR=$(mktemp -d "$(pwd)/target/nats-private.XXXXXX")
     nats_on_exit nats_stop_private
     for tries in 1 2 3 4 5; do
-        port=$(nats_free_port) || { nats_log "no free port"; return 1; }
+        port=$(free_port 54222 54422) || { nats_log "no free port"; return 1; }
         nats_log "starting a private nats-server -js on port $port (store in $NATS_PRIVATE_DIR)"
         if nats_server_start "$NATS_PRIVATE_DIR" "$port"; then
             NATS_PORT=$port

@@ -9,6 +9,8 @@
 #      first when it is missing and we are root. It is stopped and removed when the calling
 #      script exits.
 
+. scripts/lib/port.sh
+
 pg_log() { printf '[pg] %s\n' "$*" >&2; }
 
 # The newest major version's server binaries (a dist-upgrade leaves the old ones installed; a
@@ -31,17 +33,6 @@ pg_find_bin() {
         return 1
     fi
     printf '%s\n' "$dir"
-}
-
-pg_free_port() {
-    local port
-    for port in $(seq 55433 55633); do
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-            printf '%s\n' "$port"
-            return 0
-        fi
-    done
-    return 1
 }
 
 pg_stop_private() {
@@ -134,7 +125,7 @@ pg_start_private() {
     # A port found free may be taken before the server binds it (another run starting at the
     # same moment): then another. Any other failure is final.
     for tries in 1 2 3 4 5; do
-        port=$(pg_free_port) || { pg_log "no free port"; return 1; }
+        port=$(free_port 55433 55633) || { pg_log "no free port"; return 1; }
         pg_log "starting a private cluster in $root on port $port"
         if pg_cluster_start "$root" "$port" "-c max_connections=300 -c fsync=off"; then
             DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"

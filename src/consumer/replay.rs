@@ -17,7 +17,7 @@ use super::pass::{tm, upcast, Step};
 use super::{lend, ConsumerConfig, DeliveryMode, HandlerError};
 use crate::error::Result;
 use crate::store::inbox::InboxRow;
-use crate::store::replay::{self as stmt, Due};
+use crate::store::replay as stmt;
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 
 /// How a step went.
@@ -58,17 +58,22 @@ pub(crate) async fn run(
 
 async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Result<StepEnd> {
     let mut conn: OwnedConn = pool.get_owned().await?;
-    tm(&mut conn, Step::Begin).await?;
     let name = cfg.name.as_str();
-    let due = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+    let wait = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+        stmt::next_due(c, name).await
+    })
+    .await?;
+    if wait != Some(Duration::ZERO) {
+        return Ok(StepEnd::Wait(wait));
+    }
+    tm(&mut conn, Step::Begin).await?;
+    let locked = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
         stmt::lock_due(c, name).await
     });
-    let (id, attempts, rate) = match due.await? {
-        Due::Step { id, attempts, rate } => (id, attempts, rate),
-        Due::Later(wait) => {
-            tm(&mut conn, Step::Rollback).await?;
-            return Ok(StepEnd::Wait(wait));
-        }
+    let Some((id, attempts, rate)) = locked.await? else {
+        // Another instance is stepping it: look again after a poll interval.
+        tm(&mut conn, Step::Rollback).await?;
+        return Ok(StepEnd::Wait(Some(cfg.poll_interval)));
     };
     // A tenth of a second's worth of rows per step; one after a failure, so that the failing
     // row's attempts are its own.

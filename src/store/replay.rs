@@ -191,46 +191,56 @@ pub(crate) async fn list(
     Ok(rows)
 }
 
-/// A replay of the consumer whose next step is due, locked for this step's transaction (no
-/// two instances step one replay at once); or, when none is due, how long until the soonest
-/// running one is (`None`: the consumer has no running replay).
-pub(crate) enum Due {
-    Step { id: i64, attempts: i32, rate: f64 },
-    Later(Option<std::time::Duration>),
-}
-
-pub(crate) async fn lock_due(conn: &mut AsyncPgConnection, consumer: &str) -> Result<Due> {
+/// How long until the consumer's soonest running replay is due (zero: now); `None` when it
+/// has none running. Outside any transaction: the poll of a consumer with no replay costs
+/// this one round trip.
+pub(crate) async fn next_due(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+) -> Result<Option<std::time::Duration>> {
     #[derive(QueryableByName)]
-    struct Locked {
+    struct Wait {
         #[diesel(sql_type = Nullable<BigInt>)]
-        id: Option<i64>,
-        #[diesel(sql_type = Nullable<Integer>)]
-        attempts: Option<i32>,
-        #[diesel(sql_type = Nullable<Double>)]
-        rate: Option<f64>,
-        /// Milliseconds until the soonest running replay of the consumer is due.
-        #[diesel(sql_type = Nullable<BigInt>)]
-        wait_ms: Option<i64>,
+        ms: Option<i64>,
     }
-    let row: Locked = diesel::sql_query(
-        "WITH l AS (SELECT id, attempts, rate FROM replays \
-                    WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
-                    ORDER BY next_step_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) \
-         SELECT (SELECT id FROM l) AS id, (SELECT attempts FROM l) AS attempts, \
-                (SELECT rate FROM l) AS rate, \
-                (SELECT greatest(ceil(extract(epoch FROM min(next_step_at) - now()) * 1000), 0)::int8 \
-                 FROM replays WHERE consumer = $1 AND status = 'RUNNING') AS wait_ms",
+    let row: Wait = diesel::sql_query(
+        "SELECT greatest(ceil(extract(epoch FROM min(next_step_at) - now()) * 1000), 0)::int8 \
+                AS ms \
+         FROM replays WHERE consumer = $1 AND status = 'RUNNING'",
     )
     .bind::<Text, _>(consumer)
     .get_result(conn)
     .await?;
-    Ok(match (row.id, row.attempts, row.rate) {
-        (Some(id), Some(attempts), Some(rate)) => Due::Step { id, attempts, rate },
-        _ => Due::Later(
-            row.wait_ms
-                .map(|ms| std::time::Duration::from_millis(ms.max(1) as u64)),
-        ),
-    })
+    Ok(row
+        .ms
+        .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)))
+}
+
+/// A due replay of the consumer, locked for this step's transaction, so that no two
+/// instances step one replay at once: `(id, attempts, rate)`. `None` when none is due or
+/// another instance holds it.
+pub(crate) async fn lock_due(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+) -> Result<Option<(i64, i32, f64)>> {
+    #[derive(QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Integer)]
+        attempts: i32,
+        #[diesel(sql_type = Double)]
+        rate: f64,
+    }
+    let rows: Vec<Locked> = diesel::sql_query(
+        "SELECT id, attempts, rate FROM replays \
+         WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
+         ORDER BY next_step_at, id LIMIT 1 FOR UPDATE SKIP LOCKED",
+    )
+    .bind::<Text, _>(consumer)
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().next().map(|r| (r.id, r.attempts, r.rate)))
 }
 
 /// The next `limit` rows of replay `id` past its cursor, as deliveries of attempt

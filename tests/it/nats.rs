@@ -38,6 +38,13 @@ async fn client(url: &str) -> async_nats::Client {
     actix_outbox::nats::connect(url).await.expect("NATS client")
 }
 
+/// A transport publishing to stream `s`, with the default subjects.
+async fn transport(url: &str, s: &NatsStream) -> NatsTransport {
+    NatsTransport::new(client(url).await, NatsTransportConfig::new(s.clone()))
+        .await
+        .unwrap()
+}
+
 fn external(lease_ms: u64) -> ExternalConfig {
     ExternalConfig::default()
         .lease(Duration::from_millis(lease_ms))
@@ -114,9 +121,7 @@ async fn crash_between_publish_and_mark(window: Duration, lease_ms: u64) -> (u64
     let url = nats_url();
     let (src, dst) = (TestDb::new().await, TestDb::new().await);
     let s = stream(StorageType::Memory).duplicate_window(window);
-    let inner = NatsTransport::new(client(&url).await, NatsTransportConfig::new(s.clone()))
-        .await
-        .unwrap();
+    let inner = transport(&url, &s).await;
     let transport = CrashAfterPublish {
         inner,
         crashed: Arc::default(),
@@ -195,9 +200,7 @@ async fn a_receiver_killed_after_its_commit_and_before_its_ack_causes_one_effect
     let url = nats_url();
     let (src, dst) = (TestDb::new().await, TestDb::new().await);
     let s = stream(StorageType::Memory);
-    let transport = NatsTransport::new(client(&url).await, NatsTransportConfig::new(s.clone()))
-        .await
-        .unwrap();
+    let transport = transport(&url, &s).await;
     let cfg = receiver_cfg(&s, "shipping")
         .ack_wait(Duration::from_secs(1))
         .crash_before_ack(1);
@@ -238,9 +241,7 @@ async fn a_permanently_failing_event_is_dead_lettered_where_it_is_received_and_t
     let url = nats_url();
     let (src, dst) = (TestDb::new().await, TestDb::new().await);
     let s = stream(StorageType::Memory);
-    let transport = NatsTransport::new(client(&url).await, NatsTransportConfig::new(s.clone()))
-        .await
-        .unwrap();
+    let transport = transport(&url, &s).await;
     let receiver = NatsReceiver::new(client(&url).await, receiver_cfg(&s, "shipping")).unwrap();
     let rx = OutboxRuntime::builder(dst.pool.clone())
         .config(fast_runtime())
@@ -295,9 +296,7 @@ async fn two_receivers_on_one_durable_consumer_apply_each_of_5000_events_once() 
     let url = nats_url();
     let (src, dst) = (TestDb::new().await, TestDb::new().await);
     let s = stream(StorageType::Memory);
-    let transport = NatsTransport::new(client(&url).await, NatsTransportConfig::new(s.clone()))
-        .await
-        .unwrap();
+    let transport = transport(&url, &s).await;
     let receivers: Vec<NatsReceiver> = vec![
         NatsReceiver::new(client(&url).await, receiver_cfg(&s, "shipping")).unwrap(),
         NatsReceiver::new(client(&url).await, receiver_cfg(&s, "shipping")).unwrap(),

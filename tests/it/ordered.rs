@@ -131,6 +131,22 @@ fn ordered(name: &str) -> ConsumerConfig {
         .concurrency(2)
 }
 
+/// Waits until every other aggregate's `others` events are applied, gives `aggregate` time to
+/// (wrongly) move on, and asserts that none of its events was applied and `waiting` still wait.
+async fn assert_held(db: &TestDb, aggregate: &str, others: i64, waiting: i64) {
+    let applied_others =
+        format!("SELECT count(*) AS n FROM applied WHERE aggregate <> '{aggregate}'");
+    assert_eq!(db.wait_for(&applied_others, others, WAIT).await, others);
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    let applied = format!("SELECT count(*) AS n FROM applied WHERE aggregate = '{aggregate}'");
+    assert_eq!(db.count(&applied).await, 0, "{aggregate} moved on");
+    let behind = format!(
+        "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = '{aggregate}' \
+         AND status = 'RECEIVED'"
+    );
+    assert_eq!(db.count(&behind).await, waiting);
+}
+
 #[actix_rt::test]
 async fn an_ordered_consumer_applies_each_aggregate_in_enqueue_order_across_two_runtimes() {
     let db = TestDb::new().await;
@@ -189,18 +205,7 @@ async fn a_dead_lettered_event_holds_up_its_aggregate_alone_until_it_is_retried(
     // aggregate is applied in full.
     let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
-    let others = "SELECT count(*) AS n FROM applied WHERE aggregate <> 'agg-3'";
-    assert_eq!(db.wait_for(others, 45, WAIT).await, 45);
-    // Given time to (wrongly) move on.
-    actix_rt::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        db.count("SELECT count(*) AS n FROM applied WHERE aggregate = 'agg-3'")
-            .await,
-        0
-    );
-    let waiting = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'agg-3' \
-                   AND status = 'RECEIVED'";
-    assert_eq!(db.count(waiting).await, 4);
+    assert_held(&db, "agg-3", 45, 4).await;
     // The operator API names it: the head, its error, and the four events behind it.
     let admin = actix_outbox::admin::AdminConfig::new(db.pool.clone())
         .bearer_token("ops", "ops-token-0123456789")
@@ -312,17 +317,6 @@ async fn an_event_waiting_in_the_outbox_holds_up_only_its_own_aggregate() {
     let rt = start_ordered(db.pool.clone(), ordered("ledger"), applier).await;
     enqueue_interleaved(&db, 4, 3).await;
 
-    let others = "SELECT count(*) AS n FROM applied WHERE aggregate <> 'agg-0'";
-    assert_eq!(db.wait_for(others, 9, WAIT).await, 9);
-    // Given time to (wrongly) move on.
-    actix_rt::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        db.count("SELECT count(*) AS n FROM applied WHERE aggregate = 'agg-0'")
-            .await,
-        0
-    );
-    let waiting = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'agg-0' \
-                   AND status = 'RECEIVED'";
-    assert_eq!(db.count(waiting).await, 3);
+    assert_held(&db, "agg-0", 9, 3).await;
     db.finish(&[&rt]).await;
 }
