@@ -125,6 +125,9 @@ struct Opts {
     /// One-event business transactions as one `enqueue_with` statement (`--producer
     /// statement`, the default) or as `BEGIN`, the pipelined insert and `enqueue`, `COMMIT`.
     one_statement: bool,
+    /// `--payload-bytes N`: each event's payload padded with a string of N bytes (0: none), for
+    /// what a payload's size does to the WAL.
+    payload_bytes: usize,
 }
 
 impl Opts {
@@ -148,6 +151,7 @@ impl Opts {
             pipeline: 1,
             ordered: false,
             one_statement: true,
+            payload_bytes: 0,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -173,6 +177,7 @@ impl Opts {
                 ),
                 "--json" => o.json = Some(value()?),
                 "--events" => o.events = value()?.parse()?,
+                "--payload-bytes" => o.payload_bytes = value()?.parse()?,
                 "--publish-batch" => o.publish_batch = Some(value()?.parse()?),
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
@@ -271,7 +276,7 @@ impl Opts {
         format!(
             "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
              {} pipeline {} ordered {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
-             batched; one-event tx as {}), paced {} at {}/s | history {} rows",
+             batched; one-event tx as {}; payload padding {} B), paced {} at {}/s | history {} rows",
             self.pool_size(),
             self.consumer_batch,
             self.concurrency,
@@ -281,6 +286,7 @@ impl Opts {
             self.events,
             self.batch_per_tx,
             if self.one_statement { "one statement" } else { "BEGIN…COMMIT" },
+            self.payload_bytes,
             self.paced_events,
             self.paced_rate,
             self.history_rows
@@ -657,6 +663,8 @@ struct Produce {
     rate: Option<f64>,
     /// One-event transactions as one statement (see `Opts::one_statement`).
     one_statement: bool,
+    /// See `Opts::payload_bytes`.
+    payload_bytes: usize,
 }
 
 /// One business transaction: `BEGIN`, the business rows pipelined with their events, `COMMIT`.
@@ -728,12 +736,11 @@ async fn produce(
             .iter()
             .zip(first..last)
             .map(|(id, n)| {
-                NewEvent::new(
-                    EVENT_TYPE,
-                    "order",
-                    id.as_str(),
-                    json!({"n": n, "order_id": id, "amount_cents": n * 100}),
-                )
+                let mut payload = json!({"n": n, "order_id": id, "amount_cents": n * 100});
+                if p.payload_bytes > 0 {
+                    payload["pad"] = json!("x".repeat(p.payload_bytes));
+                }
+                NewEvent::new(EVENT_TYPE, "order", id.as_str(), payload)
             })
             .collect();
         if events.len() == 1 && p.one_statement {
@@ -862,6 +869,7 @@ async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
         per_tx,
         rate,
         one_statement: ctx.opts.one_statement,
+        payload_bytes: ctx.opts.payload_bytes,
     };
 
     let mut runtime = None;
@@ -1262,6 +1270,7 @@ async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: Neighbour) -> Res<No
         per_tx: o.batch_per_tx,
         rate: None,
         one_statement: o.one_statement,
+        payload_bytes: o.payload_bytes,
     };
     let (url, t) = (ctx.url.clone(), track.clone());
     on_own_thread(move || produce(url, t, produce_args, None))

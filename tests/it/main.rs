@@ -31,4 +31,5 @@ mod reconcile;
 mod redact;
 mod replay;
 mod server_crash;
+mod storage;
 mod transport;

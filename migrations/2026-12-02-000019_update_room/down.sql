@@ -1,0 +1,2 @@
+ALTER TABLE inbox_events RESET (fillfactor);
+ALTER TABLE outbox_events RESET (fillfactor);
