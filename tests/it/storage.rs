@@ -24,18 +24,17 @@ struct Place {
     page: i64,
 }
 
-/// Each row's heap page, by a key that survives its updates.
-async fn pages(db: &TestDb, table: &str, key: &str) -> HashMap<String, i64> {
+/// Each row's heap page, by its id (which its updates keep).
+async fn pages(db: &TestDb, table: &str) -> HashMap<String, i64> {
     let mut conn = db.pool.get().await.unwrap();
-    let sql =
-        format!("SELECT {key}::text AS key, (ctid::text::point)[0]::int8 AS page FROM {table}");
+    let sql = format!("SELECT id::text AS key, (ctid::text::point)[0]::int8 AS page FROM {table}");
     let rows: Vec<Place> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
     rows.into_iter().map(|p| (p.key, p.page)).collect()
 }
 
 /// How many of `before`'s rows are on another page now.
-async fn moved(db: &TestDb, table: &str, key: &str, before: &HashMap<String, i64>) -> usize {
-    let after = pages(db, table, key).await;
+async fn moved(db: &TestDb, table: &str, before: &HashMap<String, i64>) -> usize {
+    let after = pages(db, table).await;
     assert_eq!(
         after.len(),
         before.len(),
@@ -57,19 +56,19 @@ async fn run(db: &TestDb) -> (usize, usize) {
         .unwrap();
     db.produce_batched(EVENTS as usize, EVENTS as usize, "p")
         .await;
-    let outbox = pages(db, "outbox_events", "id").await;
+    let outbox = pages(db, "outbox_events").await;
     let rt = start(db, vec![(consumer("c", 3), Behaviour::default())]).await;
     let received = "SELECT count(*) AS n FROM inbox_events WHERE status = 'RECEIVED'";
     assert_eq!(db.wait_for(received, EVENTS, WAIT).await, EVENTS);
-    let outbox_moved = moved(db, "outbox_events", "id", &outbox).await;
-    let inbox = pages(db, "inbox_events", "id").await;
+    let outbox_moved = moved(db, "outbox_events", &outbox).await;
+    let inbox = pages(db, "inbox_events").await;
     actix_outbox::ops::resume_consumer(&mut conn, &c, "test")
         .await
         .unwrap();
     drop(conn);
     let processed = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(processed, EVENTS, WAIT).await, EVENTS);
-    let inbox_moved = moved(db, "inbox_events", "id", &inbox).await;
+    let inbox_moved = moved(db, "inbox_events", &inbox).await;
     rt.shutdown().await;
     (outbox_moved, inbox_moved)
 }
