@@ -168,6 +168,13 @@
 //!   [`testing::ScriptedTransport`] makes a broker fail, hang or crash after publishing.
 
 #![warn(missing_docs)]
+// The crate docs above link to items of optional features (`nats`, `testing`). CI documents
+// every feature, where a broken link still fails; documenting fewer keeps the text and drops
+// those links instead of failing.
+#![cfg_attr(
+    not(all(feature = "nats", feature = "testing")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
 pub mod admin;
 mod consumer;
