@@ -34,19 +34,8 @@ pub(super) struct ChartsQuery {
 }
 
 fn window_minutes(v: Option<String>) -> Result<u64, AdminError> {
-    match given(v) {
-        None => Ok(DEFAULT_MINUTES),
-        Some(s) => s
-            .parse::<u64>()
-            .ok()
-            .filter(|n| (1..=MAX_MINUTES).contains(n))
-            .ok_or_else(|| {
-                AdminError::bad_request(
-                    INVALID_QUERY,
-                    format!("minutes {s:?} must be a whole number within 1..={MAX_MINUTES}"),
-                )
-            }),
-    }
+    let (default, max) = (DEFAULT_MINUTES as i64, MAX_MINUTES as i64);
+    whole_number(v, "minutes", default, max, INVALID_QUERY).map(|n| n as u64)
 }
 
 /// Whole minutes, so that buckets start on the minute whatever the window.

@@ -192,16 +192,28 @@ pub(super) fn status_filter(
 }
 
 pub(super) fn page_size(v: Option<String>) -> Result<i64, AdminError> {
+    whole_number(v, "limit", DEFAULT_LIMIT, MAX_LIMIT, INVALID_LIMIT)
+}
+
+/// The query parameter `name`: `default` when absent or blank, else a whole number within
+/// `1..=max`, refused with `code` otherwise.
+pub(super) fn whole_number(
+    v: Option<String>,
+    name: &str,
+    default: i64,
+    max: i64,
+    code: crate::ErrorCode,
+) -> Result<i64, AdminError> {
     match given(v) {
-        None => Ok(DEFAULT_LIMIT),
+        None => Ok(default),
         Some(s) => s
             .parse::<i64>()
             .ok()
-            .filter(|n| (1..=MAX_LIMIT).contains(n))
+            .filter(|n| (1..=max).contains(n))
             .ok_or_else(|| {
                 AdminError::bad_request(
-                    INVALID_LIMIT,
-                    format!("limit {s:?} must be a whole number within 1..={MAX_LIMIT}"),
+                    code,
+                    format!("{name} {s:?} must be a whole number within 1..={max}"),
                 )
             }),
     }
