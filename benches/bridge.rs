@@ -240,7 +240,7 @@ async fn run(
         let started = clock.start.iter().all(|s| s.load(Ordering::Relaxed) != 0);
         if started {
             let open: Count = diesel::sql_query(
-                "SELECT count(*) AS n FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING')",
+                "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING')",
             )
             .get_result(&mut *conn)
             .await?;

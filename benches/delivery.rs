@@ -831,7 +831,7 @@ async fn wait_done(
     loop {
         if (0..names.len()).any(|c| done[c].is_none() && track.all_started(c)) {
             let left: Vec<PerConsumer> = diesel::sql_query(
-                "SELECT consumer, count(*) AS n FROM inbox_events \
+                "SELECT consumer, count(*) AS n FROM actix_outbox.inbox_events \
                  WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING') \
                  GROUP BY consumer",
             )
@@ -1081,8 +1081,8 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     let rows = ctx.opts.history_rows;
     let mut conn = ctx.pool.get().await?;
     conn.batch_execute(&format!(
-        "INSERT INTO consumer_states (consumer) VALUES ('history');
-         INSERT INTO consumer_subscriptions (consumer, event_type) VALUES ('history', '{EVENT_TYPE}');"
+        "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('history');
+         INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type) VALUES ('history', '{EVENT_TYPE}');"
     ))
     .await?;
     // Both measurements start from a checkpoint (see the one below).
@@ -1093,7 +1093,7 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     // producers' UUID v7, so the primary key fills in order as it does in production.
     let t = Instant::now();
     conn.batch_execute(&format!(
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
              correlation_id, status, attempt_count, published_at) \
          SELECT lpad(to_hex(g), 32, '0')::uuid, '{EVENT_TYPE}', 'order', 'x-' || g, \
              jsonb_build_object('n', g, 'order_id', 'x-' || g), lpad(to_hex(g), 32, '0'), \
@@ -1197,8 +1197,8 @@ async fn interleaved(
             .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
             .await;
         twin.batch_execute(&format!(
-            "INSERT INTO consumer_states (consumer) VALUES ('history');
-             INSERT INTO consumer_subscriptions (consumer, event_type) \
+            "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('history');
+             INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type) \
                  VALUES ('history', '{EVENT_TYPE}');"
         ))
         .await?;
@@ -1366,7 +1366,7 @@ async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: Neighbour) -> Res<No
     let neighbour_attempts = number(
         &mut mon,
         &format!(
-            "SELECT coalesce(sum(attempt_count), 0)::float8 AS n FROM inbox_events \
+            "SELECT coalesce(sum(attempt_count), 0)::float8 AS n FROM actix_outbox.inbox_events \
              WHERE consumer = '{NEIGHBOUR}'"
         ),
     )
@@ -1374,7 +1374,7 @@ async fn noisy_drain(ctx: &Ctx, runtimes: usize, neighbour: Neighbour) -> Res<No
     let neighbour_dead = number(
         &mut mon,
         &format!(
-            "SELECT count(*)::float8 AS n FROM inbox_events \
+            "SELECT count(*)::float8 AS n FROM actix_outbox.inbox_events \
              WHERE consumer = '{NEIGHBOUR}' AND status = 'DEAD_LETTER'"
         ),
     )

@@ -215,7 +215,10 @@ pub mod db {
     //! prepared statement marker, and the connection a delivery lends its handler.
     pub use crate::consumer::{SharedConn, TxConn};
     pub use crate::error::PoolError;
-    pub use crate::store::migrate::{migrate, MIGRATIONS};
+    pub use crate::store::migrate::{
+        migrate, migrate_with, MigrateConfig, MigrateReport, Migration, MIGRATIONS,
+    };
+    pub use crate::store::schema::{schema, use_schema, DEFAULT_SCHEMA, SCHEMA_ENV};
     pub use crate::store::{connect, connect_with, ConnectionConfig, PgPool, Prepared};
 }
 

@@ -39,8 +39,10 @@ pub(crate) struct InboxRowsWritten {
     pub consumers: Vec<(String, usize)>,
 }
 
-/// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::ops::notify_publishers)).
-pub(crate) const OUTBOX_CHANNEL: &str = "actix_outbox_outbox";
+/// Channel for "outbox rows were committed" (sent by [`notify_publishers`](crate::ops::notify_publishers)),
+/// after the schema's name (`store::schema::channel`): `actix_outbox_outbox`.
+pub(crate) const OUTBOX_CHANNEL: &str = "outbox";
 /// Channel for "inbox rows were written"; the payload is `instance|consumer,consumer,…`, or
-/// `instance|*` for every consumer when the names would not fit in one notification.
-pub(crate) const INBOX_CHANNEL: &str = "actix_outbox_inbox";
+/// `instance|*` for every consumer when the names would not fit in one notification. After the
+/// schema's name, as the other.
+pub(crate) const INBOX_CHANNEL: &str = "inbox";

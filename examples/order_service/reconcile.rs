@@ -55,9 +55,9 @@ impl ReconcileRule for CompletedWithoutNotification {
                    AND o.updated_at < now() - $1 * interval '1 millisecond' \
                    AND NOT EXISTS (SELECT 1 FROM notification_jobs j \
                                    WHERE j.order_id = o.id AND j.status = 'COMPLETED') \
-                   AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.aggregate_id = o.id \
+                   AND NOT EXISTS (SELECT 1 FROM actix_outbox.outbox_events e WHERE e.aggregate_id = o.id \
                                    AND e.status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING')) \
-                   AND NOT EXISTS (SELECT 1 FROM inbox_events i \
+                   AND NOT EXISTS (SELECT 1 FROM actix_outbox.inbox_events i \
                                    WHERE i.consumer = 'notification' AND i.aggregate_id = o.id \
                                    AND i.status IN ('RECEIVED', 'RETRY_PENDING')) \
                  ORDER BY o.updated_at \

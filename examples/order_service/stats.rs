@@ -25,7 +25,7 @@ struct Stats {
 const STATS_SQL: &str = r#"
 WITH inbox_ms AS (
     SELECT consumer, extract(epoch FROM processed_at - event_created_at)::float8 * 1000 AS ms
-    FROM inbox_events WHERE status = 'PROCESSED'
+    FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'
 ), latency AS (
     SELECT coalesce(consumer, 'all') AS consumer,
            round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 1) AS p50,
@@ -38,30 +38,30 @@ SELECT json_build_object(
         (SELECT status, count(*) AS n FROM orders GROUP BY status) s),
     'orders_by_source', (SELECT coalesce(json_object_agg(source, n), '{}') FROM
         (SELECT source, count(*) AS n FROM orders GROUP BY source) s),
-    'events_written', (SELECT count(*) FROM outbox_events),
+    'events_written', (SELECT count(*) FROM actix_outbox.outbox_events),
     'events_by_status', (SELECT coalesce(json_object_agg(status, n), '{}') FROM
-        (SELECT payload->>'status' AS status, count(*) AS n FROM outbox_events
+        (SELECT payload->>'status' AS status, count(*) AS n FROM actix_outbox.outbox_events
          WHERE event_type = 'ORDER_STATUS_CHANGED' GROUP BY 1) s),
     'outbox', (SELECT coalesce(json_object_agg(status, n), '{}') FROM
-        (SELECT status, count(*) AS n FROM outbox_events GROUP BY status) s),
-    'outbox_pending', (SELECT count(*) FROM outbox_events
+        (SELECT status, count(*) AS n FROM actix_outbox.outbox_events GROUP BY status) s),
+    'outbox_pending', (SELECT count(*) FROM actix_outbox.outbox_events
         WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING')),
     'inbox', (SELECT coalesce(json_object_agg(consumer, statuses), '{}') FROM
         (SELECT consumer, json_object_agg(status, n) AS statuses FROM
-            (SELECT consumer, status, count(*) AS n FROM inbox_events GROUP BY consumer, status) c
+            (SELECT consumer, status, count(*) AS n FROM actix_outbox.inbox_events GROUP BY consumer, status) c
          GROUP BY consumer) s),
-    'inbox_open', (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING')),
+    'inbox_open', (SELECT count(*) FROM actix_outbox.inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING')),
     'inbox_retries', (SELECT coalesce(json_object_agg(consumer, n), '{}') FROM
-        (SELECT consumer, sum(attempt_count - 1) AS n FROM inbox_events
+        (SELECT consumer, sum(attempt_count - 1) AS n FROM actix_outbox.inbox_events
          WHERE attempt_count > 1 GROUP BY consumer) s),
     'dead_letters', json_build_object(
-        'outbox', (SELECT count(*) FROM outbox_events WHERE status = 'DEAD_LETTER'),
-        'inbox', (SELECT count(*) FROM inbox_events WHERE status = 'DEAD_LETTER')),
+        'outbox', (SELECT count(*) FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER'),
+        'inbox', (SELECT count(*) FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER')),
     'duplicates_absorbed', json_build_object(
         'redeliveries', (SELECT coalesce(sum(h.calls - i.attempt_count), 0) FROM handler_calls h
-            JOIN inbox_events i ON i.event_id = h.event_id AND i.consumer = h.consumer
+            JOIN actix_outbox.inbox_events i ON i.event_id = h.event_id AND i.consumer = h.consumer
             WHERE i.status = 'PROCESSED' AND h.calls > i.attempt_count),
-        'idempotency_keys', (SELECT count(*) FROM inbox_events
+        'idempotency_keys', (SELECT count(*) FROM actix_outbox.inbox_events
             WHERE consumer = 'notification' AND status = 'PROCESSED')
             - (SELECT count(*) FROM notification_jobs WHERE created_by = 'notification')),
     'notification_jobs', (SELECT coalesce(json_object_agg(state, n), '{}') FROM
@@ -72,7 +72,7 @@ SELECT json_build_object(
         WHERE attempts > 1),
     'analytics', (SELECT coalesce(json_object_agg(status, count), '{}') FROM order_status_counts),
     'reconcile', (SELECT json_build_object('runs', count(*), 'found', coalesce(sum(found), 0),
-        'repaired', coalesce(sum(repaired), 0)) FROM reconcile_runs),
+        'repaired', coalesce(sum(repaired), 0)) FROM actix_outbox.reconcile_runs),
     'reconcile_repairs_by_source', (SELECT coalesce(json_object_agg(source, n), '{}') FROM
         (SELECT o.source, count(*) AS n FROM notification_jobs j JOIN orders o ON o.id = j.order_id
          WHERE j.created_by <> 'notification' GROUP BY o.source) s),

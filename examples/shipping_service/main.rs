@@ -181,10 +181,10 @@ async fn stats_route(state: web::Data<State>) -> HttpResponse {
     let sql = "SELECT json_build_object(
         'shipments', (SELECT count(*) FROM shipments),
         'inbox', (SELECT coalesce(json_object_agg(status, n), '{}') FROM
-            (SELECT status, count(*) AS n FROM inbox_events GROUP BY status) s),
-        'inbox_open', (SELECT count(*) FROM inbox_events
+            (SELECT status, count(*) AS n FROM actix_outbox.inbox_events GROUP BY status) s),
+        'inbox_open', (SELECT count(*) FROM actix_outbox.inbox_events
             WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'PROCESSING')),
-        'dead_letters', (SELECT count(*) FROM inbox_events WHERE status = 'DEAD_LETTER'))::text AS stats";
+        'dead_letters', (SELECT count(*) FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER'))::text AS stats";
     let stats = match state.pool.get().await {
         Ok(mut conn) => diesel::sql_query(sql).get_result::<Stats>(&mut *conn).await,
         Err(e) => return HttpResponse::ServiceUnavailable().body(e.to_string()),

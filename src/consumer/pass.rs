@@ -315,7 +315,7 @@ pub(super) async fn tm(conn: &mut OwnedConn, step: Step) -> Result<()> {
 async fn sound(conn: &mut OwnedConn) -> bool {
     matches!(
         store::timed(DB_TIMEOUT, async {
-            diesel::sql_query("SELECT 1").execute(&mut **conn).await?;
+            crate::store::sql("SELECT 1").execute(&mut **conn).await?;
             Ok(())
         })
         .await,

@@ -65,8 +65,8 @@ pub async fn claim_key(
         return Err(crate::Error::InvalidKey(why));
     }
     let inserted = crate::store::Prepared(
-        diesel::sql_query(
-            "INSERT INTO idempotency_keys (key, claimed_by, event_id) VALUES ($1, $2, $3) \
+        crate::store::sql(
+            "INSERT INTO actix_outbox.idempotency_keys (key, claimed_by, event_id) VALUES ($1, $2, $3) \
          ON CONFLICT (key) DO NOTHING",
         )
         .bind::<Text, _>(key)

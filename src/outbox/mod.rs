@@ -68,7 +68,7 @@ pub async fn enqueue_many(conn: &AsyncPgConnection, events: &[NewEvent]) -> Resu
 }
 
 /// Runs one business statement and writes `events` in the **same SQL statement**
-/// (`WITH business AS (…) INSERT INTO outbox_events …`): the business transaction in one round
+/// (`WITH business AS (…) INSERT INTO actix_outbox.outbox_events …`): the business transaction in one round
 /// trip, where [`enqueue`] in a transaction costs three (`BEGIN`, the pipelined statements,
 /// `COMMIT`).
 ///

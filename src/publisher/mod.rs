@@ -188,7 +188,8 @@ async fn claim_in_process(
             return false;
         }
     };
-    let notify = notify_as.map(|me| (INBOX_CHANNEL, me));
+    let channel = store::schema::channel(INBOX_CHANNEL);
+    let notify = notify_as.map(|me| (channel.as_str(), me));
     let claim = store::outbox::claim_and_fan_out(&mut conn, limit, notify, detail);
     let fan_out = match store::timed(store::DB_TIMEOUT, claim).await {
         Ok(fan_out) => fan_out,

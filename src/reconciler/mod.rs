@@ -129,14 +129,14 @@ impl ReconcilerActor {
 
 async fn builtin_check(pool: PgPool, window: Duration) -> Result<DriftReport> {
     let mut conn = pool.get().await?;
-    let report = diesel::sql_query(
+    let report = crate::store::sql(
         "SELECT \
-           (SELECT count(*) FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING') \
+           (SELECT count(*) FROM actix_outbox.outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING') \
               AND created_at < now() - $1 * interval '1 millisecond') AS outbox_overdue, \
-           (SELECT count(*) FROM inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING') \
+           (SELECT count(*) FROM actix_outbox.inbox_events WHERE status IN ('RECEIVED', 'RETRY_PENDING') \
               AND received_at < now() - $1 * interval '1 millisecond') AS inbox_overdue, \
-           (SELECT count(*) FROM outbox_events WHERE status = 'DEAD_LETTER') + \
-           (SELECT count(*) FROM inbox_events WHERE status = 'DEAD_LETTER') AS dead_letters",
+           (SELECT count(*) FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER') + \
+           (SELECT count(*) FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER') AS dead_letters",
     )
     .bind::<BigInt, _>(crate::store::millis(window))
     .get_result(&mut conn)
@@ -167,7 +167,7 @@ async fn run_rule(
     };
     let mut held = Held(Some(pool.get_owned().await?));
     let conn = held.0.as_mut().expect("set just above");
-    let lock: Locked = diesel::sql_query(
+    let lock: Locked = crate::store::sql(
         "SELECT pg_try_advisory_lock(hashtextextended('actix_outbox.reconcile:' || $1, 0)) AS locked",
     )
     .bind::<Text, _>(rule.name())
@@ -190,7 +190,7 @@ async fn run_rule(
         &redact,
     )
     .await;
-    let unlocked = diesel::sql_query(
+    let unlocked = crate::store::sql(
         "SELECT pg_advisory_unlock(hashtextextended('actix_outbox.reconcile:' || $1, 0))",
     )
     .bind::<Text, _>(rule.name())
@@ -245,8 +245,8 @@ async fn record_run(
     error: Option<&crate::Error>,
     redact: &Redactor,
 ) {
-    let recorded = diesel::sql_query(
-        "INSERT INTO reconcile_runs (rule, dry_run, started_at, finished_at, found, repaired, error) \
+    let recorded = crate::store::sql(
+        "INSERT INTO actix_outbox.reconcile_runs (rule, dry_run, started_at, finished_at, found, repaired, error) \
          VALUES ($1, $2, $3, now(), $4, $5, $6)",
     )
     .bind::<Text, _>(rule)

@@ -83,7 +83,11 @@ async fn listen(pool: &PgPool, me: &str, supervisor: &Recipient<Heard>) -> Resul
         Err(t) => return Err(Error::DatabaseTimeout(t.0)),
     };
     // One round trip; the text starts with the inbox channel, which tests look for.
-    let listen = format!("LISTEN {INBOX_CHANNEL}; LISTEN {OUTBOX_CHANNEL}");
+    let listen = format!(
+        "LISTEN {}; LISTEN {}",
+        store::schema::channel(INBOX_CHANNEL),
+        store::schema::channel(OUTBOX_CHANNEL)
+    );
     let round_trip = async |conn: &mut AsyncPgConnection| {
         store::bounded(conn, store::DB_TIMEOUT, async |c| {
             c.batch_execute(&listen).await?;
@@ -121,7 +125,7 @@ async fn listen(pool: &PgPool, me: &str, supervisor: &Recipient<Heard>) -> Resul
 
 /// What a notification asks for; `None` for this instance's own.
 fn heard(me: &str, n: diesel::pg::PgNotification) -> Option<Heard> {
-    if n.channel != INBOX_CHANNEL {
+    if n.channel != store::schema::channel(INBOX_CHANNEL) {
         return Some(Heard::Outbox);
     }
     let (from, consumers) = n

@@ -148,12 +148,12 @@ pub(crate) async fn event_fanout(
     id: uuid::Uuid,
     with_payload: bool,
 ) -> Result<(Option<OutboxItem>, Vec<Fanout>)> {
-    let outbox: Vec<OutboxItem> = diesel::sql_query(include_str!("admin/event_outbox.sql"))
+    let outbox: Vec<OutboxItem> = crate::store::sql(include_str!("admin/event_outbox.sql"))
         .bind::<SqlUuid, _>(id)
         .bind::<Bool, _>(with_payload)
         .load(conn)
         .await?;
-    let consumers: Vec<Fanout> = diesel::sql_query(include_str!("admin/event_fanout.sql"))
+    let consumers: Vec<Fanout> = crate::store::sql(include_str!("admin/event_fanout.sql"))
         .bind::<SqlUuid, _>(id)
         .load(conn)
         .await?;
@@ -177,7 +177,7 @@ pub(crate) async fn list_outbox(
     f: &ListFilter,
     before: Option<uuid::Uuid>,
 ) -> Result<Vec<OutboxItem>> {
-    let rows = diesel::sql_query(include_str!("admin/list_outbox.sql"))
+    let rows = crate::store::sql(include_str!("admin/list_outbox.sql"))
         .bind::<Nullable<Text>, _>(f.status.as_deref())
         .bind::<Nullable<Text>, _>(f.event_type.as_deref())
         .bind::<Nullable<SqlUuid>, _>(before)
@@ -194,7 +194,7 @@ pub(crate) async fn list_inbox(
     f: &ListFilter,
     before: Option<i64>,
 ) -> Result<Vec<InboxItem>> {
-    let rows = diesel::sql_query(include_str!("admin/list_inbox.sql"))
+    let rows = crate::store::sql(include_str!("admin/list_inbox.sql"))
         .bind::<Nullable<Text>, _>(f.status.as_deref())
         .bind::<Nullable<Text>, _>(f.event_type.as_deref())
         .bind::<Nullable<Text>, _>(f.consumer.as_deref())
@@ -238,9 +238,9 @@ pub(crate) async fn lock_inbox(
     conn: &mut AsyncPgConnection,
     ids: &[i64],
 ) -> Result<(Vec<LockedRow>, i64)> {
-    let rows = diesel::sql_query(
+    let rows = crate::store::sql(
         "SELECT id::text AS id, status, attempt_count, error_code, event_type, consumer \
-         FROM inbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
+         FROM actix_outbox.inbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
     )
     .bind::<Array<BigInt>, _>(ids)
     .load(conn)
@@ -250,7 +250,7 @@ pub(crate) async fn lock_inbox(
         return Ok((rows, ids.len() as i64));
     }
     let existing: Count =
-        diesel::sql_query("SELECT count(*) AS n FROM inbox_events WHERE id = ANY($1)")
+        crate::store::sql("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE id = ANY($1)")
             .bind::<Array<BigInt>, _>(ids)
             .get_result(conn)
             .await?;
@@ -262,9 +262,9 @@ pub(crate) async fn lock_outbox(
     conn: &mut AsyncPgConnection,
     ids: &[uuid::Uuid],
 ) -> Result<(Vec<LockedRow>, i64)> {
-    let rows = diesel::sql_query(
+    let rows = crate::store::sql(
         "SELECT id::text AS id, status, attempt_count, error_code, event_type, NULL::text AS consumer \
-         FROM outbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
+         FROM actix_outbox.outbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
     )
     .bind::<Array<SqlUuid>, _>(ids)
     .load(conn)
@@ -273,19 +273,20 @@ pub(crate) async fn lock_outbox(
         // Every row locked (the ids are distinct): no need to count what exists.
         return Ok((rows, ids.len() as i64));
     }
-    let existing: Count =
-        diesel::sql_query("SELECT count(*) AS n FROM outbox_events WHERE id = ANY($1)")
-            .bind::<Array<SqlUuid>, _>(ids)
-            .get_result(conn)
-            .await?;
+    let existing: Count = crate::store::sql(
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE id = ANY($1)",
+    )
+    .bind::<Array<SqlUuid>, _>(ids)
+    .get_result(conn)
+    .await?;
     Ok((rows, existing.n))
 }
 
 /// Dead letters back to the consumer: RETRY_PENDING, due now, attempt count kept (so the
 /// consumer's policy allows one more attempt before dead-lettering again).
 pub(crate) async fn retry_inbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<usize> {
-    let n = diesel::sql_query(
-        "UPDATE inbox_events SET status = 'RETRY_PENDING', next_attempt_at = now(), \
+    let n = crate::store::sql(
+        "UPDATE actix_outbox.inbox_events SET status = 'RETRY_PENDING', next_attempt_at = now(), \
              updated_at = now() \
          WHERE id = ANY($1) AND status = 'DEAD_LETTER'",
     )
@@ -300,8 +301,8 @@ pub(crate) async fn retry_outbox(
     conn: &mut AsyncPgConnection,
     ids: &[uuid::Uuid],
 ) -> Result<usize> {
-    let n = diesel::sql_query(
-        "UPDATE outbox_events SET status = 'PENDING', next_attempt_at = now(), locked_by = NULL, \
+    let n = crate::store::sql(
+        "UPDATE actix_outbox.outbox_events SET status = 'PENDING', next_attempt_at = now(), locked_by = NULL, \
              locked_until = NULL, updated_at = now() \
          WHERE id = ANY($1) AND status = 'DEAD_LETTER'",
     )
@@ -321,8 +322,8 @@ pub(crate) const IGNORABLE: &[&str] = &[
 pub(crate) const RETRYABLE: &[&str] = &[InboxStatus::DeadLetter.as_str()];
 
 pub(crate) async fn ignore_inbox(conn: &mut AsyncPgConnection, id: i64) -> Result<usize> {
-    let n = diesel::sql_query(
-        "UPDATE inbox_events SET status = 'IGNORED', updated_at = now() \
+    let n = crate::store::sql(
+        "UPDATE actix_outbox.inbox_events SET status = 'IGNORED', updated_at = now() \
          WHERE id = $1 AND status IN ('DEAD_LETTER', 'RETRY_PENDING')",
     )
     .bind::<BigInt, _>(id)
@@ -332,8 +333,8 @@ pub(crate) async fn ignore_inbox(conn: &mut AsyncPgConnection, id: i64) -> Resul
 }
 
 pub(crate) async fn ignore_outbox(conn: &mut AsyncPgConnection, id: uuid::Uuid) -> Result<usize> {
-    let n = diesel::sql_query(
-        "UPDATE outbox_events SET status = 'IGNORED', locked_by = NULL, locked_until = NULL, \
+    let n = crate::store::sql(
+        "UPDATE actix_outbox.outbox_events SET status = 'IGNORED', locked_by = NULL, locked_until = NULL, \
              updated_at = now() \
          WHERE id = $1 AND status IN ('DEAD_LETTER', 'RETRY_PENDING')",
     )
@@ -368,7 +369,7 @@ pub(crate) async fn list_audit(
     before: Option<i64>,
     limit: i64,
 ) -> Result<Vec<AuditEntry>> {
-    let rows = diesel::sql_query(include_str!("admin/list_audit.sql"))
+    let rows = crate::store::sql(include_str!("admin/list_audit.sql"))
         .bind::<Nullable<BigInt>, _>(before)
         .bind::<BigInt, _>(limit)
         .load(conn)
@@ -415,7 +416,7 @@ pub(crate) async fn blocked_aggregates(
     consumer: Option<&str>,
     limit: i64,
 ) -> Result<Vec<BlockedAggregate>> {
-    let rows = diesel::sql_query(include_str!("admin/blocked_aggregates.sql"))
+    let rows = crate::store::sql(include_str!("admin/blocked_aggregates.sql"))
         .bind::<Nullable<Text>, _>(consumer)
         .bind::<BigInt, _>(limit)
         .load(conn)
@@ -447,12 +448,12 @@ pub(crate) struct ConsumerState {
 const PAUSED_NOW: &str = "(s.paused AND (s.paused_until IS NULL OR s.paused_until > now()))";
 
 pub(crate) async fn consumer_states(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerState>> {
-    let rows = diesel::sql_query(format!(
+    let rows = crate::store::sql(format!(
         "SELECT s.consumer, {PAUSED_NOW} AS paused, s.paused_by, s.reason, \
              CASE WHEN {PAUSED_NOW} THEN s.paused_until END AS paused_until, s.updated_at, \
-             coalesce((SELECT array_agg(event_type ORDER BY event_type) FROM consumer_subscriptions c \
+             coalesce((SELECT array_agg(event_type ORDER BY event_type) FROM actix_outbox.consumer_subscriptions c \
                  WHERE c.consumer = s.consumer), '{{}}') AS subscriptions \
-         FROM consumer_states s ORDER BY s.consumer",
+         FROM actix_outbox.consumer_states s ORDER BY s.consumer",
     ))
     .load(conn)
     .await?;
@@ -470,8 +471,8 @@ pub(crate) async fn lock_consumer(
         #[diesel(sql_type = Bool)]
         paused: bool,
     }
-    let rows: Vec<Paused> = diesel::sql_query(format!(
-        "SELECT {PAUSED_NOW} AS paused FROM consumer_states s WHERE consumer = $1 FOR UPDATE"
+    let rows: Vec<Paused> = crate::store::sql(format!(
+        "SELECT {PAUSED_NOW} AS paused FROM actix_outbox.consumer_states s WHERE consumer = $1 FOR UPDATE"
     ))
     .bind::<Text, _>(consumer)
     .load(conn)

@@ -22,8 +22,8 @@ pub(crate) async fn insert_audit(
         #[diesel(sql_type = BigInt)]
         id: i64,
     }
-    let row: Id = diesel::sql_query(
-        "INSERT INTO admin_audit (who, action, target, reason, details) \
+    let row: Id = crate::store::sql(
+        "INSERT INTO actix_outbox.admin_audit (who, action, target, reason, details) \
          VALUES ($1, $2, $3, $4, $5) RETURNING id",
     )
     .bind::<Text, _>(who)

@@ -14,7 +14,7 @@
 -- stopping at the window's start or at $4 samples, whichever comes first (the newest kept).
 WITH recent AS (
     SELECT instance, sampled_at, interval_ms, sample
-    FROM outbox_stats_samples
+    FROM actix_outbox.outbox_stats_samples
     WHERE sampled_at > $1 - $2 * interval '1 millisecond' AND sampled_at <= $1
     ORDER BY sampled_at DESC
     LIMIT $4

@@ -12,33 +12,33 @@
 -- existed (always: rare, and logged at `info`), and with $4 `event` per event published and
 -- `received` per inbox row written.
 WITH due AS (
-    SELECT id FROM outbox_events
+    SELECT id FROM actix_outbox.outbox_events
     WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now()
     ORDER BY seq LIMIT (SELECT $1::int8)
     FOR UPDATE SKIP LOCKED
 ), published AS (
-    UPDATE outbox_events o
+    UPDATE actix_outbox.outbox_events o
     SET status = 'PUBLISHED', published_at = now(), updated_at = now(),
         attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL
     WHERE o.id = ANY (ARRAY(SELECT id FROM due))
     RETURNING o.*
 ), delivered AS (
-    INSERT INTO inbox_events (event_id, consumer, event_type, event_version,
+    INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version,
         aggregate_type, aggregate_id, aggregate_version, payload, metadata,
         correlation_id, causation_id, event_created_at, event_seq, ordered)
     SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type,
         p.aggregate_id, p.aggregate_version, p.payload, p.metadata,
         p.correlation_id, p.causation_id, p.created_at, p.seq, s.ordered
-    FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
+    FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
     ORDER BY p.seq, s.consumer
     ON CONFLICT (event_id, consumer) DO NOTHING
     RETURNING consumer, event_id
 ), unrouted AS (
     -- Events no consumer is subscribed to: recorded, so that health can say so (the migration
     -- `unrouted_events`). Costs a row only for such an event.
-    INSERT INTO unrouted_events (event_id, event_type)
+    INSERT INTO actix_outbox.unrouted_events (event_id, event_type)
     SELECT p.id, p.event_type FROM published p
-    WHERE NOT EXISTS (SELECT FROM consumer_subscriptions s WHERE s.event_type = p.event_type)
+    WHERE NOT EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s WHERE s.event_type = p.event_type)
     ON CONFLICT DO NOTHING
 ), notified AS (
     -- One notification per claim, naming the consumers that got rows. Part of the statement,
@@ -50,7 +50,7 @@ WITH due AS (
           WHERE $2 IS NOT NULL HAVING count(*) > 0) names
 ), wanted AS (
     SELECT s.consumer, count(*) AS n
-    FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
+    FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
     GROUP BY s.consumer
 ), counted AS (
     SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w
@@ -67,7 +67,7 @@ UNION ALL SELECT 'total', NULL, NULL, (SELECT count(*) FROM notified), count(*),
        NULL, NULL, NULL, NULL FROM published
 UNION ALL SELECT 'duplicate', s.consumer, p.id, p.attempt_count, 0, p.event_type,
        p.aggregate_id, p.correlation_id, p.causation_id
-    FROM published p JOIN consumer_subscriptions s ON s.event_type = p.event_type
+    FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
     WHERE EXISTS (SELECT FROM counted WHERE wanted > rows)
       AND NOT EXISTS (SELECT FROM delivered d WHERE d.event_id = p.id AND d.consumer = s.consumer)
 UNION ALL SELECT 'event', NULL, p.id, p.attempt_count, 0, p.event_type, p.aggregate_id,

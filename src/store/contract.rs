@@ -19,9 +19,9 @@ pub(crate) struct Stored {
 /// The types and versions of the newest `window` outbox events, read backwards along the
 /// primary key (UUID v7 ids are time-ordered), so the check costs the same on any table size.
 pub(crate) async fn stored(conn: &mut AsyncPgConnection, window: i64) -> Result<Vec<Stored>> {
-    let rows = diesel::sql_query(
+    let rows = crate::store::sql(
         "SELECT DISTINCT event_type, event_version \
-         FROM (SELECT event_type, event_version FROM outbox_events ORDER BY id DESC LIMIT $1) w \
+         FROM (SELECT event_type, event_version FROM actix_outbox.outbox_events ORDER BY id DESC LIMIT $1) w \
          ORDER BY 1, 2",
     )
     .bind::<BigInt, _>(window)
@@ -56,10 +56,10 @@ pub(crate) async fn replace(
     by: &str,
 ) -> Result<()> {
     let col = |f: fn(&Finding) -> &String| found.iter().map(f).cloned().collect::<Vec<_>>();
-    diesel::sql_query(
-        "WITH gone AS (DELETE FROM contract_findings \
+    crate::store::sql(
+        "WITH gone AS (DELETE FROM actix_outbox.contract_findings \
              WHERE consumer = ANY($1) OR (consumer = '' AND event_type = ANY($2))) \
-         INSERT INTO contract_findings (code, consumer, event_type, detail, message, found_by) \
+         INSERT INTO actix_outbox.contract_findings (code, consumer, event_type, detail, message, found_by) \
          SELECT * , $8 FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[]) \
          ON CONFLICT (code, consumer, event_type, detail) DO UPDATE \
              SET message = excluded.message, found_at = now(), found_by = excluded.found_by",
@@ -79,8 +79,8 @@ pub(crate) async fn replace(
 
 /// Every standing finding, for health.
 pub(crate) async fn all(conn: &mut AsyncPgConnection) -> Result<Vec<Finding>> {
-    let rows = diesel::sql_query(
-        "SELECT code, consumer, event_type, detail, message FROM contract_findings \
+    let rows = crate::store::sql(
+        "SELECT code, consumer, event_type, detail, message FROM actix_outbox.contract_findings \
          ORDER BY code, consumer, event_type, detail LIMIT 100",
     )
     .load(conn)

@@ -21,31 +21,31 @@
 -- it in order and stops at the limit, skipping rows a lease names. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
 -- test runs exactly this text.
 WITH paused AS (
-    SELECT FROM consumer_states s WHERE s.consumer = $1 AND s.paused
+    SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())
 ), leased AS MATERIALIZED (
-    SELECT unnest(l.ids) AS id FROM inbox_leases l WHERE l.consumer = $1
+    SELECT unnest(l.ids) AS id FROM actix_outbox.inbox_leases l WHERE l.consumer = $1
 ), alone AS (
     -- An `alone` row of the consumer due, or leased alone in this process.
-    SELECT FROM inbox_events a
+    SELECT FROM actix_outbox.inbox_events a
     WHERE a.consumer = $1 AND a.alone AND a.status IN ('RECEIVED', 'RETRY_PENDING')
       AND a.next_attempt_at <= now() AND a.id NOT IN (SELECT id FROM leased)
     UNION ALL
-    SELECT FROM inbox_leases b WHERE b.consumer = $1 AND b.locked_by = $4 AND b.alone
+    SELECT FROM actix_outbox.inbox_leases b WHERE b.consumer = $1 AND b.locked_by = $4 AND b.alone
 ), one AS (
-    SELECT i.* FROM inbox_events i
+    SELECT i.* FROM actix_outbox.inbox_events i
     WHERE i.consumer = $1 AND i.alone AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused)
-      AND (NOT EXISTS (SELECT FROM inbox_leases b WHERE b.locked_by = $4)
+      AND (NOT EXISTS (SELECT FROM actix_outbox.inbox_leases b WHERE b.locked_by = $4)
            OR i.next_attempt_at < now() - $3 * interval '1 millisecond')
       AND (NOT i.ordered OR (
           NOT EXISTS (
-              SELECT FROM outbox_events o
+              SELECT FROM actix_outbox.outbox_events o
               WHERE o.status IN ('PENDING', 'RETRY_PENDING') AND o.seq < i.event_seq
                 AND o.aggregate_type = i.aggregate_type AND o.aggregate_id = i.aggregate_id)
           AND NOT EXISTS (
-              SELECT FROM inbox_events e
+              SELECT FROM actix_outbox.inbox_events e
               WHERE e.consumer = $1 AND e.ordered AND e.aggregate_type = i.aggregate_type
                 AND e.aggregate_id = i.aggregate_id AND e.event_seq < i.event_seq
                 AND e.status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')
@@ -54,17 +54,17 @@ WITH paused AS (
     ORDER BY i.next_attempt_at, i.id
     LIMIT 1
 ), due AS MATERIALIZED (
-    SELECT i.* FROM inbox_events i
+    SELECT i.* FROM actix_outbox.inbox_events i
     WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM alone)
       AND (NOT i.ordered OR (
           NOT EXISTS (
-              SELECT FROM outbox_events o
+              SELECT FROM actix_outbox.outbox_events o
               WHERE o.status IN ('PENDING', 'RETRY_PENDING') AND o.seq < i.event_seq
                 AND o.aggregate_type = i.aggregate_type AND o.aggregate_id = i.aggregate_id)
           AND NOT EXISTS (
-              SELECT FROM inbox_events e
+              SELECT FROM actix_outbox.inbox_events e
               WHERE e.consumer = $1 AND e.ordered AND e.aggregate_type = i.aggregate_type
                 AND e.aggregate_id = i.aggregate_id AND e.event_seq < i.event_seq
                 AND e.status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')
@@ -72,7 +72,7 @@ WITH paused AS (
     ORDER BY i.next_attempt_at, i.id
     LIMIT $2
 ), lease AS (
-    INSERT INTO inbox_leases (token, consumer, locked_by, backend, locked_until, ids, alone)
+    INSERT INTO actix_outbox.inbox_leases (token, consumer, locked_by, backend, locked_until, ids, alone)
     SELECT $5, $1, $4, pg_backend_pid(), now() + $3 * interval '1 millisecond',
         array_agg(p.id), EXISTS (SELECT FROM one)
     FROM (SELECT id FROM one UNION ALL SELECT id FROM due) p HAVING count(*) > 0

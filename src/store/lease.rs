@@ -60,23 +60,23 @@ pub(crate) async fn claim_leased(
     lease_ms: i64,
 ) -> Result<Vec<LeasedRow>> {
     let rows = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "WITH one AS ( \
-             SELECT id FROM outbox_events \
+             SELECT id FROM actix_outbox.outbox_events \
              WHERE alone AND status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
              ORDER BY seq LIMIT 1 \
              FOR UPDATE SKIP LOCKED \
          ), due AS ( \
-             SELECT id FROM outbox_events \
+             SELECT id FROM actix_outbox.outbox_events \
              WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
                AND NOT alone AND NOT EXISTS (SELECT FROM one) \
              ORDER BY seq LIMIT $1 \
              FOR UPDATE SKIP LOCKED \
          ) \
-         UPDATE outbox_events o \
+         UPDATE actix_outbox.outbox_events o \
          SET status = 'PROCESSING', locked_by = $2, \
              locked_until = now() + $3 * interval '1 millisecond', \
-             lease_token = nextval('outbox_lease_token_seq'), \
+             lease_token = nextval('actix_outbox.outbox_lease_token_seq'), \
              attempt_count = o.attempt_count + 1, updated_at = now() \
          FROM (SELECT id FROM one UNION ALL SELECT id FROM due) c WHERE o.id = c.id \
          RETURNING o.id, o.lease_token, o.event_type, o.event_version, o.aggregate_type, \
@@ -99,8 +99,8 @@ pub(crate) async fn mark_published(
     id: uuid::Uuid,
     token: i64,
 ) -> Result<bool> {
-    let n = Prepared(diesel::sql_query(
-        "UPDATE outbox_events SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
+    let n = Prepared(crate::store::sql(
+        "UPDATE actix_outbox.outbox_events SET status = 'PUBLISHED', published_at = now(), updated_at = now(), \
              locked_by = NULL, locked_until = NULL, last_error = NULL, error_code = NULL \
          WHERE id = $1 AND status = 'PROCESSING' AND lease_token = $2",
     )
@@ -120,8 +120,8 @@ pub(crate) async fn mark_failed(
     failure: &Failure,
     redact: &Redactor,
 ) -> Result<bool> {
-    let n = Prepared(diesel::sql_query(
-        "UPDATE outbox_events SET \
+    let n = Prepared(crate::store::sql(
+        "UPDATE actix_outbox.outbox_events SET \
              status = CASE WHEN $3 THEN 'DEAD_LETTER' ELSE 'RETRY_PENDING' END, \
              next_attempt_at = now() + $4 * interval '1 millisecond', \
              locked_by = NULL, locked_until = NULL, error_code = $5, last_error = $6, updated_at = now() \
@@ -155,19 +155,19 @@ pub(crate) async fn reap_expired(
     max_attempts: i32,
     limit: i64,
 ) -> Result<usize> {
-    let n = Prepared(diesel::sql_query(
+    let n = Prepared(crate::store::sql(
         "WITH expired AS ( \
-             SELECT e.id, (SELECT count(*) FROM outbox_events p WHERE p.status = 'PROCESSING' \
+             SELECT e.id, (SELECT count(*) FROM actix_outbox.outbox_events p WHERE p.status = 'PROCESSING' \
                      AND p.locked_by = e.locked_by AND p.locked_until = e.locked_until) > 1 \
                  AS shared \
-             FROM (SELECT id, locked_by, locked_until FROM outbox_events \
+             FROM (SELECT id, locked_by, locked_until FROM actix_outbox.outbox_events \
                    WHERE status = 'PROCESSING' AND locked_until IN ( \
-                       SELECT DISTINCT locked_until FROM outbox_events \
+                       SELECT DISTINCT locked_until FROM actix_outbox.outbox_events \
                        WHERE status = 'PROCESSING' AND locked_until < now() \
                        ORDER BY locked_until LIMIT $2) \
                    FOR UPDATE SKIP LOCKED) e \
          ) \
-         UPDATE outbox_events o SET \
+         UPDATE actix_outbox.outbox_events o SET \
              attempt_count = CASE WHEN x.shared THEN greatest(o.attempt_count - 1, 0) \
                  ELSE o.attempt_count END, \
              status = CASE WHEN NOT x.shared AND o.attempt_count >= $1 THEN 'DEAD_LETTER' \

@@ -1,55 +1,557 @@
-//! Applies the library's migrations (the `migrations/` folder, embedded at build time).
+//! Applies the library's migrations (the `migrations/` folder, embedded at build time) inside
+//! the library's schema, so that they can run on a live database.
+//!
+//! - Everything lands in the schema ([`schema`](super::schema::schema)): the migrations' SQL
+//!   names no schema and runs with `search_path` set to it, and the versions applied are
+//!   recorded in its `schema_migrations`, never in the application's
+//!   `__diesel_schema_migrations`.
+//! - Every statement runs under `lock_timeout`, and a statement that times out waiting for a
+//!   lock is tried again after a pause: a migration never queues the application's writes
+//!   behind a long reader for longer than that timeout.
+//! - A migration whose `metadata.toml` says `run_in_transaction = false` runs each statement
+//!   in a transaction of its own (`CREATE INDEX CONCURRENTLY`, `VALIDATE CONSTRAINT`). Such
+//!   statements are written to be run again (`IF NOT EXISTS`), and an index that a failed
+//!   concurrent build left invalid is dropped before the next try.
+//! - An install made by an earlier version (its tables in `public`, its versions in
+//!   `public.__diesel_schema_migrations`) is moved into the schema first, every row kept.
+//!
+//! The rules a migration of large tables keeps are checked by `migrations_keep_to_the_rules`
+//! below.
 
-use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-use diesel_async::AsyncPgConnection;
-use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+use std::time::Duration;
 
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{Client, NoTls};
+
+use super::schema::schema;
 use crate::error::{Error, Result};
 
-/// The library's migrations, for applications that run them with their own harness next to
-/// their own migrations instead of calling [`migrate`].
-pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
-
-/// Serialises concurrent start-ups of several instances against one database.
-const MIGRATION_LOCK_KEY: i64 = 0x6163_7469_786f_7574; // "actixout"
-
-/// Applies every pending migration of the library to the database at `database_url`.
-///
-/// Safe to call from several processes at once: they queue on an advisory lock, and the
-/// versions are recorded in diesel's `__diesel_schema_migrations`, so `diesel migration run`
-/// and this function agree on what has been applied.
-///
-/// # Errors
-/// [`Error::Migration`] when the database cannot be reached or a migration fails; a failed
-/// migration is rolled back whole.
-pub async fn migrate(database_url: &str) -> Result<()> {
-    let url = database_url.to_owned();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    // diesel's harness is synchronous and blocks on its own runtime, which cannot run on the
-    // actix (current-thread) runtime's thread, so it gets a thread of its own.
-    std::thread::Builder::new()
-        .name("actix-outbox-migrate".into())
-        .spawn(move || {
-            let _ = tx.send(run_blocking(&url));
-        })
-        .map_err(|e| Error::Migration(e.into()))?;
-    rx.await
-        .map_err(|_| Error::Migration("the migration thread panicked".into()))?
+/// One embedded migration.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// The version recorded once it is applied, e.g. `20261129000001`.
+    pub version: &'static str,
+    /// Its name, e.g. `outbox_inbox`.
+    pub name: &'static str,
+    /// Whether its statements run in one transaction (the default), or one by one.
+    pub transactional: bool,
+    /// Its SQL: statements separated by `;`, naming no schema.
+    pub sql: &'static str,
 }
 
-fn run_blocking(url: &str) -> Result<()> {
-    use diesel::{Connection, RunQueryDsl};
-    let mut conn = AsyncConnectionWrapper::<AsyncPgConnection>::establish(url)
-        .map_err(|e| Error::Migration(e.into()))?;
-    diesel::sql_query(format!("SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"))
-        .execute(&mut conn)
-        .map_err(|e| Error::Migration(e.into()))?;
-    let applied = conn
-        .run_pending_migrations(MIGRATIONS)
+/// The library's migrations, oldest first.
+pub const MIGRATIONS: &[Migration] = include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+
+/// The tables, sequences and functions an install of an earlier version kept in `public`.
+const LEGACY_TABLES: &[&str] = &[
+    "outbox_events",
+    "inbox_events",
+    "consumer_states",
+    "consumer_subscriptions",
+    "idempotency_keys",
+    "reconcile_runs",
+    "admin_audit",
+    "outbox_stats_samples",
+    "aggregate_versions",
+    "inbox_in_flight",
+    "inbox_leases",
+    "unrouted_events",
+    "contract_findings",
+    "replays",
+];
+const LEGACY_SEQUENCES: &[&str] = &["outbox_lease_token_seq"];
+const LEGACY_FUNCTIONS: &[&str] = &["inbox_lease_held(bigint, bigint)"];
+
+/// How [`migrate_with`] treats a live database.
+#[derive(Debug, Clone)]
+pub struct MigrateConfig {
+    /// How long one statement may wait for a lock before it gives up and is tried again.
+    /// While a migration waits for a table's lock, the application's writes to that table
+    /// queue behind it, so this bounds the stall a migration can cause. Default 500 ms.
+    pub lock_timeout: Duration,
+    /// How many times a statement is tried before the migration fails. Default 40.
+    pub attempts: u32,
+    /// Apply the migrations up to this version only (for an upgrade in steps, and tests);
+    /// `None`, the default, applies them all.
+    pub until: Option<String>,
+}
+
+impl Default for MigrateConfig {
+    fn default() -> Self {
+        MigrateConfig {
+            lock_timeout: Duration::from_millis(500),
+            attempts: 40,
+            until: None,
+        }
+    }
+}
+
+/// What [`migrate_with`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigrateReport {
+    /// Whether an install of an earlier version was moved out of `public` into the schema.
+    pub moved_from_public: bool,
+    /// The versions applied now, oldest first.
+    pub applied: Vec<String>,
+    /// How many statements timed out waiting for a lock and were tried again.
+    pub lock_retries: u32,
+}
+
+/// Applies every pending migration of the library to the database at `database_url`, in the
+/// library's schema (`actix_outbox` unless [`use_schema`](crate::db::use_schema) says
+/// otherwise), with [`MigrateConfig`]'s defaults.
+///
+/// Run it as the role that owns the schema (see `docs/security.md`): the runtime's role needs
+/// no DDL right. Safe to call from several processes at once (they take turns on an advisory
+/// lock of the schema) and on a live database (each statement runs under `lock_timeout`).
+///
+/// # Errors
+/// [`Error::Migration`] (`MIGRATION_FAILED`) when the database cannot be reached or a statement
+/// fails, naming the migration and the statement; a migration that runs in a transaction is
+/// rolled back whole. [`Error::Config`] for an invalid `ACTIX_OUTBOX_SCHEMA`.
+pub async fn migrate(database_url: &str) -> Result<()> {
+    migrate_with(database_url, &MigrateConfig::default())
+        .await
         .map(|_| ())
-        .map_err(Error::Migration);
-    // Closing the connection would release the lock too; unlocking says so explicitly.
-    let _ = diesel::sql_query(format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"))
-        .execute(&mut conn);
-    applied
+}
+
+/// [`migrate`] with settings of your own; says what it did.
+///
+/// # Errors
+/// As [`migrate`].
+pub async fn migrate_with(database_url: &str, config: &MigrateConfig) -> Result<MigrateReport> {
+    super::schema::check_env()?;
+    let (client, connection) = tokio_postgres::connect(database_url, NoTls)
+        .await
+        .map_err(fail("connecting"))?;
+    let driver = tokio::spawn(connection);
+    let mut runner = Runner {
+        client,
+        config: config.clone(),
+        schema: schema(),
+        report: MigrateReport::default(),
+    };
+    let result = runner.run().await;
+    drop(runner);
+    // The connection ends with its client; its session locks go with it.
+    let _ = driver.await;
+    result
+}
+
+struct Runner {
+    client: Client,
+    config: MigrateConfig,
+    schema: &'static str,
+    report: MigrateReport,
+}
+
+impl Runner {
+    async fn run(&mut self) -> Result<MigrateReport> {
+        let s = self.schema;
+        // Instances that start together take turns; the wait for another's migration is not
+        // bounded by lock_timeout, which is set after it.
+        self.client
+            .execute(
+                "SELECT pg_advisory_lock(hashtextextended('actix_outbox.migrate:' || $1, 0))",
+                &[&s],
+            )
+            .await
+            .map_err(fail("taking the migration lock"))?;
+        let settings = format!(
+            "SET lock_timeout = '{}ms'; SET statement_timeout = 0; SET search_path = {s}",
+            self.config.lock_timeout.as_millis().max(1)
+        );
+        let exists = self
+            .client
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)",
+                &[&s],
+            )
+            .await
+            .map_err(fail("looking for the schema"))?;
+        if !exists.get::<_, bool>(0) {
+            // CREATE SCHEMA checks the right to create one even when it exists: a schema made
+            // beforehand by a DBA (`docs/security.md`) needs no such right.
+            self.retried(
+                "creating the schema",
+                &format!("CREATE SCHEMA IF NOT EXISTS {s}"),
+            )
+            .await?;
+        }
+        self.client
+            .batch_execute(&settings)
+            .await
+            .map_err(fail("setting lock_timeout and search_path"))?;
+        self.retried(
+            "creating schema_migrations",
+            &format!(
+                "CREATE TABLE IF NOT EXISTS {s}.schema_migrations (\
+                     version text PRIMARY KEY, name text NOT NULL, \
+                     applied_at timestamptz NOT NULL DEFAULT now())"
+            ),
+        )
+        .await?;
+        let applied: Vec<String> = self
+            .client
+            .query(&format!("SELECT version FROM {s}.schema_migrations"), &[])
+            .await
+            .map_err(fail("reading schema_migrations"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut applied = applied;
+        if applied.is_empty() {
+            applied = self.move_from_public().await?;
+        }
+        for m in MIGRATIONS {
+            if applied.iter().any(|v| v == m.version) {
+                continue;
+            }
+            if let Some(until) = &self.config.until {
+                if m.version > until.as_str() {
+                    break;
+                }
+            }
+            self.apply(m).await?;
+            self.report.applied.push(m.version.to_owned());
+        }
+        Ok(std::mem::take(&mut self.report))
+    }
+
+    /// Moves an earlier version's install out of `public`, in one transaction: its objects
+    /// (`ALTER … SET SCHEMA` changes the catalog only: no row is read or rewritten) and its
+    /// versions. Returns the versions it carried over.
+    async fn move_from_public(&mut self) -> Result<Vec<String>> {
+        let s = self.schema;
+        let legacy = self
+            .client
+            .query_one(
+                "SELECT to_regclass('public.outbox_events') IS NOT NULL \
+                    AND to_regclass('public.__diesel_schema_migrations') IS NOT NULL",
+                &[],
+            )
+            .await
+            .map_err(fail("looking for an install in public"))?;
+        if !legacy.get::<_, bool>(0) {
+            return Ok(Vec::new());
+        }
+        let ours: Vec<&str> = MIGRATIONS.iter().map(|m| m.version).collect();
+        let recorded: Vec<String> = self
+            .client
+            .query(
+                "SELECT version::text FROM public.__diesel_schema_migrations \
+                 WHERE version = ANY($1) ORDER BY version",
+                &[&ours],
+            )
+            .await
+            .map_err(fail("reading public.__diesel_schema_migrations"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        // The application's own `outbox_events` and a diesel history without ours: not ours.
+        if !recorded.iter().any(|v| v == MIGRATIONS[0].version) {
+            return Ok(Vec::new());
+        }
+        let mut statements = Vec::new();
+        for t in LEGACY_TABLES {
+            statements.push(format!(
+                "DO $$ BEGIN IF to_regclass('public.{t}') IS NOT NULL THEN \
+                     ALTER TABLE public.{t} SET SCHEMA {s}; END IF; END $$"
+            ));
+        }
+        for q in LEGACY_SEQUENCES {
+            statements.push(format!(
+                "DO $$ BEGIN IF to_regclass('public.{q}') IS NOT NULL THEN \
+                     ALTER SEQUENCE public.{q} SET SCHEMA {s}; END IF; END $$"
+            ));
+        }
+        for f in LEGACY_FUNCTIONS {
+            statements.push(format!(
+                "DO $$ BEGIN IF to_regprocedure('public.{f}') IS NOT NULL THEN \
+                     ALTER FUNCTION public.{f} SET SCHEMA {s}; END IF; END $$"
+            ));
+        }
+        for v in &recorded {
+            let name = MIGRATIONS
+                .iter()
+                .find(|m| m.version == v)
+                .map_or("", |m| m.name);
+            statements.push(format!(
+                "INSERT INTO {s}.schema_migrations (version, name) VALUES ('{v}', '{name}')"
+            ));
+        }
+        let list = recorded
+            .iter()
+            .map(|v| format!("'{v}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        statements.push(format!(
+            "DELETE FROM public.__diesel_schema_migrations WHERE version IN ({list})"
+        ));
+        // Left empty, the table was only ever ours.
+        statements.push(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT FROM public.__diesel_schema_migrations) THEN \
+                 DROP TABLE public.__diesel_schema_migrations; END IF; END $$"
+                .to_owned(),
+        );
+        let refs: Vec<&str> = statements.iter().map(String::as_str).collect();
+        self.transaction("moving the install out of public", &refs)
+            .await?;
+        self.report.moved_from_public = true;
+        tracing::info!(
+            name: "outbox.migrate.moved",
+            schema = s,
+            versions = recorded.len(),
+            "outbox.migrate.moved: the install in public moved into its schema"
+        );
+        Ok(recorded)
+    }
+
+    async fn apply(&mut self, m: &Migration) -> Result<()> {
+        let what = format!("migration {}_{}", m.version, m.name);
+        let record = format!(
+            "INSERT INTO {}.schema_migrations (version, name) VALUES ('{}', '{}')",
+            self.schema, m.version, m.name
+        );
+        let statements = split(m.sql);
+        if m.transactional {
+            let mut all: Vec<&str> = statements.clone();
+            all.push(&record);
+            self.transaction(&what, &all).await?;
+        } else {
+            for (i, st) in statements.iter().enumerate() {
+                self.retried(&format!("{what}, statement {}", i + 1), st)
+                    .await?;
+            }
+            self.retried(&what, &record).await?;
+        }
+        tracing::info!(name: "outbox.migrate.applied", version = m.version, migration = m.name,
+            "outbox.migrate.applied");
+        Ok(())
+    }
+
+    /// `statements` in one transaction, tried again whole after a lock timeout.
+    async fn transaction(&mut self, what: &str, statements: &[&str]) -> Result<()> {
+        let mut attempt = 1;
+        loop {
+            let result = async {
+                self.client.batch_execute("BEGIN").await?;
+                for st in statements {
+                    self.client.batch_execute(st).await?;
+                }
+                self.client.batch_execute("COMMIT").await
+            }
+            .await;
+            match result {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    let _ = self.client.batch_execute("ROLLBACK").await;
+                    self.after_error(what, &e, attempt).await?;
+                }
+            }
+            attempt += 1;
+        }
+    }
+
+    /// One statement in a transaction of its own, tried again after a lock timeout.
+    async fn retried(&mut self, what: &str, statement: &str) -> Result<()> {
+        let mut attempt = 1;
+        loop {
+            match self.client.batch_execute(statement).await {
+                Ok(()) => return Ok(()),
+                Err(e) => self.after_error(what, &e, attempt).await?,
+            }
+            attempt += 1;
+        }
+    }
+
+    /// After a failed try: `Ok` to try again (a lock timeout, attempts left), after a pause
+    /// and with any index a failed concurrent build left invalid dropped; the error otherwise.
+    async fn after_error(
+        &mut self,
+        what: &str,
+        e: &tokio_postgres::Error,
+        attempt: u32,
+    ) -> Result<()> {
+        let lock_timeout = e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE);
+        if !lock_timeout || attempt >= self.config.attempts {
+            let why = e.as_db_error().map_or_else(
+                || e.to_string(),
+                |d| format!("{} ({})", d.message(), d.code().code()),
+            );
+            return Err(Error::Migration(
+                format!("{what}: {why}, after {attempt} attempt(s)").into(),
+            ));
+        }
+        self.report.lock_retries += 1;
+        tracing::info!(name: "outbox.migrate.lock_timeout", step = what, attempt,
+            "outbox.migrate.lock_timeout: waited too long for a lock; trying again");
+        let pause = Duration::from_millis(200 * u64::from(attempt.min(25)));
+        tokio::time::sleep(pause).await;
+        self.drop_invalid_indexes().await
+    }
+
+    /// Drops the indexes of the schema that a concurrent build left invalid, so that its
+    /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` builds them again rather than skipping them.
+    async fn drop_invalid_indexes(&mut self) -> Result<()> {
+        let invalid: Vec<String> = self
+            .client
+            .query(
+                "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = $1 AND NOT i.indisvalid",
+                &[&self.schema],
+            )
+            .await
+            .map_err(fail("looking for invalid indexes"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for index in invalid {
+            let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {}.{index}", self.schema);
+            Box::pin(self.retried(&format!("dropping the invalid index {index}"), &drop)).await?;
+        }
+        Ok(())
+    }
+}
+
+fn fail(what: &'static str) -> impl Fn(tokio_postgres::Error) -> Error {
+    move |e| Error::Migration(format!("{what}: {e}").into())
+}
+
+/// The statements of `sql`: split at each `;` outside quotes, dollar quotes and comments;
+/// statements that are only comments are left out.
+fn split(sql: &str) -> Vec<&str> {
+    let bytes = sql.as_bytes();
+    let (mut out, mut start, mut i) = (Vec::new(), 0, 0);
+    let mut code = false; // whether the current statement has anything but comments
+    while i < bytes.len() {
+        let rest = &sql[i..];
+        if rest.starts_with("--") {
+            i += rest.find('\n').unwrap_or(rest.len());
+            continue;
+        }
+        if rest.starts_with("/*") {
+            i += rest.find("*/").map_or(rest.len(), |e| e + 2);
+            continue;
+        }
+        match bytes[i] {
+            q @ (b'\'' | b'"') => {
+                let end = rest[1..].find(q as char).map_or(rest.len(), |e| e + 2);
+                i += end;
+                code = true;
+                continue;
+            }
+            b'$' => {
+                let tag_len = rest[1..].find('$').filter(|&n| {
+                    rest[1..=n]
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_')
+                });
+                if let Some(n) = tag_len {
+                    let tag = &rest[..n + 2];
+                    let body_end = rest[tag.len()..]
+                        .find(tag)
+                        .map_or(rest.len(), |e| tag.len() + e + tag.len());
+                    i += body_end;
+                    code = true;
+                    continue;
+                }
+            }
+            b';' => {
+                if code {
+                    out.push(sql[start..i].trim());
+                }
+                start = i + 1;
+                code = false;
+            }
+            c if !c.is_ascii_whitespace() => code = true,
+            _ => {}
+        }
+        i += 1;
+    }
+    if code {
+        out.push(sql[start..].trim());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_split_outside_quotes_and_comments() {
+        let sql = "-- a; comment\nCREATE TABLE a (x text DEFAULT ';');\n\
+                   CREATE FUNCTION f() RETURNS int LANGUAGE plpgsql AS $$ BEGIN RETURN 1; END $$;\n\
+                   /* b; */ SELECT \"a;b\" FROM a;\n-- only a comment;\n";
+        let got = split(sql);
+        assert_eq!(got.len(), 3, "{got:#?}");
+        assert!(got[0].ends_with("DEFAULT ';')"));
+        assert!(got[1].ends_with("END $$"));
+        assert!(got[2].ends_with("FROM a"));
+    }
+
+    #[test]
+    fn versions_are_unique_and_ordered() {
+        for pair in MIGRATIONS.windows(2) {
+            assert!(pair[0].version < pair[1].version, "{pair:?}");
+        }
+        assert_eq!(MIGRATIONS[0].version, "20261129000001");
+    }
+
+    /// Migrations from `20261202000017` on run against live, large tables, so each keeps to
+    /// the rules in the module docs: an index is built `CONCURRENTLY` (in a migration that does
+    /// not run in a transaction), a constraint is added `NOT VALID` and validated in a
+    /// statement of its own, and nothing rewrites or scans a whole table under an ACCESS
+    /// EXCLUSIVE lock. The ones before predate the rules; every install has applied them, and
+    /// a new install runs them on empty tables.
+    #[test]
+    fn migrations_keep_to_the_rules() {
+        let mut broken = Vec::new();
+        for m in MIGRATIONS.iter().filter(|m| m.version >= "20261202000017") {
+            for st in split(m.sql) {
+                let flat = st
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .to_uppercase();
+                let mut why = Vec::new();
+                if flat.starts_with("CREATE INDEX") || flat.starts_with("CREATE UNIQUE INDEX") {
+                    if !flat.contains(" CONCURRENTLY ") {
+                        why.push("an index built without CONCURRENTLY");
+                    }
+                    if !flat.contains(" IF NOT EXISTS ") {
+                        why.push("a concurrent build that cannot be run again (IF NOT EXISTS)");
+                    }
+                }
+                if flat.contains("CONCURRENTLY") && m.transactional {
+                    why.push("CONCURRENTLY in a migration that runs in a transaction");
+                }
+                if flat.contains("ADD CONSTRAINT") && !flat.contains("NOT VALID") {
+                    why.push("a constraint added without NOT VALID");
+                }
+                if flat.contains("VALIDATE CONSTRAINT") && m.transactional {
+                    why.push("VALIDATE in the transaction that holds the ADD's lock");
+                }
+                for rewrite in [
+                    " TYPE ",
+                    "SET NOT NULL",
+                    "VACUUM FULL",
+                    "CLUSTER ",
+                    "SET LOGGED",
+                ] {
+                    if flat.starts_with("ALTER TABLE") && flat.contains(rewrite) {
+                        why.push(
+                            "a statement that rewrites or scans the table under ACCESS EXCLUSIVE",
+                        );
+                    }
+                }
+                for w in why {
+                    broken.push(format!("{}_{}: {w}: {st}", m.version, m.name));
+                }
+            }
+        }
+        assert!(broken.is_empty(), "{}", broken.join("\n"));
+    }
 }

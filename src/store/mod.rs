@@ -12,6 +12,7 @@ pub(crate) mod lease;
 pub(crate) mod migrate;
 pub(crate) mod outbox;
 pub(crate) mod replay;
+pub(crate) mod schema;
 pub(crate) mod stats;
 pub(crate) mod status;
 pub(crate) mod timeline;
@@ -27,6 +28,7 @@ use diesel_async::{
 };
 
 pub use connection::ConnectionConfig;
+pub(crate) use schema::sql;
 
 /// The connection pool the runtime and the application share.
 pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
@@ -119,7 +121,7 @@ impl<Q: Query> Query for Prepared<Q> {
 /// others on the same connection (diesel-async sends futures polled together without waiting
 /// for each answer; the server still runs them in the order they were first polled).
 pub(crate) async fn run(mut conn: &AsyncPgConnection, sql: &'static str) -> crate::Result<()> {
-    Prepared(diesel::sql_query(sql)).execute(&mut conn).await?;
+    Prepared(crate::store::sql(sql)).execute(&mut conn).await?;
     Ok(())
 }
 

@@ -100,7 +100,7 @@ impl<B: QueryFragment<Pg>> QueryFragment<Pg> for InsertEvents<'_, B> {
             out.push_sql(") ");
         }
         out.push_sql(
-            "INSERT INTO outbox_events (id, event_type, event_version, aggregate_type, \
+            "INSERT INTO actix_outbox.outbox_events (id, event_type, event_version, aggregate_type, \
              aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id) \
              SELECT * FROM unnest(",
         );
@@ -265,7 +265,7 @@ pub(crate) async fn claim_and_fan_out(
     let (begun, guarded, rows, committed) = {
         let mut c: &AsyncPgConnection = conn;
         let claim = Prepared(
-            diesel::sql_query(CLAIM_SQL)
+            crate::store::sql(CLAIM_SQL)
                 .bind::<BigInt, _>(limit)
                 .bind::<Nullable<Text>, _>(notify.map(|n| n.0))
                 .bind::<Nullable<Text>, _>(notify.map(|n| n.1))
@@ -325,8 +325,8 @@ pub(crate) async fn notify(
     payload: &str,
 ) -> Result<()> {
     Prepared(
-        diesel::sql_query("SELECT pg_notify($1, $2)")
-            .bind::<Text, _>(channel)
+        crate::store::sql("SELECT pg_notify($1, $2)")
+            .bind::<Text, _>(super::schema::channel(channel))
             .bind::<Text, _>(payload),
     )
     .execute(&mut conn)

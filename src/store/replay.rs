@@ -109,16 +109,17 @@ pub(crate) async fn replay_safe(
         #[diesel(sql_type = Bool)]
         replay_safe: bool,
     }
-    let row: Option<Safe> =
-        diesel::sql_query("SELECT replay_safe FROM consumer_states WHERE consumer = $1")
-            .bind::<Text, _>(consumer)
-            .get_result(conn)
-            .await
-            .map(Some)
-            .or_else(|e| match e {
-                diesel::result::Error::NotFound => Ok(None),
-                e => Err(e),
-            })?;
+    let row: Option<Safe> = crate::store::sql(
+        "SELECT replay_safe FROM actix_outbox.consumer_states WHERE consumer = $1",
+    )
+    .bind::<Text, _>(consumer)
+    .get_result(conn)
+    .await
+    .map(Some)
+    .or_else(|e| match e {
+        diesel::result::Error::NotFound => Ok(None),
+        e => Err(e),
+    })?;
     Ok(row.map(|r| r.replay_safe))
 }
 
@@ -137,8 +138,8 @@ pub(crate) async fn insert(
                            $3::timestamptz AS created_from, $4::timestamptz AS created_until, \
                            $5::text AS correlation_id, now() AS requested_at), \
               m AS (SELECT count(*) AS total, min(i.id) AS first, max(i.id) AS last \
-                    FROM r JOIN inbox_events i ON {MATCHING}) \
-         INSERT INTO replays (consumer, event_types, created_from, created_until, correlation_id, \
+                    FROM r JOIN actix_outbox.inbox_events i ON {MATCHING}) \
+         INSERT INTO actix_outbox.replays (consumer, event_types, created_from, created_until, correlation_id, \
                               upto_id, cursor_id, total, rate, requested_by, reason, requested_at, \
                               status, finished_at) \
          SELECT r.consumer, r.event_types, r.created_from, r.created_until, r.correlation_id, \
@@ -147,7 +148,7 @@ pub(crate) async fn insert(
                 CASE WHEN m.total = 0 THEN now() END \
          FROM r, m RETURNING {COLUMNS}"
     );
-    let row = diesel::sql_query(sql)
+    let row = crate::store::sql(sql)
         .bind::<Text, _>(range.consumer)
         .bind::<Nullable<Array<Text>>, _>(types)
         .bind::<Nullable<Timestamptz>, _>(range.from)
@@ -165,12 +166,12 @@ pub(crate) async fn insert(
 /// end. `None` for an unknown id; a replay that already ended is returned as it is.
 pub(crate) async fn cancel(conn: &mut AsyncPgConnection, id: i64) -> Result<Option<Replay>> {
     let sql = format!(
-        "WITH c AS (UPDATE replays SET status = 'CANCELLED', finished_at = now() \
+        "WITH c AS (UPDATE actix_outbox.replays SET status = 'CANCELLED', finished_at = now() \
                     WHERE id = $1 AND status = 'RUNNING' RETURNING {COLUMNS}) \
          SELECT {COLUMNS} FROM c \
-         UNION ALL SELECT {COLUMNS} FROM replays WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM c)"
+         UNION ALL SELECT {COLUMNS} FROM actix_outbox.replays WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM c)"
     );
-    let rows: Vec<Replay> = diesel::sql_query(sql)
+    let rows: Vec<Replay> = crate::store::sql(sql)
         .bind::<BigInt, _>(id)
         .load(conn)
         .await?;
@@ -183,7 +184,7 @@ pub(crate) async fn list(
     consumer: Option<&str>,
     limit: i64,
 ) -> Result<Vec<Replay>> {
-    let rows = diesel::sql_query(include_str!("replay_list.sql"))
+    let rows = crate::store::sql(include_str!("replay_list.sql"))
         .bind::<Nullable<Text>, _>(consumer)
         .bind::<BigInt, _>(limit)
         .load(conn)
@@ -203,10 +204,10 @@ pub(crate) async fn next_due(
         #[diesel(sql_type = Nullable<BigInt>)]
         ms: Option<i64>,
     }
-    let row: Wait = diesel::sql_query(
+    let row: Wait = crate::store::sql(
         "SELECT greatest(ceil(extract(epoch FROM min(next_step_at) - now()) * 1000), 0)::int8 \
                 AS ms \
-         FROM replays WHERE consumer = $1 AND status = 'RUNNING'",
+         FROM actix_outbox.replays WHERE consumer = $1 AND status = 'RUNNING'",
     )
     .bind::<Text, _>(consumer)
     .get_result(conn)
@@ -232,8 +233,8 @@ pub(crate) async fn lock_due(
         #[diesel(sql_type = Double)]
         rate: f64,
     }
-    let rows: Vec<Locked> = diesel::sql_query(
-        "SELECT id, attempts, rate FROM replays \
+    let rows: Vec<Locked> = crate::store::sql(
+        "SELECT id, attempts, rate FROM actix_outbox.replays \
          WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
          ORDER BY next_step_at, id LIMIT 1 FOR UPDATE SKIP LOCKED",
     )
@@ -255,11 +256,11 @@ pub(crate) async fn rows(
                 i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
                 i.causation_id, i.event_created_at, r.attempts AS attempt_count, \
                 0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
-         FROM replays r JOIN inbox_events i ON i.id > r.cursor_id AND i.id <= r.upto_id \
+         FROM actix_outbox.replays r JOIN actix_outbox.inbox_events i ON i.id > r.cursor_id AND i.id <= r.upto_id \
               AND {MATCHING} \
          WHERE r.id = $1 ORDER BY i.id LIMIT $2"
     );
-    let rows = diesel::sql_query(sql)
+    let rows = crate::store::sql(sql)
         .bind::<BigInt, _>(id)
         .bind::<BigInt, _>(limit)
         .load(conn)
@@ -276,8 +277,8 @@ pub(crate) async fn advance(
     last: Option<i64>,
     applied: i64,
 ) -> Result<()> {
-    diesel::sql_query(
-        "UPDATE replays SET cursor_id = coalesce($2, upto_id), done = done + $3, attempts = 0, \
+    crate::store::sql(
+        "UPDATE actix_outbox.replays SET cursor_id = coalesce($2, upto_id), done = done + $3, attempts = 0, \
                 error_code = NULL, last_error = NULL, \
                 next_step_at = now() + make_interval(secs => $3 / rate), \
                 status = CASE WHEN coalesce($2, upto_id) >= upto_id THEN 'DONE' ELSE status END, \
@@ -301,8 +302,8 @@ pub(crate) async fn failed(
     failure: &Failure,
     redact: &Redactor,
 ) -> Result<()> {
-    diesel::sql_query(
-        "UPDATE replays SET attempts = attempts + 1, error_code = $3, last_error = $4, \
+    crate::store::sql(
+        "UPDATE actix_outbox.replays SET attempts = attempts + 1, error_code = $3, last_error = $4, \
                 next_step_at = now() + $5 * interval '1 millisecond', \
                 status = CASE WHEN $2 THEN 'FAILED' ELSE status END, \
                 finished_at = CASE WHEN $2 THEN now() END \

@@ -4,5 +4,5 @@
 SELECT id, consumer, event_types, created_from, created_until, correlation_id, total, done,
     rate, status, attempts, error_code, last_error, requested_by, reason, requested_at,
     finished_at
-FROM replays WHERE $1::text IS NULL OR consumer = $1
+FROM actix_outbox.replays WHERE $1::text IS NULL OR consumer = $1
 ORDER BY id DESC LIMIT $2

@@ -108,19 +108,19 @@ pub(crate) async fn snapshot(conn: &mut AsyncPgConnection) -> Result<Sample> {
 }
 
 async fn outbox_gauges(conn: &mut AsyncPgConnection) -> Result<(DateTime<Utc>, OutboxGauges)> {
-    let row: OutboxRow = diesel::sql_query(
+    let row: OutboxRow = crate::store::sql(
         "SELECT now() AS at, \
-           (SELECT count(*) FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING')) AS pending, \
-           (SELECT count(*) FROM outbox_events WHERE status = 'RETRY_PENDING') AS retrying, \
-           (SELECT count(*) FROM outbox_events WHERE status = 'PROCESSING') AS processing, \
-           (SELECT count(*) FROM outbox_events WHERE status = 'DEAD_LETTER') AS dead_letter, \
-           coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox_events \
+           (SELECT count(*) FROM actix_outbox.outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING')) AS pending, \
+           (SELECT count(*) FROM actix_outbox.outbox_events WHERE status = 'RETRY_PENDING') AS retrying, \
+           (SELECT count(*) FROM actix_outbox.outbox_events WHERE status = 'PROCESSING') AS processing, \
+           (SELECT count(*) FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER') AS dead_letter, \
+           coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM actix_outbox.outbox_events \
                WHERE status IN ('PENDING', 'RETRY_PENDING') ORDER BY seq LIMIT 1), 0) AS oldest_age, \
-           (SELECT seq FROM outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING') \
+           (SELECT seq FROM actix_outbox.outbox_events WHERE status IN ('PENDING', 'RETRY_PENDING') \
                AND next_attempt_at <= now() ORDER BY seq LIMIT 1) AS head_seq, \
-           (SELECT count(*) FROM unrouted_events \
+           (SELECT count(*) FROM actix_outbox.unrouted_events \
                WHERE published_at > now() - interval '1 hour') AS unrouted, \
-           coalesce((SELECT array_agg(t) FROM (SELECT DISTINCT event_type AS t FROM unrouted_events \
+           coalesce((SELECT array_agg(t) FROM (SELECT DISTINCT event_type AS t FROM actix_outbox.unrouted_events \
                WHERE published_at > now() - interval '1 hour' ORDER BY 1 LIMIT 5) x), '{}') \
                AS unrouted_types",
     )
@@ -162,27 +162,27 @@ struct ConsumerRow {
 
 /// The gauges of every consumer ever registered, in name order.
 async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGauges>> {
-    let rows: Vec<ConsumerRow> = diesel::sql_query(
+    let rows: Vec<ConsumerRow> = crate::store::sql(
         "SELECT s.consumer, s.paused AND (s.paused_until IS NULL OR s.paused_until > now()) \
              AS paused, \
-           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+           (SELECT count(*) FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
                AND i.status IN ('RECEIVED', 'RETRY_PENDING')) AS backlog, \
-           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+           (SELECT count(*) FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'RETRY_PENDING') AS retrying, \
-           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+           (SELECT count(*) FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
                AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now() \
-               AND i.id NOT IN (SELECT unnest(l.ids) FROM inbox_leases l \
+               AND i.id NOT IN (SELECT unnest(l.ids) FROM actix_outbox.inbox_leases l \
                                 WHERE l.consumer = s.consumer)) AS due, \
            coalesce((SELECT extract(epoch FROM now() - min(i.next_attempt_at))::float8 \
-               FROM inbox_events i WHERE i.consumer = s.consumer \
+               FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
                AND i.status IN ('RECEIVED', 'RETRY_PENDING') AND i.next_attempt_at <= now() \
-               AND i.id NOT IN (SELECT unnest(l.ids) FROM inbox_leases l \
+               AND i.id NOT IN (SELECT unnest(l.ids) FROM actix_outbox.inbox_leases l \
                                 WHERE l.consumer = s.consumer)), 0) AS oldest_due_age, \
            coalesce((SELECT extract(epoch FROM now() - min(l.claimed_at))::float8 \
-               FROM inbox_leases l WHERE l.consumer = s.consumer), 0) AS oldest_in_flight_age, \
-           (SELECT count(*) FROM inbox_events i WHERE i.consumer = s.consumer \
+               FROM actix_outbox.inbox_leases l WHERE l.consumer = s.consumer), 0) AS oldest_in_flight_age, \
+           (SELECT count(*) FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'DEAD_LETTER') AS dead_letter \
-         FROM consumer_states s ORDER BY s.consumer",
+         FROM actix_outbox.consumer_states s ORDER BY s.consumer",
     )
     .load(conn)
     .await?;
@@ -216,8 +216,8 @@ pub(crate) async fn insert_sample(
         #[diesel(sql_type = Timestamptz)]
         sampled_at: DateTime<Utc>,
     }
-    let at: At = diesel::sql_query(
-        "INSERT INTO outbox_stats_samples (instance, interval_ms, sample, health) \
+    let at: At = crate::store::sql(
+        "INSERT INTO actix_outbox.outbox_stats_samples (instance, interval_ms, sample, health) \
          VALUES ($1, $2, $3, $4) RETURNING sampled_at",
     )
     .bind::<Text, _>(instance)
@@ -241,8 +241,8 @@ pub(crate) async fn recent_samples(
     since: Duration,
     limit: i64,
 ) -> Result<Vec<serde_json::Value>> {
-    let mut rows: Vec<SampleRow> = diesel::sql_query(
-        "SELECT sample FROM outbox_stats_samples \
+    let mut rows: Vec<SampleRow> = crate::store::sql(
+        "SELECT sample FROM actix_outbox.outbox_stats_samples \
          WHERE sampled_at > now() - $1 * interval '1 millisecond' \
          ORDER BY sampled_at DESC, id DESC LIMIT $2",
     )
@@ -269,10 +269,10 @@ pub(crate) struct LatestHealth {
 
 #[cfg(feature = "admin")]
 pub(crate) async fn latest_health(conn: &mut AsyncPgConnection) -> Result<Option<LatestHealth>> {
-    let rows: Vec<LatestHealth> = diesel::sql_query(
+    let rows: Vec<LatestHealth> = crate::store::sql(
         "SELECT health, interval_ms, \
              extract(epoch FROM now() - sampled_at)::float8 AS age_seconds \
-         FROM outbox_stats_samples ORDER BY sampled_at DESC, id DESC LIMIT 1",
+         FROM actix_outbox.outbox_stats_samples ORDER BY sampled_at DESC, id DESC LIMIT 1",
     )
     .load(conn)
     .await?;
@@ -299,12 +299,12 @@ pub(crate) async fn consumer_sums(
     conn: &mut AsyncPgConnection,
     since: Duration,
 ) -> Result<Vec<(String, i64, i64, i64)>> {
-    let rows: Vec<ConsumerSums> = diesel::sql_query(
+    let rows: Vec<ConsumerSums> = crate::store::sql(
         "SELECT c->>'consumer' AS consumer, \
              coalesce(sum((c->>'duplicates')::int8), 0)::int8 AS duplicates, \
              coalesce(sum((c->>'failed')::int8), 0)::int8 AS failed, \
              coalesce(sum((c->>'processed')::int8), 0)::int8 AS processed \
-         FROM outbox_stats_samples s, jsonb_array_elements(s.sample->'consumers') c \
+         FROM actix_outbox.outbox_stats_samples s, jsonb_array_elements(s.sample->'consumers') c \
          WHERE s.sampled_at > now() - $1 * interval '1 millisecond' \
          GROUP BY 1 ORDER BY 1",
     )
@@ -379,10 +379,10 @@ pub(crate) async fn chart_series(
         #[diesel(sql_type = Timestamptz)]
         now: DateTime<Utc>,
     }
-    let Now { now } = diesel::sql_query("SELECT now() AS now")
+    let Now { now } = crate::store::sql("SELECT now() AS now")
         .get_result(conn)
         .await?;
-    let points: Vec<ChartPoint> = diesel::sql_query(CHART_SERIES)
+    let points: Vec<ChartPoint> = crate::store::sql(CHART_SERIES)
         .bind::<Timestamptz, _>(now)
         .bind::<BigInt, _>(store::millis(window))
         .bind::<BigInt, _>(bucket.as_secs().clamp(1, i64::MAX as u64) as i64)
@@ -403,9 +403,9 @@ pub(crate) async fn prune_samples(
     older_than: Duration,
     batch: i64,
 ) -> Result<usize> {
-    let n = diesel::sql_query(
-        "DELETE FROM outbox_stats_samples WHERE id IN ( \
-             SELECT id FROM outbox_stats_samples \
+    let n = crate::store::sql(
+        "DELETE FROM actix_outbox.outbox_stats_samples WHERE id IN ( \
+             SELECT id FROM actix_outbox.outbox_stats_samples \
              WHERE sampled_at < now() - $1 * interval '1 millisecond' \
              ORDER BY sampled_at LIMIT $2)",
     )
@@ -483,37 +483,37 @@ pub(crate) async fn delete_expired(
         // for it would stall retention behind that handler.
         Expired::PublishedOutbox => {
             "WITH expired AS ( \
-                 SELECT id, published_at FROM outbox_events \
+                 SELECT id, published_at FROM actix_outbox.outbox_events \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
                    AND published_at >= coalesce($3, '-infinity') \
                    AND (published_at, id) > (coalesce($3, '-infinity'), coalesce($4, '00000000-0000-0000-0000-000000000000')) \
                  ORDER BY published_at, id LIMIT $2 FOR UPDATE SKIP LOCKED), \
              locked AS ( \
-                 SELECT id, event_id FROM inbox_events \
+                 SELECT id, event_id FROM actix_outbox.inbox_events \
                  WHERE event_id IN (SELECT id FROM expired) AND NOT external \
                  FOR UPDATE SKIP LOCKED), \
              busy AS ( \
-                 SELECT event_id FROM inbox_events \
+                 SELECT event_id FROM actix_outbox.inbox_events \
                  WHERE event_id IN (SELECT id FROM expired) AND NOT external \
                    AND id NOT IN (SELECT id FROM locked)), \
              gone AS (SELECT id FROM expired WHERE id NOT IN (SELECT event_id FROM busy)), \
-             kept AS (UPDATE inbox_events SET external = true \
+             kept AS (UPDATE actix_outbox.inbox_events SET external = true \
                  WHERE id IN (SELECT id FROM locked WHERE event_id IN (SELECT id FROM gone))), \
-             deleted AS (DELETE FROM outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1), \
-             unrouted AS (DELETE FROM unrouted_events WHERE event_id IN (SELECT id FROM gone)), \
+             deleted AS (DELETE FROM actix_outbox.outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1), \
+             unrouted AS (DELETE FROM actix_outbox.unrouted_events WHERE event_id IN (SELECT id FROM gone)), \
              last AS (SELECT published_at, id FROM expired ORDER BY published_at DESC, id DESC LIMIT 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
                     (SELECT published_at FROM last) AS last_at, (SELECT id FROM last) AS last_id"
                 .into()
         }
         Expired::ProcessedInbox => {
-            by_age("inbox_events", "id", "processed_at", "AND status = 'PROCESSED'").into()
+            by_age("actix_outbox.inbox_events", "id", "processed_at", "AND status = 'PROCESSED'").into()
         }
-        Expired::IdempotencyKeys => by_age("idempotency_keys", "key", "created_at", "").into(),
-        Expired::AdminAudit => by_age("admin_audit", "id", "at", "").into(),
+        Expired::IdempotencyKeys => by_age("actix_outbox.idempotency_keys", "key", "created_at", "").into(),
+        Expired::AdminAudit => by_age("actix_outbox.admin_audit", "id", "at", "").into(),
         // Never a run still going.
         Expired::ReconcileRuns => {
-            by_age("reconcile_runs", "id", "started_at", "AND finished_at IS NOT NULL").into()
+            by_age("actix_outbox.reconcile_runs", "id", "started_at", "AND finished_at IS NOT NULL").into()
         }
         // A version is what an event of its aggregate is compared with, so it goes only when
         // no such event can still come: the consumer has no row of the aggregate that may yet
@@ -522,16 +522,16 @@ pub(crate) async fn delete_expired(
         // flight and the dead letters, read once per batch through their partial indexes.
         Expired::AggregateVersions => {
             "WITH expired AS ( \
-                 SELECT consumer, aggregate_type, aggregate_id FROM aggregate_versions v \
+                 SELECT consumer, aggregate_type, aggregate_id FROM actix_outbox.aggregate_versions v \
                  WHERE updated_at < now() - $1 * interval '1 millisecond' \
                    AND (consumer, aggregate_type, aggregate_id) NOT IN ( \
-                       SELECT consumer, aggregate_type, aggregate_id FROM inbox_events \
+                       SELECT consumer, aggregate_type, aggregate_id FROM actix_outbox.inbox_events \
                        WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')) \
                    AND (aggregate_type, aggregate_id) NOT IN ( \
-                       SELECT aggregate_type, aggregate_id FROM outbox_events \
+                       SELECT aggregate_type, aggregate_id FROM actix_outbox.outbox_events \
                        WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING', 'DEAD_LETTER')) \
                  ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             deleted AS (DELETE FROM aggregate_versions v USING expired e \
+             deleted AS (DELETE FROM actix_outbox.aggregate_versions v USING expired e \
                  WHERE (v.consumer, v.aggregate_type, v.aggregate_id) \
                      = (e.consumer, e.aggregate_type, e.aggregate_id) RETURNING 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
@@ -539,7 +539,7 @@ pub(crate) async fn delete_expired(
                 .into()
         }
     };
-    let query = diesel::sql_query(sql.into_owned())
+    let query = crate::store::sql(sql.into_owned())
         .bind::<BigInt, _>(store::millis(older_than))
         .bind::<BigInt, _>(batch);
     let expiry = if what == Expired::PublishedOutbox {

@@ -55,7 +55,7 @@ pub(crate) async fn timeline(
 ) -> Result<Vec<TimelineEntry>> {
     // How each part is found: `timeline.sql`. Not a cached statement: an operator's query,
     // planned afresh for the tables as they are.
-    let rows = diesel::sql_query(include_str!("timeline.sql"))
+    let rows = crate::store::sql(include_str!("timeline.sql"))
         .bind::<Text, _>(correlation_id)
         .bind::<diesel::sql_types::BigInt, _>(TIMELINE_LIMIT)
         .load(conn)

@@ -8,7 +8,7 @@
 WITH o AS MATERIALIZED (
     SELECT id, event_type, aggregate_id, status, attempt_count, error_code, causation_id,
         created_at, published_at, seq
-    FROM outbox_events WHERE correlation_id = $1
+    FROM actix_outbox.outbox_events WHERE correlation_id = $1
 )
 SELECT * FROM (
     SELECT 'outbox' AS kind, id AS event_id, event_type, aggregate_id, NULL::text AS consumer,
@@ -18,10 +18,10 @@ SELECT * FROM (
     UNION ALL
     SELECT 'inbox', event_id, event_type, aggregate_id, consumer, status, attempt_count,
         error_code, causation_id, received_at, processed_at, id
-    FROM inbox_events WHERE event_id IN (SELECT id FROM o)
+    FROM actix_outbox.inbox_events WHERE event_id IN (SELECT id FROM o)
     UNION ALL
     SELECT 'inbox', event_id, event_type, aggregate_id, consumer, status, attempt_count,
         error_code, causation_id, received_at, processed_at, id
-    FROM inbox_events
+    FROM actix_outbox.inbox_events
     WHERE external AND correlation_id = $1 AND event_id NOT IN (SELECT id FROM o)
 ) t ORDER BY at, kind DESC, ord LIMIT $2

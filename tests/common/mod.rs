@@ -53,6 +53,19 @@ impl TestDb {
         TestDb { name, url, pool }
     }
 
+    /// `ao_test_<random>` with nothing in it: no migration, no business table.
+    pub async fn empty() -> TestDb {
+        let name = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = AsyncPgConnection::establish(&base_url()).await.unwrap();
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap();
+        let url = with_database(&base_url(), &name);
+        let pool = actix_outbox::connect(&url, 30).await.expect("pool");
+        TestDb { name, url, pool }
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         let mut conn = self.pool.get().await.unwrap();
         let c: Count = diesel::sql_query(sql)
@@ -527,7 +540,7 @@ pub async fn inbox_states(
 ) -> std::collections::BTreeMap<(uuid::Uuid, String), InboxState> {
     let mut conn = db.pool.get().await.unwrap();
     let rows: Vec<InboxStateRow> = diesel::sql_query(
-        "SELECT event_id, consumer, status, attempt_count, error_code FROM inbox_events",
+        "SELECT event_id, consumer, status, attempt_count, error_code FROM actix_outbox.inbox_events",
     )
     .load(&mut conn)
     .await

@@ -85,14 +85,14 @@ async fn fingerprint(db: &TestDb) -> String {
     text(
         db,
         "SELECT coalesce((SELECT string_agg(concat_ws('|', id, status, attempt_count, next_attempt_at, \
-                 updated_at, locked_by), ',' ORDER BY id) FROM outbox_events), '') \
+                 updated_at, locked_by), ',' ORDER BY id) FROM actix_outbox.outbox_events), '') \
              || '#' || coalesce((SELECT string_agg(concat_ws('|', id, status, attempt_count, \
-                 next_attempt_at, updated_at), ',' ORDER BY id) FROM inbox_events), '') \
+                 next_attempt_at, updated_at), ',' ORDER BY id) FROM actix_outbox.inbox_events), '') \
              || '#' || coalesce((SELECT string_agg(concat_ws('|', consumer, paused, paused_by, reason, \
-                 updated_at), ',' ORDER BY consumer) FROM consumer_states), '') \
+                 updated_at), ',' ORDER BY consumer) FROM actix_outbox.consumer_states), '') \
              || '#' || coalesce((SELECT string_agg(consumer || '|' || event_type, ',' \
-                 ORDER BY consumer, event_type) FROM consumer_subscriptions), '') \
-             || '#' || (SELECT count(*) FROM admin_audit) AS s",
+                 ORDER BY consumer, event_type) FROM actix_outbox.consumer_subscriptions), '') \
+             || '#' || (SELECT count(*) FROM actix_outbox.admin_audit) AS s",
     )
     .await
 }
@@ -125,10 +125,10 @@ async fn seed(db: &TestDb) -> Seed {
     );
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(&format!(
-        "INSERT INTO consumer_states (consumer) VALUES ('mail'), ('stats');
-         INSERT INTO consumer_subscriptions (consumer, event_type)
+        "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('mail'), ('stats');
+         INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type)
              VALUES ('mail', 'ORDER_STATUS_CHANGED'), ('stats', 'ORDER_STATUS_CHANGED');
-         INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, aggregate_version,
+         INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, aggregate_version,
                  payload, correlation_id, status, attempt_count, error_code, last_error, published_at,
                  created_at)
          VALUES ('{published}', 'ORDER_STATUS_CHANGED', 'order', 'o-1', 2, '{{\"email\": \"{MARKER}\"}}',
@@ -138,14 +138,14 @@ async fn seed(db: &TestDb) -> Seed {
                  now() - interval '2 minutes'),
                 ('{pending}', 'ORDER_STATUS_CHANGED', 'order', 'o-3', 1, '{{\"email\": \"{MARKER}\"}}',
                  'corr-2', 'PENDING', 0, NULL, NULL, NULL, now());
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
                  aggregate_id, payload, correlation_id, event_created_at, status, attempt_count,
                  error_code, last_error, processed_at, next_attempt_at, received_at)
          SELECT '{published}', c, 'ORDER_STATUS_CHANGED', 1, 'order', 'o-1',
                 '{{\"email\": \"{MARKER}\"}}', 'corr-1', now() - interval '3 minutes', s, a, e, m, p,
                 now() + interval '1 hour', now() - interval '1 minute'
          FROM (VALUES ('stats', 'PROCESSED', 1, NULL, NULL, now())) v(c, s, a, e, m, p);
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
                  aggregate_id, payload, correlation_id, event_created_at, status, attempt_count,
                  error_code, last_error, processed_at, next_attempt_at)
          SELECT gen_random_uuid(), 'mail', 'ORDER_STATUS_CHANGED', 1, 'order', 'o-' || i,
@@ -177,15 +177,16 @@ async fn seed(db: &TestDb) -> Seed {
         outbox_published: published,
         outbox_dead: dead,
         outbox_pending: pending,
-        inbox_dead: ids("SELECT id FROM inbox_events WHERE consumer = 'mail' AND status = 'DEAD_LETTER' ORDER BY id").await,
-        inbox_processed: ids("SELECT id FROM inbox_events WHERE consumer = 'mail' AND status = 'PROCESSED'").await[0],
-        inbox_retry: ids("SELECT id FROM inbox_events WHERE status = 'RETRY_PENDING'").await[0],
-        stats_processed: ids("SELECT id FROM inbox_events WHERE consumer = 'stats'").await[0],
+        inbox_dead: ids("SELECT id FROM actix_outbox.inbox_events WHERE consumer = 'mail' AND status = 'DEAD_LETTER' ORDER BY id").await,
+        inbox_processed: ids("SELECT id FROM actix_outbox.inbox_events WHERE consumer = 'mail' AND status = 'PROCESSED'").await[0],
+        inbox_retry: ids("SELECT id FROM actix_outbox.inbox_events WHERE status = 'RETRY_PENDING'").await[0],
+        stats_processed: ids("SELECT id FROM actix_outbox.inbox_events WHERE consumer = 'stats'").await[0],
     }
 }
 
 async fn audit_rows(db: &TestDb) -> i64 {
-    db.count("SELECT count(*) AS n FROM admin_audit").await
+    db.count("SELECT count(*) AS n FROM actix_outbox.admin_audit")
+        .await
 }
 
 #[actix_rt::test]
@@ -309,7 +310,7 @@ async fn a_custom_guard_replaces_the_tokens() {
     let (status, body) = call!(app, req);
     assert_eq!(status, 200, "{body}");
     assert_eq!(
-        text(&db, "SELECT who AS s FROM admin_audit").await,
+        text(&db, "SELECT who AS s FROM actix_outbox.admin_audit").await,
         "carol",
         "the guard's name is the audit's who"
     );
@@ -368,7 +369,8 @@ async fn an_action_sent_from_another_sites_page_is_refused() {
     let (status, body) = call!(app, script);
     assert_eq!(status, 200, "{body}");
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM admin_audit").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.admin_audit")
+            .await,
         2,
         "the two admitted actions, audited"
     );
@@ -387,7 +389,7 @@ async fn an_action_on_a_row_a_batch_holds_is_refused_as_busy_not_left_waiting() 
     let mut holder = db.pool.get().await.unwrap();
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut *holder,
-        &format!("BEGIN; SELECT 1 FROM inbox_events WHERE id = {id} FOR UPDATE"),
+        &format!("BEGIN; SELECT 1 FROM actix_outbox.inbox_events WHERE id = {id} FOR UPDATE"),
     )
     .await
     .unwrap();
@@ -429,10 +431,10 @@ async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
     let id = s.inbox_dead[0];
     let others = format!(
         "SELECT string_agg(concat_ws('|', id, status, attempt_count, next_attempt_at, updated_at), ',' ORDER BY id) AS s \
-         FROM inbox_events WHERE id <> {id}"
+         FROM actix_outbox.inbox_events WHERE id <> {id}"
     );
     let others_before = text(&db, &others).await;
-    let outbox_before = text(&db, "SELECT string_agg(concat_ws('|', id, status, updated_at), ',' ORDER BY id) AS s FROM outbox_events").await;
+    let outbox_before = text(&db, "SELECT string_agg(concat_ws('|', id, status, updated_at), ',' ORDER BY id) AS s FROM actix_outbox.outbox_events").await;
 
     let got = call!(
         app,
@@ -447,7 +449,7 @@ async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
     assert_eq!(v["changed"], 1);
     assert_eq!(
         db.count(&format!(
-            "SELECT count(*) AS n FROM inbox_events WHERE id = {id} AND status = 'RETRY_PENDING' \
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE id = {id} AND status = 'RETRY_PENDING' \
              AND attempt_count = 5 AND next_attempt_at <= now()"
         ))
         .await,
@@ -460,7 +462,7 @@ async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
         "no other inbox row changed"
     );
     assert_eq!(
-        text(&db, "SELECT string_agg(concat_ws('|', id, status, updated_at), ',' ORDER BY id) AS s FROM outbox_events").await,
+        text(&db, "SELECT string_agg(concat_ws('|', id, status, updated_at), ',' ORDER BY id) AS s FROM actix_outbox.outbox_events").await,
         outbox_before
     );
     assert_eq!(audit_rows(&db).await, 1);
@@ -468,7 +470,7 @@ async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
         text(
             &db,
             "SELECT concat_ws('|', who, action, target, reason, details->'rows'->0->>'status', \
-                 details->'rows'->0->>'attempt_count') AS s FROM admin_audit"
+                 details->'rows'->0->>'attempt_count') AS s FROM actix_outbox.admin_audit"
         )
         .await,
         format!("alice|inbox.retry|inbox:{id}|smtp fixed|DEAD_LETTER|5")
@@ -488,7 +490,7 @@ async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(
         db.count(&format!(
-            "SELECT count(*) AS n FROM outbox_events WHERE id = '{}' AND status = 'PENDING' \
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE id = '{}' AND status = 'PENDING' \
              AND attempt_count = 5 AND next_attempt_at <= now() AND locked_by IS NULL",
             s.outbox_dead
         ))
@@ -496,13 +498,13 @@ async fn retrying_a_dead_letter_changes_exactly_that_row_and_audits_it() {
         1
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'")
             .await,
         1
     );
     assert_eq!(audit_rows(&db).await, 2);
     assert_eq!(
-        text(&db, "SELECT concat_ws('|', who, action, target) AS s FROM admin_audit ORDER BY id DESC LIMIT 1").await,
+        text(&db, "SELECT concat_ws('|', who, action, target) AS s FROM actix_outbox.admin_audit ORDER BY id DESC LIMIT 1").await,
         format!("alice|outbox.retry|outbox:{}", s.outbox_dead)
     );
     db.finish(&[]).await;
@@ -593,21 +595,23 @@ async fn a_bulk_retry_is_bounded_confirmed_and_all_or_nothing() {
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(json_of(&got.1)["changed"], 2);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'RETRY_PENDING' AND next_attempt_at <= now()")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'RETRY_PENDING' AND next_attempt_at <= now()")
             .await,
         2,
         "exactly the two named rows (the seeded retry is due in an hour)"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER'"
+        )
+        .await,
         1
     );
     assert_eq!(audit_rows(&db).await, 1, "one action, one audit row");
     assert_eq!(
         text(
             &db,
-            "SELECT concat_ws('|', action, target, jsonb_array_length(details->'rows')) AS s FROM admin_audit"
+            "SELECT concat_ws('|', action, target, jsonb_array_length(details->'rows')) AS s FROM actix_outbox.admin_audit"
         )
         .await,
         "inbox.retry_set|inbox:[2 rows]|2"
@@ -679,13 +683,13 @@ async fn ignoring_needs_a_reason_and_takes_only_failed_rows() {
     );
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'IGNORED'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'IGNORED'")
             .await,
         1
     );
     assert_eq!(
         db.count(&format!(
-            "SELECT count(*) AS n FROM inbox_events WHERE id = {id} AND status = 'IGNORED' \
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE id = {id} AND status = 'IGNORED' \
              AND error_code = 'EVENT_SCHEMA_INVALID'"
         ))
         .await,
@@ -710,7 +714,7 @@ async fn ignoring_needs_a_reason_and_takes_only_failed_rows() {
     );
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'IGNORED'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'IGNORED'")
             .await,
         1
     );
@@ -718,7 +722,7 @@ async fn ignoring_needs_a_reason_and_takes_only_failed_rows() {
     assert_eq!(
         text(
             &db,
-            &format!("SELECT concat_ws('|', who, action, target, reason) AS s FROM admin_audit WHERE target = 'inbox:{id}'")
+            &format!("SELECT concat_ws('|', who, action, target, reason) AS s FROM actix_outbox.admin_audit WHERE target = 'inbox:{id}'")
         )
         .await,
         format!("alice|inbox.ignore|inbox:{id}|customer deleted the order")
@@ -774,11 +778,11 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
     );
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(
-        text(&db, "SELECT concat_ws('|', paused, paused_by, reason) AS s FROM consumer_states WHERE consumer = 'mail'").await,
+        text(&db, "SELECT concat_ws('|', paused, paused_by, reason) AS s FROM actix_outbox.consumer_states WHERE consumer = 'mail'").await,
         "t|alice|smtp maintenance"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM consumer_states WHERE paused")
+        db.count("SELECT count(*) AS n FROM actix_outbox.consumer_states WHERE paused")
             .await,
         1,
         "only mail"
@@ -786,14 +790,14 @@ async fn pause_and_resume_use_the_pause_switch_and_are_audited() {
     let got = call!(app, post("/ops/consumers/mail/resume", json!({})));
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM consumer_states WHERE paused")
+        db.count("SELECT count(*) AS n FROM actix_outbox.consumer_states WHERE paused")
             .await,
         0
     );
     assert_eq!(
         text(
             &db,
-            "SELECT string_agg(concat_ws('|', action, target, details->>'paused'), ',' ORDER BY id) AS s FROM admin_audit"
+            "SELECT string_agg(concat_ws('|', action, target, details->>'paused'), ',' ORDER BY id) AS s FROM actix_outbox.admin_audit"
         )
         .await,
         "consumer.pause|consumer:mail|false,consumer.resume|consumer:mail|true"
@@ -832,7 +836,7 @@ async fn a_replay_is_refused_unless_safe_checked_listed_cancelled_and_audited() 
     let db = TestDb::new().await;
     seed(&db).await;
     let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
-    let replays = "SELECT count(*) AS n FROM replays";
+    let replays = "SELECT count(*) AS n FROM actix_outbox.replays";
     let ask = |body: Value| post("/ops/consumers/mail/replay", body);
     assert_error(
         &call!(app, ask(json!({"reason": "rebuild"}))),
@@ -848,10 +852,12 @@ async fn a_replay_is_refused_unless_safe_checked_listed_cancelled_and_audited() 
         "CONSUMER_UNKNOWN",
     );
     // The consumer's code marks it safe when it registers; here, by hand.
-    diesel::sql_query("UPDATE consumer_states SET replay_safe = true WHERE consumer = 'mail'")
-        .execute(&mut db.pool.get().await.unwrap())
-        .await
-        .unwrap();
+    diesel::sql_query(
+        "UPDATE actix_outbox.consumer_states SET replay_safe = true WHERE consumer = 'mail'",
+    )
+    .execute(&mut db.pool.get().await.unwrap())
+    .await
+    .unwrap();
     assert_error(&call!(app, ask(json!({}))), 400, "REASON_REQUIRED");
     assert_error(
         &call!(app, ask(json!({"reason": "x", "rate": 0}))),
@@ -882,7 +888,7 @@ async fn a_replay_is_refused_unless_safe_checked_listed_cancelled_and_audited() 
     assert_eq!(audit_rows(&db).await, 0);
 
     let processed = db
-        .count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'mail' AND status = 'PROCESSED' AND error_code IS NULL")
+        .count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'mail' AND status = 'PROCESSED' AND error_code IS NULL")
         .await;
     let got = call!(
         app,
@@ -916,7 +922,7 @@ async fn a_replay_is_refused_unless_safe_checked_listed_cancelled_and_audited() 
     assert_eq!(
         text(
             &db,
-            "SELECT string_agg(concat_ws('|', who, action, target, reason), ',' ORDER BY id) AS s FROM admin_audit"
+            "SELECT string_agg(concat_ws('|', who, action, target, reason), ',' ORDER BY id) AS s FROM actix_outbox.admin_audit"
         )
         .await,
         "alice|consumer.replay|consumer:mail|rebuild the projection,alice|consumer.replay.cancel|consumer:mail"
@@ -980,7 +986,7 @@ async fn removing_a_subscription_needs_a_reason_is_audited_and_touches_only_that
     assert_eq!(
         text(
             &db,
-            "SELECT string_agg(consumer || '|' || event_type, ',') AS s FROM consumer_subscriptions"
+            "SELECT string_agg(consumer || '|' || event_type, ',') AS s FROM actix_outbox.consumer_subscriptions"
         )
         .await,
         "stats|ORDER_STATUS_CHANGED",
@@ -989,7 +995,7 @@ async fn removing_a_subscription_needs_a_reason_is_audited_and_touches_only_that
     assert_eq!(
         text(
             &db,
-            "SELECT concat_ws('|', who, action, target, reason, details->>'event_type') AS s FROM admin_audit"
+            "SELECT concat_ws('|', who, action, target, reason, details->>'event_type') AS s FROM actix_outbox.admin_audit"
         )
         .await,
         "alice|consumer.unsubscribe|consumer:mail|mail no longer handles status changes|ORDER_STATUS_CHANGED"
@@ -1176,7 +1182,9 @@ async fn lists_show_metadata_never_the_payload_and_page_within_bounds() {
     let page2 = json_of(&call!(app, get(&format!("/ops/inbox?limit=2&before={cursor}"))).1);
     let first_of_2 = page2["items"][0]["id"].as_i64().unwrap();
     assert!(first_of_2 < cursor.parse::<i64>().unwrap());
-    let all = db.count("SELECT count(*) AS n FROM inbox_events").await;
+    let all = db
+        .count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+        .await;
     let full = json_of(&call!(app, get("/ops/inbox?limit=200")).1);
     assert_eq!(full["items"].as_array().unwrap().len() as i64, all);
 

@@ -23,7 +23,7 @@ async fn a_batch_consumer_gets_a_backlog_in_batches_and_writes_each_effect_once(
     let rt = start_batch(&db, vec![(consumer("bulk", 3).batch_size(50), behaviour)]).await;
 
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 1";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND attempt_count = 1";
     assert_eq!(db.wait_for(done, 400, WAIT).await, 400);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 400);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
@@ -56,17 +56,18 @@ async fn poison_in_a_batch(poison: Poison, timeout: Duration, error: &str) {
     let cfg = consumer("bulk", 2).batch_size(20).handler_timeout(timeout);
     let rt = start_batch(&db, vec![(cfg, behaviour)]).await;
 
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
                    AND attempt_count = 1 AND aggregate_id <> 'poison'";
     assert_eq!(db.wait_for(healthy, 301, WAIT).await, 301);
     let dead = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
          AND aggregate_id = 'poison' AND attempt_count = 2 \
          AND error_code = 'INBOX_CONSUMER_FAILED' AND last_error LIKE '%{error}%'"
     );
     assert_eq!(db.wait_for(&dead, 1, WAIT).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         302
     );
     // The poison event's effects rolled back with each attempt; the others committed once.
@@ -118,15 +119,15 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
         .unwrap();
     db.produce(1, "x").await;
     let d_done =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'd' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'd' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(d_done, 1, WAIT).await, 1);
     // A batch of c leased its row alone, and the process died, a day ago.
     conn.batch_execute(
-        "INSERT INTO inbox_leases (token, consumer, locked_by, backend, claimed_at, \
+        "INSERT INTO actix_outbox.inbox_leases (token, consumer, locked_by, backend, claimed_at, \
              locked_until, ids) \
          SELECT 42, 'c', 'gone', 0, now() - interval '25 hours', now() - interval '25 hours', \
              array_agg(id) \
-         FROM inbox_events WHERE consumer = 'c'",
+         FROM actix_outbox.inbox_events WHERE consumer = 'c'",
     )
     .await
     .unwrap();
@@ -139,7 +140,7 @@ async fn a_day_old_lease_of_a_paused_consumer_is_still_charged() {
         .await
         .unwrap();
     drop(conn);
-    let counted = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c' \
+    let counted = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'c' \
                    AND aggregate_id = 'x-0' AND status = 'RETRY_PENDING' AND attempt_count = 1 \
                    AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
     assert_eq!(db.wait_for(counted, 1, WAIT).await, 1);
@@ -169,10 +170,11 @@ async fn a_batch_ending_in_a_stale_event_still_hands_over_the_rest() {
         .lease(Duration::from_secs(600));
     let rt = start_batch(&db, vec![(cfg, Behaviour::default())]).await;
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
                 AND attempt_count = 1";
     assert_eq!(db.wait_for(done, 2, Duration::from_secs(20)).await, 2);
-    let stale = "SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE'";
+    let stale =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE error_code = 'EVENT_STALE'";
     assert_eq!(db.count(stale).await, 1);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
     db.finish(&[&rt]).await;

@@ -240,7 +240,11 @@ async fn invalid_events_fail_the_enqueue_and_roll_back_the_business_change() {
     drop(conn);
     assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 2);
     assert_eq!(db.count("SELECT count(*) AS n FROM audit_logs").await, 1);
-    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 2);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events")
+            .await,
+        2
+    );
     db.finish(&[]).await;
 }
 
@@ -272,11 +276,11 @@ async fn a_newer_version_is_retried_for_a_newer_build_and_v1_is_upcast() {
 
     // Retried, not dead-lettered at once: in a rolling deploy an instance of the newer build
     // may claim it next. No build here reads it, so it is dead-lettered after its 3 attempts.
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' AND attempt_count = 3 \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' AND attempt_count = 3 \
                 AND error_code = 'EVENT_VERSION_UNSUPPORTED' AND aggregate_id = 'o9'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND aggregate_id = 'o1'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND aggregate_id = 'o1'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM projections WHERE order_id = 'o1' AND status = 'PAID'")
@@ -308,7 +312,7 @@ async fn a_stale_event_is_recorded_and_state_never_moves_backwards() {
         .unwrap();
     drop(conn);
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
     let conn = db.pool.get().await.unwrap();
     reg.enqueue(&conn, &changed("o1", "SENT", 12))
@@ -325,7 +329,7 @@ async fn a_stale_event_is_recorded_and_state_never_moves_backwards() {
         1
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE' AND aggregate_version = 12 \
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE error_code = 'EVENT_STALE' AND aggregate_version = 12 \
                   AND last_error LIKE '%version 13%'")
             .await,
         1
@@ -359,11 +363,11 @@ async fn events_of_one_change_share_its_version_and_are_all_applied() {
         .subscribe("PAYMENT_REQUESTED")
         .skip_stale(true);
     let rt = start(&db, vec![(cfg, Behaviour::default())]).await;
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 3, WAIT).await, 3);
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM effects e JOIN inbox_events i USING (event_id) \
+            "SELECT count(*) AS n FROM effects e JOIN actix_outbox.inbox_events i USING (event_id) \
                   WHERE i.aggregate_version = 5"
         )
         .await,
@@ -371,7 +375,7 @@ async fn events_of_one_change_share_its_version_and_are_all_applied() {
     );
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE' \
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE error_code = 'EVENT_STALE' \
                   AND aggregate_version = 4"
         )
         .await,
@@ -416,7 +420,7 @@ async fn shuffled_events_end_in_the_state_of_each_aggregates_latest_version() {
         .batch_size(16);
     let rt = start_projector(&db, cfg, Projector::default()).await;
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM projections WHERE status = 'S20' AND version = 20")
@@ -424,14 +428,16 @@ async fn shuffled_events_end_in_the_state_of_each_aggregates_latest_version() {
         50
     );
     let stale = db
-        .count("SELECT count(*) AS n FROM inbox_events WHERE error_code = 'EVENT_STALE'")
+        .count(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE error_code = 'EVENT_STALE'",
+        )
         .await;
     assert!(
         stale > 0 && stale < 1000,
         "some events arrived late and were recorded stale ({stale})"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM aggregate_versions WHERE version = 20")
+        db.count("SELECT count(*) AS n FROM actix_outbox.aggregate_versions WHERE version = 20")
             .await,
         50
     );
@@ -462,12 +468,12 @@ async fn two_different_events_with_one_business_key_cause_one_effect() {
         .unwrap();
     drop(conn);
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 2, WAIT).await, 2);
     assert_eq!(db.count("SELECT count(*) AS n FROM notifications").await, 1);
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM idempotency_keys WHERE key = 'notification:o1:COMPLETED'"
+            "SELECT count(*) AS n FROM actix_outbox.idempotency_keys WHERE key = 'notification:o1:COMPLETED'"
         )
         .await,
         1
@@ -501,12 +507,12 @@ async fn a_follow_up_the_registry_refuses_fails_its_delivery_and_is_not_enqueued
         .unwrap();
     drop(conn);
     rt.handle().wake();
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND attempt_count = 1 AND error_code = 'EVENT_SCHEMA_INVALID'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM outbox_events WHERE event_type = 'NOTIFICATION_REQUESTED'"
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE event_type = 'NOTIFICATION_REQUESTED'"
         )
         .await,
         0
@@ -547,11 +553,11 @@ async fn a_chain_keeps_one_correlation_id_and_links_causation() {
     drop(conn);
     rt.handle().wake();
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     // projector and notifier get ORDER_STATUS_CHANGED; notifier gets NOTIFICATION_REQUESTED.
     assert_eq!(db.wait_for(done, 3, WAIT).await, 3);
     let second = format!(
-        "SELECT count(*) AS n FROM outbox_events WHERE event_type = 'NOTIFICATION_REQUESTED' \
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE event_type = 'NOTIFICATION_REQUESTED' \
          AND correlation_id = 'req-123' AND causation_id = '{}'",
         first.id()
     );
@@ -606,8 +612,8 @@ async fn a_contract_mismatch_at_start_is_reported_until_fixed_and_can_refuse_the
     drop(conn);
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(
-        "INSERT INTO consumer_states (consumer) VALUES ('projector');
-         INSERT INTO consumer_subscriptions (consumer, event_type)
+        "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('projector');
+         INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type)
              VALUES ('projector', 'ORDER_CANCELLED');",
     )
     .await

@@ -68,10 +68,16 @@ async fn business_change_and_event_commit_together_or_not_at_all() {
 
     assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 1);
     assert_eq!(db.count("SELECT count(*) AS n FROM audit_logs").await, 1);
-    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'o-ok'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events")
             .await,
+        1
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE aggregate_id = 'o-ok'"
+        )
+        .await,
         1
     );
     db.finish(&[]).await;
@@ -123,10 +129,14 @@ async fn an_enqueue_pipelined_with_the_business_write_commits_with_it_or_not_at_
     drop(conn);
 
     assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 2);
-    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 2);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events")
+            .await,
+        2
+    );
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM orders o JOIN outbox_events e ON e.aggregate_id = o.id"
+            "SELECT count(*) AS n FROM orders o JOIN actix_outbox.outbox_events e ON e.aggregate_id = o.id"
         )
         .await,
         2
@@ -226,11 +236,15 @@ async fn a_business_statement_and_its_events_written_as_one_statement_commit_tog
 
     assert_eq!(db.count("SELECT count(*) AS n FROM orders").await, 2);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'w-1'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE aggregate_id = 'w-1'")
             .await,
         2
     );
-    assert_eq!(db.count("SELECT count(*) AS n FROM outbox_events").await, 3);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events")
+            .await,
+        3
+    );
     rt.handle().wake();
     assert_eq!(
         db.wait_for("SELECT count(*) AS n FROM effects", 3, WAIT)
@@ -246,27 +260,31 @@ async fn one_event_published_three_times_gives_one_inbox_row_and_one_effect() {
     let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
     db.produce(1, "o").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
 
     // Publish the same event twice more, as a lost acknowledgement or an expired lease would.
     for round in 2..=3 {
         let mut conn = db.pool.get().await.unwrap();
-        conn.batch_execute("UPDATE outbox_events SET status = 'PENDING'")
+        conn.batch_execute("UPDATE actix_outbox.outbox_events SET status = 'PENDING'")
             .await
             .unwrap();
         drop(conn);
         rt.handle().wake();
         let published = db
             .wait_for(
-                &format!("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = {round}"),
+                &format!("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED' AND attempt_count = {round}"),
                 1,
                 WAIT,
             )
             .await;
         assert_eq!(published, 1);
     }
-    assert_eq!(db.count("SELECT count(*) AS n FROM inbox_events").await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
+        1
+    );
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
     assert_eq!(db.count(done).await, 1);
     db.finish(&[&rt]).await;
@@ -290,15 +308,15 @@ async fn two_consumers_each_get_every_event_once_and_a_failing_one_blocks_nothin
     db.produce(200, "o").await;
     rt.handle().wake();
 
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'healthy' AND status = 'PROCESSED'";
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'broken' AND status = 'DEAD_LETTER'";
+    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'healthy' AND status = 'PROCESSED'";
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'broken' AND status = 'DEAD_LETTER'";
     assert_eq!(db.wait_for(healthy, 200, WAIT).await, 200);
     assert_eq!(db.wait_for(dead, 200, WAIT).await, 200);
 
     // Exactly max_attempts attempts, with code and error kept; and none of the broken
     // consumer's writes survived its failures.
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'broken' AND attempt_count = 3 \
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'broken' AND attempt_count = 3 \
                   AND error_code = 'INBOX_CONSUMER_FAILED' AND last_error LIKE '%injected%'")
             .await,
         200
@@ -329,7 +347,7 @@ async fn a_handler_error_leaves_no_partial_state_and_is_retried_until_it_succeed
     rt.handle().wake();
 
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 3";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND attempt_count = 3";
     assert_eq!(db.wait_for(done, 50, WAIT).await, 50);
     // The effect written by attempts 1 and 2 was rolled back with them; only attempt 3's stays.
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 50);
@@ -358,7 +376,7 @@ async fn a_handlers_nested_transaction_is_undone_with_its_failed_attempt() {
     rt.handle().wake();
 
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 2";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND attempt_count = 2";
     assert_eq!(db.wait_for(done, 40, WAIT).await, 40);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 40);
     assert_eq!(
@@ -393,7 +411,7 @@ async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
     db.produce(30, "o").await;
     rt.handle().wake();
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 90, WAIT).await, 90);
     // Every panicking delivery rolled back; each event has exactly one effect per consumer.
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 90);
@@ -404,7 +422,7 @@ async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
         0
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'killer' AND attempt_count = 2")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'killer' AND attempt_count = 2")
             .await,
         30,
         "each event cost the killed actor exactly one attempt"
@@ -463,10 +481,11 @@ async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
         p.await.unwrap();
     }
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 6000, WAIT).await, 6000);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         6000
     );
     for name in names {
@@ -477,8 +496,10 @@ async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 6000);
     assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'"
+        )
+        .await,
         0
     );
     db.finish(&[&rt1, &rt2]).await;
@@ -507,7 +528,7 @@ async fn concurrent_claims_of_one_consumer_never_lease_a_row_twice() {
     db.produce_batched(EVENTS as usize, 50, "o").await;
     rt1.handle().wake();
     rt2.handle().wake();
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND attempt_count = 1";
     assert_eq!(db.wait_for(dead, EVENTS, WAIT).await, EVENTS);
     assert_eq!(
@@ -537,7 +558,7 @@ async fn a_killed_publisher_is_restarted_and_the_backlog_drains() {
         assert!(rt.inject_fault(fault).await, "the publisher was running");
         rt.handle().wake();
     }
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1000);
     assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
@@ -553,7 +574,7 @@ async fn every_actor_is_restarted_after_a_panic_and_delivery_continues() {
     let rt = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
     db.produce(10, "before").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
 
     for fault in [
@@ -584,7 +605,7 @@ async fn events_committed_while_no_publisher_runs_are_delivered_after_it_starts(
     // Before any runtime exists.
     db.produce(40, "early").await;
     let rt = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 40, WAIT).await, 40);
 
     // After a shutdown, before the next start.
@@ -612,7 +633,7 @@ async fn a_consumer_registered_on_another_instance_still_gets_inbox_rows() {
     let rt_b = start_on(other_pool, vec![(consumer("b", 5), Behaviour::default())]).await;
     db.produce(100, "o").await;
     rt_a.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 200, WAIT).await, 200);
     assert_eq!(
         db.count("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'b'")
@@ -637,7 +658,7 @@ async fn a_publisher_that_never_polls_still_publishes_on_wake_ups() {
     .await;
     db.produce(5, "o").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 5, WAIT).await, 5);
     db.finish(&[&rt]).await;
 }
@@ -691,7 +712,8 @@ async fn invalid_configuration_is_rejected_with_a_stable_code() {
         );
     }
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM consumer_states").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.consumer_states")
+            .await,
         0,
         "nothing registered"
     );
@@ -722,20 +744,16 @@ async fn migrations_run_concurrently_and_twice_without_harm() {
     .await;
     a.unwrap();
     b.unwrap();
-    let shipped = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(
-        &actix_outbox::db::MIGRATIONS,
-    )
-    .unwrap()
-    .len();
+    let shipped = actix_outbox::db::MIGRATIONS.len();
     assert!(shipped >= 2);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM __diesel_schema_migrations")
+        db.count("SELECT count(*) AS n FROM actix_outbox.schema_migrations")
             .await,
         shipped as i64,
         "each migration recorded once"
     );
     let mut conn = db.pool.get().await.unwrap();
-    let bad = diesel::sql_query("INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, correlation_id, status) \
+    let bad = diesel::sql_query("INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload, correlation_id, status) \
                                  VALUES (gen_random_uuid(), 'X', 'a', '1', '{}', 'c', 'NOPE')")
         .execute(&mut conn)
         .await;
@@ -753,40 +771,23 @@ async fn migrations_run_concurrently_and_twice_without_harm() {
 /// finds it; a row fanned out from here is found through its outbox event.
 #[actix_rt::test]
 async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_timeline() {
-    let db = TestDb::new().await;
-    let url = db.url.clone();
-    let reverted = std::thread::spawn(move || {
-        use diesel_migrations::MigrationHarness;
-        type Sync = diesel_async::async_connection_wrapper::AsyncConnectionWrapper<
-            diesel_async::AsyncPgConnection,
-        >;
-        let mut conn = <Sync as diesel::Connection>::establish(&url).unwrap();
-        // Newer migrations first, then 000007 itself.
-        let mut reverted = Vec::new();
-        while !reverted
-            .last()
-            .is_some_and(|v: &String| v.ends_with("000007"))
-        {
-            let v = conn
-                .revert_last_migration(actix_outbox::db::MIGRATIONS)
-                .unwrap();
-            reverted.push(v.to_string());
-        }
-        reverted
-    })
-    .join()
-    .unwrap();
-    assert!(
-        reverted.iter().all(|v| v.as_str() >= "2026-11-29-000007"),
-        "reverted {reverted:?}"
-    );
+    let db = TestDb::empty().await;
+    // An install of the version before 000007.
+    let until = actix_outbox::db::MigrateConfig {
+        until: Some("20261129000006".into()),
+        ..Default::default()
+    };
+    let report = actix_outbox::db::migrate_with(&db.url, &until)
+        .await
+        .unwrap();
+    assert_eq!(report.applied.len(), 6, "{report:?}");
     let local = uuid::Uuid::now_v7();
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(&format!(
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
              correlation_id, status) \
          VALUES ('{local}', 'ORDER_STATUS_CHANGED', 'order', 'o-1', '{{}}', 'corr-up', 'PUBLISHED');
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
              aggregate_id, payload, correlation_id, event_created_at) \
          VALUES ('{local}', 'c1', 'ORDER_STATUS_CHANGED', 1, 'order', 'o-1', '{{}}', 'corr-up', now()), \
                 (gen_random_uuid(), 'c1', 'ORDER_SHIPPED', 1, 'order', 'o-1', '{{}}', 'corr-up', now());"
@@ -797,7 +798,7 @@ async fn upgrading_to_the_partial_correlation_index_keeps_received_rows_in_the_t
 
     actix_outbox::migrate(&db.url).await.unwrap();
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE external")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE external")
             .await,
         1,
         "only the row without a local outbox event is marked received"
@@ -840,7 +841,7 @@ async fn a_wake_up_within_the_publish_gap_is_deferred_not_lost() {
         vec![(slow_poll, Behaviour::default())],
     )
     .await;
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     for round in 1..=3 {
         db.produce(1, &format!("first-{round}")).await;
         rt.handle().wake();
@@ -875,7 +876,7 @@ async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll(
     db.produce(20, "o").await;
     rt_a.handle().wake();
     let done_b =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'b' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'b' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(done_b, 20, Duration::from_secs(10)).await, 20);
     db.finish(&[&rt_a, &rt_b]).await;
 }
@@ -892,10 +893,10 @@ async fn a_claim_for_more_consumers_than_one_notification_can_name_still_wakes_t
         .await
         .unwrap()
         .batch_execute(
-            "INSERT INTO consumer_states (consumer) \
+            "INSERT INTO actix_outbox.consumer_states (consumer) \
                  SELECT 'x' || lpad(g::text, 99, '0') FROM generate_series(1, 80) g; \
-             INSERT INTO consumer_subscriptions (consumer, event_type) \
-                 SELECT consumer, 'ORDER_STATUS_CHANGED' FROM consumer_states",
+             INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type) \
+                 SELECT consumer, 'ORDER_STATUS_CHANGED' FROM actix_outbox.consumer_states",
         )
         .await
         .unwrap();
@@ -910,13 +911,15 @@ async fn a_claim_for_more_consumers_than_one_notification_can_name_still_wakes_t
 
     db.produce(20, "o").await;
     rt_a.handle().wake();
-    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
     assert_eq!(db.wait_for(published, 20, WAIT).await, 20);
     let done_b =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'b' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'b' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(done_b, 20, Duration::from_secs(10)).await, 20);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         20 * 82,
         "one inbox row per event and subscriber"
     );
@@ -939,7 +942,8 @@ async fn an_unsubscribed_event_type_is_no_longer_fanned_out_to_that_consumer() {
     .await;
     old.shutdown().await;
     let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
-    let subscribed = "SELECT count(*) AS n FROM consumer_subscriptions WHERE consumer = 'c1'";
+    let subscribed =
+        "SELECT count(*) AS n FROM actix_outbox.consumer_subscriptions WHERE consumer = 'c1'";
     assert_eq!(
         db.count(subscribed).await,
         2,
@@ -968,12 +972,14 @@ async fn an_unsubscribed_event_type_is_no_longer_fanned_out_to_that_consumer() {
     drop(conn);
     rt.handle().wake();
 
-    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
     assert_eq!(db.wait_for(published, 2, WAIT).await, 2);
-    let processed = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let processed =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(processed, 1, WAIT).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE event_type = 'ORDER_CANCELLED'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE event_type = 'ORDER_CANCELLED'")
             .await,
         0
     );
@@ -1010,7 +1016,7 @@ async fn a_function_consumer_commits_each_effect_once_through_its_retries() {
         .unwrap();
     db.produce(EVENTS as usize, "f").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
                 AND attempt_count = 2";
     assert_eq!(db.wait_for(done, EVENTS, WAIT).await, EVENTS);
     assert_eq!(

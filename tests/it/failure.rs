@@ -33,7 +33,8 @@ async fn poison_first_with(behaviour: Behaviour, cfg: ConsumerConfig) -> (TestDb
     (db, rt)
 }
 
-const HEALTHY_DONE: &str = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+const HEALTHY_DONE: &str =
+    "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
      AND attempt_count = 1 AND aggregate_id <> 'poison'";
 
 /// A failure PostgreSQL cannot store as given — a NUL in its message, a wait longer than a
@@ -44,7 +45,7 @@ async fn recorded_against_the_poison_only(poison: Poison, recorded: &str) {
     let (db, rt) = poison_first(poison, consumer("c1", 3).batch_size(8)).await;
     assert_eq!(db.wait_for(HEALTHY_DONE, 50, WAIT).await, 50);
     let poisoned = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' AND {recorded}"
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison' AND {recorded}"
     );
     assert_eq!(db.wait_for(&poisoned, 1, WAIT).await, 1);
     // The poison event's effect rolled back with each of its attempts.
@@ -88,7 +89,7 @@ async fn events_after_a_swallowed_failure_are_not_charged_whatever_error_their_h
     };
     let (db, rt) = poison_first_with(behaviour, consumer("c1", 3).batch_size(8)).await;
     assert_eq!(db.wait_for(HEALTHY_DONE, 50, WAIT).await, 50);
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison' \
                 AND status = 'DEAD_LETTER' AND attempt_count = 3";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 50);
@@ -122,13 +123,14 @@ async fn a_handler_hanging_on_its_connection_does_not_stall_its_consumer() {
     );
     // Once the handler lets go, its transaction rolls back and its attempt is counted; the
     // event is delivered again until its three attempts are used up.
-    let poison_done = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+    let poison_done =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison' \
                        AND status = 'DEAD_LETTER' AND attempt_count = 3";
     assert_eq!(db.wait_for(poison_done, 1, WAIT).await, 1);
     assert_eq!(
         db.count(
             "SELECT count(*) AS n FROM effects WHERE event_id IN \
-                  (SELECT event_id FROM inbox_events WHERE aggregate_id = 'poison')"
+                  (SELECT event_id FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison')"
         )
         .await,
         0,
@@ -162,7 +164,7 @@ async fn handlers_hanging_on_their_connections_take_a_bounded_share_of_the_pool(
          AND state_change < now() - interval '300 milliseconds'",
         db.name
     );
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER'";
     let mut most = 0;
     let deadline = std::time::Instant::now() + WAIT;
     while db.count(dead).await < 6 && std::time::Instant::now() < deadline {
@@ -208,12 +210,12 @@ async fn a_pause_holds_from_a_consumers_first_start_and_lifts_itself_at_its_end(
     db.produce_batched(200, 100, "o").await;
     rt.handle().wake();
     let other =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'other' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'other' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(other, 200, WAIT).await, 200);
     let late_done =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'late' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'late' AND status = 'PROCESSED'";
     assert_eq!(db.count(late_done).await, 0, "paused from its first start");
-    let waiting = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'late' \
+    let waiting = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'late' \
                    AND status = 'RECEIVED' AND attempt_count = 0";
     assert_eq!(db.count(waiting).await, 200);
 
@@ -225,7 +227,8 @@ async fn a_pause_holds_from_a_consumers_first_start_and_lifts_itself_at_its_end(
         .unwrap();
     drop(conn);
     assert_eq!(db.wait_for(late_done, 200, WAIT).await, 200);
-    let still = "SELECT count(*) AS n FROM consumer_states WHERE consumer = 'late' AND paused";
+    let still =
+        "SELECT count(*) AS n FROM actix_outbox.consumer_states WHERE consumer = 'late' AND paused";
     assert_eq!(
         db.count(still).await,
         1,
@@ -258,7 +261,7 @@ async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
     db.produce_batched(1000, 100, "o").await;
     rt.handle().wake();
     let other =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'other' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'other' AND status = 'PROCESSED'";
     assert_eq!(
         db.wait_for(other, 1000, WAIT).await,
         1000,
@@ -271,7 +274,7 @@ async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
         0
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'paused' AND status = 'RECEIVED' AND attempt_count = 0")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'paused' AND status = 'RECEIVED' AND attempt_count = 0")
             .await,
         1000,
         "nothing acknowledged, nothing dropped"
@@ -281,7 +284,7 @@ async fn a_paused_consumer_keeps_its_events_and_drains_them_once_resumed() {
     resume_consumer(&mut conn, &paused, "ops").await.unwrap();
     drop(conn);
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'paused' AND status = 'PROCESSED'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'paused' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM effects WHERE consumer = 'paused'")
@@ -309,9 +312,9 @@ async fn a_poison_event_is_dead_lettered_while_healthy_events_flow() {
     db.produce_batched(1000, 100, "healthy").await;
     rt.handle().wake();
 
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(healthy, 1000, WAIT).await, 1000);
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' AND aggregate_id = 'poison' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' AND aggregate_id = 'poison' \
                 AND attempt_count = 4 AND error_code = 'INBOX_CONSUMER_FAILED'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1000);
@@ -334,17 +337,18 @@ async fn a_failing_handler_is_called_once_per_attempt() {
     };
     let calls = behaviour.poison_calls.clone();
     let rt = start(&db, vec![(consumer("c1", 3).batch_size(8), behaviour)]).await;
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND aggregate_id = 'poison' AND attempt_count = 3";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(healthy, 25, WAIT).await, 25);
     assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 3);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 25);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     // No lease is left holding a row: one would be settled by the reaper as a death, and the
     // charged row counted again.
-    let left = "SELECT coalesce(sum(cardinality(ids)), 0)::int8 AS n FROM inbox_leases";
+    let left =
+        "SELECT coalesce(sum(cardinality(ids)), 0)::int8 AS n FROM actix_outbox.inbox_leases";
     assert_eq!(db.wait_for(left, 0, WAIT).await, 0);
     db.finish(&[&rt]).await;
 }
@@ -373,7 +377,7 @@ async fn a_consumer_killed_mid_batch_leaves_no_open_transaction_and_repeats_no_e
     assert_eq!(db.wait_for(&open, 1, WAIT).await, 1, "a batch is in flight");
     assert!(rt.inject_fault(Fault::PanicConsumer("c1".into())).await);
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 10);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
@@ -391,7 +395,7 @@ async fn graceful_shutdown_with_deliveries_in_flight_loses_and_repeats_nothing()
     let rt = start(&db, vec![(cfg(), slow.clone())]).await;
     db.produce_batched(400, 100, "o").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     let deadline = Instant::now() + WAIT;
     while db.count(done).await < 20 && Instant::now() < deadline {
         actix_rt::time::sleep(Duration::from_millis(5)).await;
@@ -583,9 +587,11 @@ async fn restart_until(
     deaths
 }
 
-const POISON_DEAD: &str = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+const POISON_DEAD: &str =
+    "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison' \
     AND status = 'DEAD_LETTER' AND attempt_count = 2 AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
-const HEALTHY_ONCE: &str = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+const HEALTHY_ONCE: &str =
+    "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id <> 'poison' \
     AND status = 'PROCESSED' AND attempt_count = 1";
 
 /// An event whose handler kills the process (an abort; an OOM kill or a crash in native code
@@ -663,7 +669,7 @@ async fn a_handler_that_kills_its_process_after_its_timeout_charges_no_other_eve
     setup.shutdown().await;
     produce_with_poison(&db, 1, 40).await;
 
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison' \
         AND status = 'DEAD_LETTER' AND attempt_count = 5";
     let until = [(dead, 1), (HEALTHY_ONCE, 41)];
     let deaths = restart_until(&db, "failure::late_aborting_child_entry", &[], &until).await;
@@ -687,12 +693,12 @@ async fn a_process_death_is_not_counted_against_another_consumers_events() {
     setup.shutdown().await;
     produce_with_poison(&db, 1, 40).await;
 
-    let c1_dead = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c1' \
+    let c1_dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'c1' \
         AND aggregate_id = 'poison' AND status = 'DEAD_LETTER' AND attempt_count = 2 \
         AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
-    let c1_healthy = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c1' \
+    let c1_healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'c1' \
         AND aggregate_id <> 'poison' AND status = 'PROCESSED' AND attempt_count = 1";
-    let c2_once = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c2' \
+    let c2_once = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'c2' \
         AND status = 'PROCESSED' AND attempt_count = 1";
     let until = [(c1_dead, 1), (c1_healthy, 41), (c2_once, 42)];
     let deaths = restart_until(
@@ -755,7 +761,7 @@ async fn sigkill_of_the_runtime_process_loses_nothing_and_duplicates_nothing() {
         })
     };
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     let deadline = Instant::now() + Duration::from_secs(240);
     let (mut kills, mut last) = (0, 0);
     while kills < 8 && Instant::now() < deadline {
@@ -783,7 +789,8 @@ async fn sigkill_of_the_runtime_process_loses_nothing_and_duplicates_nothing() {
         "the run was killed {kills} times; the test needs at least 3"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events")
+            .await,
         10_000
     );
     assert_eq!(processed, 10_000, "zero lost");
@@ -814,19 +821,19 @@ async fn a_rate_limited_consumer_drains_a_backlog_at_its_rate() {
     )
     .await;
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'paced'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND consumer = 'paced'";
     assert_eq!(db.wait_for(done, 300, WAIT).await, 300);
     // Measured on the database clock: the span between the first and last processed rows.
     let span_ms =
         "SELECT (extract(epoch FROM max(processed_at) - min(processed_at)) * 1000)::bigint AS n \
-                   FROM inbox_events WHERE consumer = 'paced'";
+                   FROM actix_outbox.inbox_events WHERE consumer = 'paced'";
     let paced = db.count(span_ms).await;
     assert!(paced >= 1_700, "300 events at 150/s took only {paced} ms");
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     // The other consumer of the same events has no limit and drains them all too. (How much
     // sooner is not asserted: on a loaded machine that is a race, not a property.)
     let free =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND consumer = 'free'";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND consumer = 'free'";
     assert_eq!(db.wait_for(free, 300, WAIT).await, 300);
     db.finish(&[&rt]).await;
 }
@@ -845,7 +852,7 @@ async fn a_shutdown_does_not_wait_out_a_rate_limit_pause() {
     let config = fast_runtime().shutdown_timeout(Duration::from_secs(10));
     let cfg = consumer("c1", 3).batch_size(32).rate_limit(1.0);
     let rt = start_with(db.pool.clone(), config, vec![(cfg, Behaviour::default())]).await;
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 32, WAIT).await, 32);
     assert!(
         rt.shutdown().await,
@@ -891,15 +898,17 @@ async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
     assert!(killed >= 3, "sessions were terminated: {killed}");
     for c in ["c1", "c2"] {
         let done = format!(
-            "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{c}' AND status = 'PROCESSED'"
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{c}' AND status = 'PROCESSED'"
         );
         assert_eq!(db.wait_for(&done, 300, WAIT).await, 300, "{c}");
     }
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 600);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'"
+        )
+        .await,
         0
     );
     // The listener lost its connection and listens again on a new one.
@@ -946,7 +955,7 @@ async fn a_panicking_handler_factory_is_retried_and_stops_nothing_else() {
         .expect("a factory's panic is not a start-up failure");
     for c in ["steady", "flaky"] {
         let done = format!(
-            "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{c}' \
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{c}' \
              AND status = 'PROCESSED' AND attempt_count = 1"
         );
         assert_eq!(db.wait_for(&done, 20, WAIT).await, 20, "{c}");

@@ -32,7 +32,8 @@ async fn an_event_published_before_its_consumer_subscribed_is_reported_and_shown
     let early = actix_outbox::enqueue(&conn, &shipped("o-1")).await.unwrap();
     drop(conn);
     rt.handle().wake();
-    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
     assert_eq!(db.wait_for(published, 1, WAIT).await, 1);
     rt.shutdown().await;
 
@@ -43,7 +44,7 @@ async fn an_event_published_before_its_consumer_subscribed_is_reported_and_shown
     let late = actix_outbox::enqueue(&conn, &shipped("o-2")).await.unwrap();
     drop(conn);
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
 
     // Health says so, with the type.

@@ -1055,9 +1055,9 @@ async fn the_harness_and_the_postgres_runtime_agree_on_a_scripted_scenario() {
     .unwrap();
     rt.handle().wake();
 
-    let finished = "SELECT count(*) AS n FROM inbox_events \
+    let finished = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                     WHERE status IN ('PROCESSED', 'DEAD_LETTER')";
-    let gamma_rows = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'gamma'";
+    let gamma_rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'gamma'";
     assert_eq!(db.wait_for(gamma_rows, 5, WAIT).await, 5);
     assert_eq!(
         db.wait_for(finished, active.len() as i64, WAIT).await,
@@ -1083,7 +1083,7 @@ async fn the_harness_and_the_postgres_runtime_agree_on_a_scripted_scenario() {
     assert_eq!(pg_resumed, harness_resumed);
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 1"
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 1"
         )
         .await,
         events.len() as i64

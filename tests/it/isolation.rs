@@ -228,9 +228,10 @@ async fn a_hung_consumer_costs_only_itself(
     let mut most = 0;
 
     let ok_done = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{ok}' AND status = 'PROCESSED'"
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{ok}' AND status = 'PROCESSED'"
     );
-    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
     let stalled = format!("outbox_consumer_stalled{{consumer=\"{hang}\"}} 1");
     let (mut ok_n, mut published_n, mut saw_stall) = (0, 0, false);
     let deadline = Instant::now() + WAIT;
@@ -263,7 +264,7 @@ async fn a_hung_consumer_costs_only_itself(
     assert_eq!(ok_n, BACKLOG, "the healthy consumer processed every event");
     assert!(!gate.is_released(), "all of it while `{hang}` still hung");
     let hang_done = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{hang}' AND status = 'PROCESSED'"
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{hang}' AND status = 'PROCESSED'"
     );
     assert_eq!(
         db.count(&hang_done).await,
@@ -276,7 +277,7 @@ async fn a_hung_consumer_costs_only_itself(
     gate.release();
     let hung = gate.hung_events();
     let hang_all = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = '{hang}' AND status = 'PROCESSED'"
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{hang}' AND status = 'PROCESSED'"
     );
     assert_eq!(
         db.wait_for(&hang_all, BACKLOG, WAIT).await,
@@ -292,7 +293,8 @@ async fn a_hung_consumer_costs_only_itself(
         1,
         "an effect happened twice (a hung attempt's effect committed)"
     );
-    let unpublished = "SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'";
+    let unpublished =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'";
     assert_eq!(db.count(unpublished).await, 0);
     // Nothing is left parked: the sampler sees no hung session now.
     assert_eq!(db.idle_in_transaction().await, 0);
@@ -307,7 +309,7 @@ async fn a_handler_hanging_on_its_connection_costs_only_its_consumer() {
     let (db, rt, hung) = a_hung_consumer_costs_only_itself(false).await;
     assert_eq!(hung.len(), 2, "one row per hung call");
     let retried = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'hang-one' \
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'hang-one' \
          AND status = 'PROCESSED' AND attempt_count = 2 AND event_id IN ({})",
         quoted(&hung)
     );
@@ -316,7 +318,7 @@ async fn a_handler_hanging_on_its_connection_costs_only_its_consumer() {
         2,
         "each hung row charged, then retried"
     );
-    let once = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'hang-one' \
+    let once = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'hang-one' \
                 AND status = 'PROCESSED' AND attempt_count = 1";
     assert_eq!(
         db.count(once).await,
@@ -339,7 +341,7 @@ async fn a_batch_handler_hanging_on_its_connection_costs_only_its_consumer() {
         hung.len()
     );
     let alone = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'hang-batch' \
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'hang-batch' \
          AND status = 'PROCESSED' AND attempt_count = 1 AND alone AND event_id IN ({})",
         quoted(&hung)
     );
@@ -348,7 +350,8 @@ async fn a_batch_handler_hanging_on_its_connection_costs_only_its_consumer() {
         hung.len() as i64,
         "each row of a hung call given back unspent, then handled alone"
     );
-    let charged = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'hang-batch' \
+    let charged =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'hang-batch' \
                    AND attempt_count <> 1";
     assert_eq!(db.count(charged).await, 0, "no row was charged");
     db.finish(&[&rt]).await;
@@ -390,7 +393,7 @@ async fn failing_everything_tries_a_few_and_rests(batch_handler: bool, tried: i6
         start(&db, consumers).await
     };
     rt.handle().wake();
-    let charged = "SELECT count(*) AS n FROM inbox_events WHERE attempt_count > 0";
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE attempt_count > 0";
     assert_eq!(db.wait_for(charged, tried, WAIT).await, tried);
     for _ in 0..5 {
         rt.handle().wake();
@@ -402,7 +405,7 @@ async fn failing_everything_tries_a_few_and_rests(batch_handler: bool, tried: i6
         "it tried more of its batch, or claimed again before its poll"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE attempt_count > 1")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE attempt_count > 1")
             .await,
         0
     );
@@ -462,14 +465,16 @@ async fn a_consumer_failing_in_two_runtimes_costs_only_itself() {
         rt.handle().wake();
     }
 
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'healthy' \
+    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'healthy' \
                    AND status = 'PROCESSED' AND attempt_count = 1";
     assert_eq!(db.wait_for(healthy, EVENTS, WAIT).await, EVENTS);
     // Meanwhile, and after, the failing consumer kept failing: every event at least twice.
-    let failed_again = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'failing' \
+    let failed_again =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'failing' \
                         AND attempt_count >= 2 AND status = 'RETRY_PENDING'";
     assert_eq!(db.wait_for(failed_again, EVENTS, WAIT).await, EVENTS);
-    let failing_settled = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'failing' \
+    let failing_settled =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'failing' \
                            AND status IN ('PROCESSED', 'DEAD_LETTER')";
     assert_eq!(db.count(failing_settled).await, 0);
     let effects = |c: &str| format!("SELECT count(*) AS n FROM effects WHERE consumer = '{c}'");
@@ -481,8 +486,10 @@ async fn a_consumer_failing_in_two_runtimes_costs_only_itself() {
     );
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'"
+        )
+        .await,
         0
     );
     let [a, b] = [&runtimes[0], &runtimes[1]];
@@ -552,12 +559,12 @@ async fn a_process_killed_while_a_handler_hangs_loses_and_repeats_nothing_of_ano
     setup.shutdown().await;
     db.produce_batched(KILL_EVENTS as usize, 50, "o").await;
 
-    let ok_done = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'ok' \
+    let ok_done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'ok' \
                    AND status = 'PROCESSED'";
     // Rows of `consumer` the live child holds: `locked_by` starts with the process's pid.
     let held_by = |consumer: &str, child: &Child| {
         format!(
-            "SELECT coalesce(sum(cardinality(ids)), 0)::int8 AS n FROM inbox_leases \
+            "SELECT coalesce(sum(cardinality(ids)), 0)::int8 AS n FROM actix_outbox.inbox_leases \
              WHERE consumer = '{consumer}' AND locked_by LIKE '{}-%'",
             child.id()
         )
@@ -588,7 +595,7 @@ async fn a_process_killed_while_a_handler_hangs_loses_and_repeats_nothing_of_ano
     assert!(killed_in_flight >= 1, "the kills found `ok` rows in flight");
     println!("`ok` rows in flight at the kills: {killed_in_flight}");
     assert_eq!(done, KILL_EVENTS, "zero lost");
-    let first = "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'ok' \
+    let first = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'ok' \
                  AND status = 'PROCESSED' AND attempt_count = 1";
     assert_eq!(
         db.count(first).await,

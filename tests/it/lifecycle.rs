@@ -234,7 +234,7 @@ fn a_shut_down_runtime_panics_nowhere_when_the_system_is_dropped() {
         let runtime = builder(db.pool.clone(), "orders").start().await.unwrap();
         db.produce(5, "o").await;
         db.wait_for(
-            "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'",
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'",
             5,
             common::WAIT,
         )
@@ -337,7 +337,7 @@ fn shutdown_drains_the_consumers_while_the_publisher_hangs_on_its_broker() {
         db.enqueue_one("waiting").await;
         assert_eq!(
             db.wait_for(
-                "SELECT count(*) AS n FROM inbox_events WHERE consumer = 'slow'",
+                "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'slow'",
                 2,
                 WORK
             )
@@ -366,7 +366,7 @@ fn shutdown_drains_the_consumers_while_the_publisher_hangs_on_its_broker() {
         );
         assert_eq!(
             db.count(
-                "SELECT count(*) AS n FROM inbox_events e JOIN outbox_events o ON o.id = e.event_id \
+                "SELECT count(*) AS n FROM actix_outbox.inbox_events e JOIN actix_outbox.outbox_events o ON o.id = e.event_id \
                  WHERE e.consumer = 'slow' AND e.status = 'PROCESSED' AND o.aggregate_id = 'in-flight'"
             )
             .await,
@@ -375,7 +375,7 @@ fn shutdown_drains_the_consumers_while_the_publisher_hangs_on_its_broker() {
         );
         assert_eq!(
             db.count(
-                "SELECT count(*) AS n FROM inbox_events e JOIN outbox_events o ON o.id = e.event_id \
+                "SELECT count(*) AS n FROM actix_outbox.inbox_events e JOIN actix_outbox.outbox_events o ON o.id = e.event_id \
                  WHERE e.consumer = 'slow' AND e.status = 'RECEIVED' AND e.attempt_count = 0 \
                  AND o.aggregate_id = 'waiting'"
             )

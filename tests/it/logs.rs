@@ -209,7 +209,7 @@ async fn the_in_process_route_logs_each_name_with_the_events_ids() {
 
     // Published again (a lost acknowledgement): both inboxes absorb it.
     conn.batch_execute(&format!(
-        "UPDATE outbox_events SET status = 'PENDING' WHERE id = '{id}'"
+        "UPDATE actix_outbox.outbox_events SET status = 'PENDING' WHERE id = '{id}'"
     ))
     .await
     .unwrap();

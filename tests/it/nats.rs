@@ -92,7 +92,8 @@ async fn delete_stream(url: &str, s: &NatsStream) {
     let _ = js.delete_stream(s.name()).await;
 }
 
-const PROCESSED: &str = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+const PROCESSED: &str =
+    "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
 const EFFECTS: &str = "SELECT count(*) AS n FROM effects";
 
 /// Publishes through NATS, then panics before the publisher can mark the row (once): the
@@ -135,7 +136,7 @@ async fn crash_between_publish_and_mark(window: Duration, lease_ms: u64) -> (u64
     src.produce(1, "o").await;
 
     let published =
-        "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 2";
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 2";
     assert_eq!(
         src.wait_for(published, 1, WAIT).await,
         1,
@@ -163,7 +164,9 @@ async fn crash_between_publish_and_mark(window: Duration, lease_ms: u64) -> (u64
         messages,
         "every stream message was received"
     );
-    let inbox = dst.count("SELECT count(*) AS n FROM inbox_events").await;
+    let inbox = dst
+        .count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+        .await;
     let effects = dst.count(EFFECTS).await;
     src.finish(&[&tx]).await;
     dst.finish(&[&rx]).await;
@@ -228,7 +231,11 @@ async fn a_receiver_killed_after_its_commit_and_before_its_ack_causes_one_effect
         Some(&1),
         "the receiver died once and was restarted"
     );
-    assert_eq!(dst.count("SELECT count(*) AS n FROM inbox_events").await, 5);
+    assert_eq!(
+        dst.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
+        5
+    );
     assert_eq!(dst.count(EFFECTS).await, 5, "one effect per event");
     src.finish(&[&tx]).await;
     dst.finish(&[&rx]).await;
@@ -276,13 +283,15 @@ async fn a_permanently_failing_event_is_dead_lettered_where_it_is_received_and_t
     src.produce(10, "o").await;
 
     assert_eq!(dst.wait_for(PROCESSED, 9, WAIT).await, 9);
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND aggregate_id = 'o-0' AND error_code = 'ORDER_UNKNOWN' AND attempt_count = 1";
     assert_eq!(dst.wait_for(dead, 1, WAIT).await, 1);
     assert_eq!(dst.count(EFFECTS).await, 9);
     assert_eq!(
-        src.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'")
-            .await,
+        src.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'"
+        )
+        .await,
         10,
         "the producer's side is done with all ten"
     );
@@ -421,7 +430,7 @@ async fn events_wait_while_nats_is_down_at_start_and_mid_run_and_drain_when_it_r
     let tx = producer(&src, transport, external(3_000)).await;
     src.produce(20, "a").await;
 
-    let waiting = "SELECT count(*) AS n FROM outbox_events WHERE status = 'RETRY_PENDING' \
+    let waiting = "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'RETRY_PENDING' \
                    AND attempt_count >= 2 AND error_code IN ('OUTBOX_PUBLISH_FAILED', 'OUTBOX_PUBLISH_TIMEOUT')";
     assert_eq!(
         src.wait_for(waiting, 20, WAIT).await,
@@ -434,14 +443,16 @@ async fn events_wait_while_nats_is_down_at_start_and_mid_run_and_drain_when_it_r
     );
 
     nats.start().await;
-    let published = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
     assert_eq!(src.wait_for(published, 20, WAIT).await, 20);
     assert_eq!(dst.wait_for(PROCESSED, 20, WAIT).await, 20);
 
     // Down mid-run.
     nats.kill();
     src.produce(20, "b").await;
-    let b_waiting = "SELECT count(*) AS n FROM outbox_events WHERE aggregate_id LIKE 'b-%' \
+    let b_waiting =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE aggregate_id LIKE 'b-%' \
                      AND status = 'RETRY_PENDING' AND attempt_count >= 1";
     assert_eq!(src.wait_for(b_waiting, 20, WAIT).await, 20);
     assert_eq!(dst.count(PROCESSED).await, 20);
@@ -523,8 +534,10 @@ async fn messages_that_cannot_be_recorded_do_not_hold_up_the_others() {
     assert_eq!(dst.wait_for(PROCESSED, 2, WAIT).await, 2);
     assert_eq!(dst.count(EFFECTS).await, 2);
     assert_eq!(
-        dst.count("SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'refused'")
-            .await,
+        dst.count(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'refused'"
+        )
+        .await,
         0
     );
     let status = health.status();

@@ -46,7 +46,8 @@ const LISTENER_BACK_WITHIN: Duration = Duration::from_secs(10 + DB_TIMEOUT.as_se
 /// the rows they claimed until then; 5 s here), and the backlog.
 const RESUME_WITHIN: Duration = Duration::from_secs(DB_TIMEOUT.as_secs() + 20);
 
-const PUBLISHED: &str = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+const PUBLISHED: &str =
+    "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
 
 /// Subscribes `x1` and `x2`, which no runtime runs: fan-out writes their inbox rows and nothing
 /// consumes them, so a test of the publisher does not depend on the consumer engine.
@@ -57,9 +58,9 @@ async fn subscribe_bystanders(db: &TestDb) {
         .await
         .unwrap()
         .batch_execute(
-            "INSERT INTO consumer_states (consumer) VALUES ('x1'), ('x2'); \
-             INSERT INTO consumer_subscriptions (consumer, event_type) \
-                 SELECT consumer, 'ORDER_STATUS_CHANGED' FROM consumer_states",
+            "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('x1'), ('x2'); \
+             INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type) \
+                 SELECT consumer, 'ORDER_STATUS_CHANGED' FROM actix_outbox.consumer_states",
         )
         .await
         .unwrap();
@@ -96,7 +97,7 @@ async fn stream(db: &TestDb, rounds: usize, prefix: &str) {
 async fn missing_and_doubled(db: &TestDb) -> (i64, i64) {
     let missing = db
         .count(
-            "SELECT count(*) AS n FROM outbox_events o \
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events o \
              CROSS JOIN (VALUES ('net-one'), ('net-batch')) AS c(name) \
              WHERE NOT EXISTS (SELECT 1 FROM effects e \
                                WHERE e.event_id = o.id AND e.consumer = c.name)",
@@ -154,7 +155,8 @@ async fn a_publisher_on_a_black_holed_connection_resumes_on_a_new_one_within_its
     // Once per subscriber and event: a claim whose answer was lost committed whole or not at
     // all, and a repeated fan-out would have been refused by the inbox's unique key anyway.
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         400
     );
 
@@ -210,7 +212,8 @@ async fn the_external_route_on_a_black_holed_connection_resumes_within_its_bound
     eprintln!("all published {:?} after the freeze", freeze.elapsed());
     assert_eq!(published, 200, "published within {bound:?} of the freeze");
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         400,
         "each event once in each subscriber's inbox"
     );
@@ -272,15 +275,18 @@ async fn a_black_holed_network_is_left_behind_and_nothing_is_lost_or_doubled() {
     let frozen = proxy.freeze();
     let freeze = Instant::now();
     let done_at_freeze = db
-        .count("SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'")
+        .count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'")
         .await;
     let accepted_at_freeze = proxy.accepted();
     // The stream goes on through the direct connection while the runtime's are black holes.
     within(WAIT, stream(&db, 30, "after-")).await;
-    let produced = db.count("SELECT count(*) AS n FROM outbox_events").await;
+    let produced = db
+        .count("SELECT count(*) AS n FROM actix_outbox.outbox_events")
+        .await;
     assert_eq!(produced, 300);
 
-    let processed = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let processed =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     let left = RESUME_WITHIN.saturating_sub(freeze.elapsed());
     let seen = db.wait_for(processed, 2 * produced, left).await;
     let took = freeze.elapsed();
@@ -308,8 +314,10 @@ async fn a_black_holed_network_is_left_behind_and_nothing_is_lost_or_doubled() {
     );
     assert_eq!(missing_and_doubled(&db).await, (0, 0));
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'"
+        )
+        .await,
         0
     );
 
@@ -328,10 +336,10 @@ async fn debug_dump(db: &TestDb) {
     use diesel_async::RunQueryDsl;
     let mut conn = db.pool.get().await.unwrap();
     for q in [
-        "SELECT status || ' ' || count(*) AS r FROM outbox_events GROUP BY status",
-        "SELECT consumer || ' ' || status || ' ' || count(*) || ' att ' || max(attempt_count) AS r FROM inbox_events GROUP BY consumer, status",
+        "SELECT status || ' ' || count(*) AS r FROM actix_outbox.outbox_events GROUP BY status",
+        "SELECT consumer || ' ' || status || ' ' || count(*) || ' att ' || max(attempt_count) AS r FROM actix_outbox.inbox_events GROUP BY consumer, status",
         &format!("SELECT pid || ' ' || coalesce(state,'') || ' ' || coalesce(wait_event,'') || ' ' || now() - state_change || ' ' || left(query, 60) AS r FROM pg_stat_activity WHERE datname = '{}'", db.name),
-        "SELECT coalesce(error_code,'') || ' ' || coalesce(left(last_error,80),'') AS r FROM inbox_events WHERE last_error IS NOT NULL LIMIT 5",
+        "SELECT coalesce(error_code,'') || ' ' || coalesce(left(last_error,80),'') AS r FROM actix_outbox.inbox_events WHERE last_error IS NOT NULL LIMIT 5",
     ] {
         let rows: Vec<Row> = diesel::sql_query(q).load(&mut conn).await.unwrap();
         for r in rows { eprintln!("  {}", r.r); }

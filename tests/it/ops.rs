@@ -56,7 +56,7 @@ async fn health_is_critical_for_a_stuck_publisher_and_warns_on_lag_and_dead_lett
     assert_eq!(third.state, HealthState::Critical);
     assert_eq!(codes(&third), vec!["OUTBOX_STUCK"]);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_stats_samples")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_stats_samples")
             .await,
         3
     );
@@ -78,13 +78,13 @@ async fn health_is_critical_for_a_stuck_publisher_and_warns_on_lag_and_dead_lett
 
     // Age alone: 2 minutes is a warning, 10 minutes critical (history cleared, so the trend
     // check has too few samples to speak).
-    exec(&db, "DELETE FROM outbox_stats_samples; UPDATE outbox_events SET created_at = now() - interval '2 minutes'").await;
+    exec(&db, "DELETE FROM actix_outbox.outbox_stats_samples; UPDATE actix_outbox.outbox_events SET created_at = now() - interval '2 minutes'").await;
     let r = s.run_once().await.unwrap();
     assert_eq!(
         (r.state, codes(&r)),
         (HealthState::Warning, vec!["OUTBOX_LAG"])
     );
-    exec(&db, "DELETE FROM outbox_stats_samples; UPDATE outbox_events SET created_at = now() - interval '10 minutes'").await;
+    exec(&db, "DELETE FROM actix_outbox.outbox_stats_samples; UPDATE actix_outbox.outbox_events SET created_at = now() - interval '10 minutes'").await;
     let r = s.run_once().await.unwrap();
     assert_eq!(
         (r.state, codes(&r)),
@@ -94,13 +94,13 @@ async fn health_is_critical_for_a_stuck_publisher_and_warns_on_lag_and_dead_lett
     // Everything published; a consumer has a dead letter: a warning naming that consumer.
     exec(
         &db,
-        "DELETE FROM outbox_stats_samples;
-         UPDATE outbox_events SET status = 'PUBLISHED', published_at = now();
-         INSERT INTO consumer_states (consumer) VALUES ('mail');
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+        "DELETE FROM actix_outbox.outbox_stats_samples;
+         UPDATE actix_outbox.outbox_events SET status = 'PUBLISHED', published_at = now();
+         INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('mail');
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, attempt_count)
          SELECT id, 'mail', event_type, 1, 'order', aggregate_id, '{}', correlation_id, created_at,
-             'DEAD_LETTER', 5 FROM outbox_events LIMIT 1;",
+             'DEAD_LETTER', 5 FROM actix_outbox.outbox_events LIMIT 1;",
     )
     .await;
     let r = s.run_once().await.unwrap();
@@ -114,10 +114,10 @@ async fn health_is_critical_for_a_stuck_publisher_and_warns_on_lag_and_dead_lett
     // A due inbox row waiting 6 minutes: the consumer is critically behind.
     exec(
         &db,
-        "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+        "INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, next_attempt_at)
          SELECT id, 'mail', event_type, 1, 'order', aggregate_id, '{}', correlation_id, created_at,
-             now() - interval '6 minutes' FROM outbox_events ORDER BY seq DESC LIMIT 1;",
+             now() - interval '6 minutes' FROM actix_outbox.outbox_events ORDER BY seq DESC LIMIT 1;",
     )
     .await;
     let r = s.run_once().await.unwrap();
@@ -135,7 +135,7 @@ async fn the_metrics_endpoint_serves_outbox_and_inbox_series() {
     // The supervisor starts the stats sampler with the runtime; it samples at once.
     assert!(
         db.wait_for(
-            "SELECT least(count(*), 1) AS n FROM outbox_stats_samples",
+            "SELECT least(count(*), 1) AS n FROM actix_outbox.outbox_stats_samples",
             1,
             WAIT
         )
@@ -145,7 +145,7 @@ async fn the_metrics_endpoint_serves_outbox_and_inbox_series() {
     );
     db.produce(5, "o").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 5, WAIT).await, 5);
     sampler(&db, 5).run_once().await.unwrap();
 
@@ -302,7 +302,7 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status, published_at, created_at)
          SELECT gen_random_uuid(), 'T', 'a', 'x' || i, '{}', 'c', s, p, now() - interval '9 days'
          FROM (VALUES ('PUBLISHED', now() - interval '8 days'), ('PUBLISHED', now() - interval '8 days'),
@@ -311,14 +311,14 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
                       ('PUBLISHED', now() - interval '6 days'), ('PUBLISHED', now()),
                       ('DEAD_LETTER', NULL), ('PENDING', NULL), ('IGNORED', NULL)) v(s, p),
               generate_series(1, 1) i;
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
          SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '9 days', s, p
          FROM (VALUES ('PROCESSED', now() - interval '8 days'), ('PROCESSED', now() - interval '8 days'),
                       ('PROCESSED', now() - interval '8 days'), ('PROCESSED', now() - interval '8 days'),
                       ('PROCESSED', now() - interval '1 day'), ('DEAD_LETTER', NULL),
                       ('IGNORED', NULL), ('RETRY_PENDING', NULL)) v(s, p);
-         INSERT INTO idempotency_keys (key, created_at)
+         INSERT INTO actix_outbox.idempotency_keys (key, created_at)
          SELECT 'k' || i, now() - (i || ' days')::interval FROM unnest(ARRAY[25, 26, 27, 31, 32, 33, 34]) i;",
     )
     .await;
@@ -353,21 +353,26 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
     assert!(!rest.more_left);
     let left = |sql: &'static str| db.count(sql);
     assert_eq!(
-        left("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'").await,
+        left("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'")
+            .await,
         2,
         "published 6 days ago and now"
     );
     assert_eq!(
-        left("SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'").await,
+        left("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'")
+            .await,
         3,
         "dead letters, pending and ignored rows are never deleted"
     );
     assert_eq!(
-        left("SELECT count(*) AS n FROM inbox_events").await,
+        left("SELECT count(*) AS n FROM actix_outbox.inbox_events").await,
         4,
         "the recent PROCESSED row, the dead letter, the ignored and the retrying rows"
     );
-    assert_eq!(left("SELECT count(*) AS n FROM idempotency_keys").await, 3);
+    assert_eq!(
+        left("SELECT count(*) AS n FROM actix_outbox.idempotency_keys").await,
+        3
+    );
     let again = Retention::new(db.pool.clone(), RetentionConfig::default())
         .unwrap()
         .run_once()
@@ -394,26 +399,26 @@ async fn retention_bounds_the_audit_trail_reconcile_runs_and_versions() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO admin_audit (who, action, target, at)
+        "INSERT INTO actix_outbox.admin_audit (who, action, target, at)
          SELECT 'alice', 'consumer.pause', 'consumer:mail', now() - (d || ' days')::interval
          FROM unnest(ARRAY[400, 366, 300, 1]) d;
-         INSERT INTO reconcile_runs (rule, dry_run, started_at, finished_at)
+         INSERT INTO actix_outbox.reconcile_runs (rule, dry_run, started_at, finished_at)
          VALUES ('r', false, now() - interval '40 days', now() - interval '40 days'),
                 ('r', false, now() - interval '40 days', NULL),
                 ('r', false, now() - interval '2 days', now() - interval '2 days');
-         INSERT INTO aggregate_versions (consumer, aggregate_type, aggregate_id, version, updated_at)
+         INSERT INTO actix_outbox.aggregate_versions (consumer, aggregate_type, aggregate_id, version, updated_at)
          VALUES ('mail', 'order', 'idle', 3, now() - interval '40 days'),
                 ('mail', 'order', 'young', 3, now() - interval '2 days'),
                 ('mail', 'order', 'retrying', 3, now() - interval '40 days'),
                 ('mail', 'order', 'dead', 3, now() - interval '40 days'),
                 ('mail', 'order', 'pending', 3, now() - interval '40 days'),
                 ('stats', 'order', 'retrying', 3, now() - interval '40 days');
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status)
          VALUES (gen_random_uuid(), 'mail', 'T', 1, 'order', 'retrying', '{}', 'c', now(), 'RETRY_PENDING'),
                 (gen_random_uuid(), 'mail', 'T', 1, 'order', 'dead', '{}', 'c', now(), 'DEAD_LETTER'),
                 (gen_random_uuid(), 'mail', 'T', 1, 'order', 'idle', '{}', 'c', now(), 'PROCESSED');
-         INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+         INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status)
          VALUES (gen_random_uuid(), 'T', 'order', 'pending', '{}', 'c', 'PENDING');",
     )
@@ -433,26 +438,26 @@ async fn retention_bounds_the_audit_trail_reconcile_runs_and_versions() {
     );
     let text = |sql: &'static str| db.count(sql);
     assert_eq!(
-        text("SELECT count(*) AS n FROM admin_audit WHERE at > now() - interval '365 days'").await,
+        text("SELECT count(*) AS n FROM actix_outbox.admin_audit WHERE at > now() - interval '365 days'").await,
         2,
         "a year of audit rows stays"
     );
     assert_eq!(
-        text("SELECT count(*) AS n FROM reconcile_runs WHERE finished_at IS NULL OR started_at > now() - interval '3 days'").await,
+        text("SELECT count(*) AS n FROM actix_outbox.reconcile_runs WHERE finished_at IS NULL OR started_at > now() - interval '3 days'").await,
         2,
         "the young run and the one still running stay"
     );
     // The version of `stats` goes: the retrying row is `mail`'s, not its.
     assert_eq!(
         text(
-            "SELECT count(*) AS n FROM aggregate_versions WHERE consumer = 'mail' \
+            "SELECT count(*) AS n FROM actix_outbox.aggregate_versions WHERE consumer = 'mail' \
              AND aggregate_id IN ('young', 'retrying', 'dead', 'pending')"
         )
         .await,
         4
     );
     assert_eq!(
-        text("SELECT count(*) AS n FROM aggregate_versions").await,
+        text("SELECT count(*) AS n FROM actix_outbox.aggregate_versions").await,
         4
     );
     // Shorter ages, set per table.
@@ -485,12 +490,12 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+        "INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
          SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '9 days',
              'PROCESSED', now() - interval '8 days'
          FROM generate_series(1, 1000);
-         INSERT INTO idempotency_keys (key, created_at) VALUES ('old', now() - interval '9000 days');",
+         INSERT INTO actix_outbox.idempotency_keys (key, created_at) VALUES ('old', now() - interval '9000 days');",
     )
     .await;
     let retention = RetentionConfig::default()
@@ -501,7 +506,7 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
         .retention(retention.clone())
         .retention_interval(Duration::from_secs(3600));
     let rt = start_with(db.pool.clone(), config, vec![]).await;
-    let left = "SELECT count(*) AS n FROM inbox_events";
+    let left = "SELECT count(*) AS n FROM actix_outbox.inbox_events";
     assert_eq!(db.wait_for(left, 0, WAIT).await, 0);
     let report = Retention::new(db.pool.clone(), retention)
         .unwrap()
@@ -510,7 +515,8 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
         .unwrap();
     assert_eq!(report.keys_deleted, 0);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM idempotency_keys").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.idempotency_keys")
+            .await,
         1
     );
     let stats = StatsConfig::default().interval(Duration::from_micros(500));
@@ -539,13 +545,13 @@ async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status, published_at, created_at)
          SELECT ('00000000-0000-0000-0000-00000000000' || i)::uuid, 'T', 'a', 'x' || i, '{}', 'c',
              'PUBLISHED', now() - interval '8 days' - CASE WHEN i = 2 THEN interval '1 hour' ELSE interval '0' END,
              now() - interval '9 days'
          FROM generate_series(1, 3) i;
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status)
          SELECT ('00000000-0000-0000-0000-00000000000' || i)::uuid, 'mail', 'T', 1, 'a', 'x' || i,
              '{}', 'c', now() - interval '9 days', 'RETRY_PENDING'
@@ -555,7 +561,7 @@ async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
     let mut holder = db.pool.get().await.unwrap();
     holder
         .batch_execute(
-            "BEGIN; SELECT 1 FROM inbox_events \
+            "BEGIN; SELECT 1 FROM actix_outbox.inbox_events \
              WHERE event_id = '00000000-0000-0000-0000-000000000002' FOR UPDATE",
         )
         .await
@@ -565,10 +571,10 @@ async fn retention_passes_over_an_event_whose_inbox_row_is_locked() {
     let retention = Retention::new(db.pool.clone(), one).unwrap();
     let report = within(WAIT, retention.run_once()).await.unwrap();
     assert_eq!((report.outbox_deleted, report.more_left), (2, false));
-    let left = "SELECT count(*) AS n FROM outbox_events \
+    let left = "SELECT count(*) AS n FROM actix_outbox.outbox_events \
                 WHERE id = '00000000-0000-0000-0000-000000000002'";
     assert_eq!(db.count(left).await, 1);
-    let marked = "SELECT count(*) AS n FROM inbox_events WHERE external";
+    let marked = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE external";
     assert_eq!(db.count(marked).await, 2);
     holder.batch_execute("COMMIT").await.unwrap();
     drop(holder);
@@ -586,11 +592,11 @@ async fn the_timeline_keeps_inbox_rows_whose_outbox_row_retention_deleted() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status, published_at, created_at)
          VALUES ('00000000-0000-0000-0000-00000000000a', 'T', 'order', 'o1', '{}', 'corr-kept',
                  'PUBLISHED', now() - interval '8 days', now() - interval '8 days');
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
          SELECT '00000000-0000-0000-0000-00000000000a', c, 'T', 1, 'order', 'o1', '{}', 'corr-kept',
                 now() - interval '8 days', s, p
@@ -726,7 +732,7 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
         .unwrap();
     db.produce(1, "o").await;
     rt.handle().wake();
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     // A fresh sample, so the page's health reflects the dead letter now rather than at the
     // runtime's next interval.
@@ -780,7 +786,7 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
         )
         .await;
     let processed =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 2";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND attempt_count = 2";
     assert_eq!(
         db.wait_for(processed, 1, WAIT).await,
         1,
@@ -793,7 +799,7 @@ async fn the_dashboard_shows_a_dead_letter_and_its_retry_delivers_the_event() {
     );
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM admin_audit WHERE who = 'alice' AND action = 'inbox.retry'"
+            "SELECT count(*) AS n FROM actix_outbox.admin_audit WHERE who = 'alice' AND action = 'inbox.retry'"
         )
         .await,
         1
@@ -822,7 +828,7 @@ async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
         ..Default::default()
     };
     let rt = start(&db, vec![(consumer("metered", 2).batch_size(1), behaviour)]).await;
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND attempt_count = 2";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     let text = handle.render();
@@ -866,7 +872,7 @@ async fn store_samples(db: &TestDb, samples: &[(&str, i64, i64, &[Numbers])]) ->
         let sample = serde_json::json!({"at": chrono::DateTime::from_timestamp(at, 0).unwrap(),
             "outbox": {}, "consumers": consumers, "instance": instance});
         sql.push_str(&format!(
-            "INSERT INTO outbox_stats_samples (instance, sampled_at, interval_ms, sample, health) \
+            "INSERT INTO actix_outbox.outbox_stats_samples (instance, sampled_at, interval_ms, sample, health) \
              VALUES ('{instance}', to_timestamp({at}), {interval_ms}, '{sample}', '{{}}');\n"
         ));
     }
@@ -1054,7 +1060,7 @@ async fn the_charts_query_reads_the_samples_index_for_its_window() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO outbox_stats_samples (instance, sampled_at, interval_ms, sample, health) \
+        "INSERT INTO actix_outbox.outbox_stats_samples (instance, sampled_at, interval_ms, sample, health) \
          SELECT 'i1', now() - n * interval '1 minute', 60000, \
              '{\"consumers\": [{\"consumer\": \"mailer\", \"processed\": 1}]}', '{}' \
          FROM generate_series(0, 1439) n; \

@@ -141,7 +141,7 @@ async fn assert_held(db: &TestDb, aggregate: &str, others: i64, waiting: i64) {
     let applied = format!("SELECT count(*) AS n FROM applied WHERE aggregate = '{aggregate}'");
     assert_eq!(db.count(&applied).await, 0, "{aggregate} moved on");
     let behind = format!(
-        "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = '{aggregate}' \
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = '{aggregate}' \
          AND status = 'RECEIVED'"
     );
     assert_eq!(db.count(&behind).await, waiting);
@@ -167,7 +167,7 @@ async fn an_ordered_consumer_applies_each_aggregate_in_enqueue_order_across_two_
     let b = start_ordered(second, ordered("ledger"), applier).await;
     enqueue_interleaved(&db, 40, 25).await;
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1000, WAIT).await, 1000);
     assert_eq!(db.count("SELECT count(*) AS n FROM applied").await, 1000);
     // A fifth of the events failed their first attempt and were applied on their second.
@@ -203,7 +203,7 @@ async fn a_dead_lettered_event_holds_up_its_aggregate_alone_until_it_is_retried(
 
     // agg-3's first event is dead-lettered; its four others wait behind it, and every other
     // aggregate is applied in full.
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
     assert_held(&db, "agg-3", 45, 4).await;
     // The operator API names it: the head, its error, and the four events behind it.
@@ -231,7 +231,7 @@ async fn a_dead_lettered_event_holds_up_its_aggregate_alone_until_it_is_retried(
     poisoned.store(0, Ordering::Relaxed);
     let mut conn = db.pool.get().await.unwrap();
     diesel::sql_query(
-        "UPDATE inbox_events SET status = 'RETRY_PENDING', next_attempt_at = now() \
+        "UPDATE actix_outbox.inbox_events SET status = 'RETRY_PENDING', next_attempt_at = now() \
          WHERE status = 'DEAD_LETTER'",
     )
     .execute(&mut conn)
@@ -280,7 +280,7 @@ async fn an_ordered_consumer_that_skips_dead_letters_moves_past_them() {
         .collect();
     actix_outbox::enqueue_many(&conn, &events).await.unwrap();
     drop(conn);
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER'";
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER'";
     assert_eq!(db.wait_for(dead, 4, WAIT).await, 4);
     assert_eq!(applied_order(&db).await["agg-1"], vec![0, 1, 2, 3]);
     db.finish(&[&rt]).await;
@@ -301,7 +301,7 @@ async fn an_event_waiting_in_the_outbox_holds_up_only_its_own_aggregate() {
         .unwrap();
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
              correlation_id, next_attempt_at) \
          VALUES (gen_random_uuid(), 'ORDER_STATUS_CHANGED', 'order', 'agg-0', \
              '{\"n\": -1, \"k\": 0}', 'stuck', now() + interval '1 hour')",

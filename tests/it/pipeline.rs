@@ -144,7 +144,7 @@ async fn a_pipelined_consumer_takes_many_deliveries_at_once_and_writes_each_effe
     let (rt, seen) = start_piped(&db, 32, None).await;
 
     let done =
-        "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' AND attempt_count = 1";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND attempt_count = 1";
     assert_eq!(db.wait_for(done, 600, WAIT).await, 600);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 600);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
@@ -169,10 +169,10 @@ async fn a_failure_among_pipelined_deliveries_is_charged_to_its_own_event() {
 
     // Its batch is handed over again one delivery at a time: the others commit their effect
     // on their first counted attempt, and only the failing event spends attempts.
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED' \
+    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
                    AND attempt_count = 1";
     assert_eq!(db.wait_for(healthy, 299, WAIT).await, 299);
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND aggregate_id = 'agg-137' AND attempt_count = 2 \
                 AND last_error LIKE '%injected failure%'";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);

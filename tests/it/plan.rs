@@ -190,9 +190,9 @@ fn assert_one_plan(nodes: &[Node], case: &str) {
 /// between. One consumer subscribes, so the fan-out part is planned as in production.
 async fn prepare(conn: &mut AsyncPgConnection) {
     conn.batch_execute(
-        "ALTER TABLE outbox_events SET (autovacuum_enabled = off);
-         INSERT INTO consumer_states (consumer) VALUES ('c1');
-         INSERT INTO consumer_subscriptions (consumer, event_type) VALUES ('c1', 'ORDER_STATUS_CHANGED');",
+        "ALTER TABLE actix_outbox.outbox_events SET (autovacuum_enabled = off);
+         INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('c1');
+         INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type) VALUES ('c1', 'ORDER_STATUS_CHANGED');",
     )
     .await
     .unwrap();
@@ -207,7 +207,7 @@ fn insert_rows(n: usize, status: &str) -> String {
         "NULL"
     };
     format!(
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
              correlation_id, status, published_at) \
          SELECT gen_random_uuid(), 'ORDER_STATUS_CHANGED', 'order', 'o-' || g, \
              jsonb_build_object('order_id', 'o-' || g), 'c-' || g, '{status}', {published_at} \
@@ -247,18 +247,18 @@ async fn claim_uses_the_due_index_on_a_fresh_unanalyzed_table() {
     drop(conn);
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND seq <= 500"
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED' AND seq <= 500"
         )
         .await,
         500
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'")
             .await,
         500
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE consumer = 'c1'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'c1'")
             .await,
         500
     );
@@ -333,8 +333,8 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
     let db = TestDb::new().await;
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(&format!(
-        "ALTER TABLE inbox_events SET (autovacuum_enabled = off);
-         INSERT INTO consumer_states (consumer) VALUES ('c1');
+        "ALTER TABLE actix_outbox.inbox_events SET (autovacuum_enabled = off);
+         INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('c1');
          SET enable_seqscan = off; SET enable_bitmapscan = off;
          PREPARE inbox_claim_test (text, int8, int8, text, int8, bool) AS {INBOX_CLAIM_SQL};"
     ))
@@ -387,7 +387,7 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
     // 60,000 rows for three consumers, one in ten due, written after the plan was made; half
     // of them ordered (as if their consumers had been, in turn).
     conn.batch_execute(
-        "INSERT INTO inbox_events (event_id, consumer, event_type, event_version, \
+        "INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, \
              aggregate_type, aggregate_id, payload, correlation_id, event_created_at, status, \
              event_seq, ordered) \
          SELECT gen_random_uuid(), 'c' || (g % 3), 'ORDER_STATUS_CHANGED', 1, 'order', \
@@ -422,10 +422,10 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         .await
         .unwrap();
     assert_eq!(claimed, 500);
-    let leases = "SELECT count(*) AS n FROM inbox_leases WHERE consumer = 'c1'";
+    let leases = "SELECT count(*) AS n FROM actix_outbox.inbox_leases WHERE consumer = 'c1'";
     assert_eq!(db.count(leases).await, 1);
-    let named = "SELECT cardinality(ids)::int8 AS n FROM inbox_leases WHERE consumer = 'c1' \
-                 AND ids <@ (SELECT array_agg(id) FROM inbox_events WHERE consumer = 'c1' \
+    let named = "SELECT cardinality(ids)::int8 AS n FROM actix_outbox.inbox_leases WHERE consumer = 'c1' \
+                 AND ids <@ (SELECT array_agg(id) FROM actix_outbox.inbox_events WHERE consumer = 'c1' \
                              AND status = 'RECEIVED')";
     assert_eq!(
         db.count(named).await,
@@ -473,9 +473,9 @@ macro_rules! explain {
 /// audit rows and 20,000 replays. Written by SQL in a few statements, then analyzed.
 async fn build_history(conn: &mut AsyncPgConnection) {
     conn.batch_execute(
-        "ALTER TABLE inbox_events SET (autovacuum_enabled = off);
-         ALTER TABLE outbox_events SET (autovacuum_enabled = off);
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+        "ALTER TABLE actix_outbox.inbox_events SET (autovacuum_enabled = off);
+         ALTER TABLE actix_outbox.outbox_events SET (autovacuum_enabled = off);
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, processed_at,
              error_code, external)
          SELECT gen_random_uuid(),
@@ -488,13 +488,13 @@ async fn build_history(conn: &mut AsyncPgConnection) {
              CASE WHEN g % 10000 IN (1, 2) THEN 'HANDLER_FAILED' END,
              g % 1000 = 5
          FROM generate_series(1, 1000000) AS g;
-         INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, event_seq, ordered)
          SELECT gen_random_uuid(), 'c-ordered', 'T1', 1, 'order', 'held-' || (g / 3), '{}',
              'held-' || g, now(), CASE WHEN g % 3 = 0 THEN 'RETRY_PENDING' ELSE 'RECEIVED' END,
              g, true
          FROM generate_series(0, 299) AS g;
-         INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
+         INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status, published_at)
          SELECT (lpad(to_hex(1700000000000 + g), 12, '0') || '70008000'
                  || lpad(to_hex(g), 12, '0'))::uuid,
@@ -505,13 +505,13 @@ async fn build_history(conn: &mut AsyncPgConnection) {
                  ELSE 'PUBLISHED' END,
              CASE WHEN g % 10000 NOT IN (1, 2, 3, 4, 5) THEN now() END
          FROM generate_series(1, 1000000) AS g;
-         INSERT INTO admin_audit (who, action, target)
+         INSERT INTO actix_outbox.admin_audit (who, action, target)
          SELECT 'op', 'inbox.retry', 'inbox:' || g FROM generate_series(1, 200000) AS g;
-         INSERT INTO replays (consumer, upto_id, cursor_id, total, rate, requested_by, status)
+         INSERT INTO actix_outbox.replays (consumer, upto_id, cursor_id, total, rate, requested_by, status)
          SELECT 'c' || (g % 4), 1000, 0, 1000, 100, 'op', 'DONE'
          FROM generate_series(1, 20000) AS g;
-         INSERT INTO consumer_states (consumer) VALUES ('c0'), ('c1'), ('c2'), ('c3');
-         INSERT INTO consumer_subscriptions (consumer, event_type)
+         INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('c0'), ('c1'), ('c2'), ('c3');
+         INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type)
          SELECT 'c' || c, 'T' || t FROM generate_series(0, 3) c, generate_series(0, 19) t;
          ANALYZE inbox_events; ANALYZE outbox_events; ANALYZE admin_audit; ANALYZE replays;
          ANALYZE consumer_states; ANALYZE consumer_subscriptions;",

@@ -57,7 +57,8 @@ async fn two_claims_of_one_key_give_one_effect_and_a_rolled_back_claim_frees_it(
     );
     drop(conn);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM idempotency_keys").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.idempotency_keys")
+            .await,
         3
     );
     db.finish(&[]).await;
@@ -133,9 +134,9 @@ async fn a_rule_repairs_drift_once_and_never_duplicates_an_effect_made_by_the_no
          INSERT INTO orders (id, status) SELECT 'w' || g, 'WAITING' FROM generate_series(1, 5) g;
          -- o1..o10 were handled by the normal path, which claimed the same key
          INSERT INTO notifications (order_id) SELECT 'o' || g FROM generate_series(1, 10) g;
-         INSERT INTO idempotency_keys (key) SELECT 'notify:o' || g FROM generate_series(1, 10) g;
+         INSERT INTO actix_outbox.idempotency_keys (key) SELECT 'notify:o' || g FROM generate_series(1, 10) g;
          -- o11 claimed its key but the effect row is missing: the key wins, no duplicate
-         INSERT INTO idempotency_keys (key) VALUES ('notify:o11');",
+         INSERT INTO actix_outbox.idempotency_keys (key) VALUES ('notify:o11');",
     )
     .await
     .unwrap();
@@ -174,11 +175,12 @@ async fn a_rule_repairs_drift_once_and_never_duplicates_an_effect_made_by_the_no
         1
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM reconcile_runs").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.reconcile_runs")
+            .await,
         3
     );
     assert_eq!(
-        db.count("SELECT coalesce(sum(repaired), 0)::bigint AS n FROM reconcile_runs")
+        db.count("SELECT coalesce(sum(repaired), 0)::bigint AS n FROM actix_outbox.reconcile_runs")
             .await,
         19
     );
@@ -244,7 +246,8 @@ async fn a_rule_with_a_zero_interval_or_a_name_used_twice_is_refused() {
         );
     }
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM reconcile_runs").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.reconcile_runs")
+            .await,
         0
     );
     db.finish(&[]).await;
@@ -352,7 +355,7 @@ async fn a_failed_run_is_recorded_with_its_error() {
     assert!(report.unwrap().remove(0).is_err());
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM reconcile_runs WHERE rule = 'slow' \
+            "SELECT count(*) AS n FROM actix_outbox.reconcile_runs WHERE rule = 'slow' \
              AND error LIKE '%no_such_table%' AND started_at < finished_at"
         )
         .await,

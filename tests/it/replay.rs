@@ -160,7 +160,11 @@ async fn a_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
         .await
         .unwrap_err();
     assert_eq!(unknown.code().as_str(), "CONSUMER_UNKNOWN");
-    assert_eq!(db.count("SELECT count(*) AS n FROM replays").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.replays")
+            .await,
+        0
+    );
 
     let replay = ops::replay(&mut conn, &name("projector"), &range, "alice", "rebuild")
         .await
@@ -170,23 +174,23 @@ async fn a_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
     produce(&db, 30, 40).await;
 
     let done = format!(
-        "SELECT count(*) AS n FROM replays WHERE id = {} AND status = 'DONE' AND done = 10",
+        "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status = 'DONE' AND done = 10",
         replay.id
     );
     assert_eq!(db.wait_for(&done, 1, WAIT).await, 1, "the replay ends");
     assert_eq!(db.wait_for(LIVE, 140, WAIT).await, 140);
 
     // Exactly the window, each event once (the failed step's write rolled back) ...
-    let replayed = "SELECT count(*) AS n FROM projections p JOIN outbox_events o \
+    let replayed = "SELECT count(*) AS n FROM projections p JOIN actix_outbox.outbox_events o \
                     ON o.id = p.event_id WHERE p.mode = 'replay'";
     assert_eq!(db.count(replayed).await, 10);
     let in_window =
-        "SELECT count(DISTINCT p.event_id) AS n FROM projections p JOIN outbox_events o \
+        "SELECT count(DISTINCT p.event_id) AS n FROM projections p JOIN actix_outbox.outbox_events o \
                      ON o.id = p.event_id WHERE p.mode = 'replay' \
                      AND (o.payload->>'n')::int BETWEEN 10 AND 19";
     assert_eq!(db.count(in_window).await, 10);
     // ... and the failing event's step was tried again on its own, as its second attempt.
-    let retried = "SELECT count(*) AS n FROM projections p JOIN outbox_events o \
+    let retried = "SELECT count(*) AS n FROM projections p JOIN actix_outbox.outbox_events o \
                    ON o.id = p.event_id WHERE p.mode = 'replay' AND (o.payload->>'n')::int = 14 \
                    AND p.attempt = 2";
     assert_eq!(db.count(retried).await, 1);
@@ -200,14 +204,14 @@ async fn a_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
         0
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'")
             .await,
         140
     );
     // Audited, with who and why.
     assert_eq!(
         db.count(
-            "SELECT count(*) AS n FROM admin_audit WHERE action = 'consumer.replay' \
+            "SELECT count(*) AS n FROM actix_outbox.admin_audit WHERE action = 'consumer.replay' \
              AND who = 'alice' AND reason = 'rebuild' AND target = 'consumer:projector'"
         )
         .await,
@@ -302,7 +306,7 @@ async fn a_replay_stepped_by_two_instances_through_crashes_applies_each_event_on
     assert_eq!(replay.total, 120);
     drop(conn);
     let done = format!(
-        "SELECT count(*) AS n FROM replays WHERE id = {} AND status = 'DONE'",
+        "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status = 'DONE'",
         replay.id
     );
     let mut crashes = 0;
@@ -333,7 +337,7 @@ async fn a_replay_stepped_by_two_instances_through_crashes_applies_each_event_on
     );
     assert_eq!(
         db.count(&format!(
-            "SELECT count(*) AS n FROM replays WHERE id = {} AND done = 120",
+            "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND done = 120",
             replay.id
         ))
         .await,

@@ -191,16 +191,20 @@ async fn a_server_crash_mid_run_loses_nothing_and_duplicates_nothing() {
         actix_rt::time::sleep(Duration::from_millis(50)).await;
     };
     let orders = count(&db.url, "SELECT count(*) AS n FROM orders").await;
-    let events = count(&db.url, "SELECT count(*) AS n FROM outbox_events").await;
+    let events = count(
+        &db.url,
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events",
+    )
+    .await;
     let distinct = count(&db.url, "SELECT count(DISTINCT event_id) AS n FROM effects").await;
     let open = count(
         &db.url,
-        "SELECT count(*) AS n FROM inbox_events WHERE status <> 'PROCESSED'",
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status <> 'PROCESSED'",
     )
     .await;
     let unpublished = count(
         &db.url,
-        "SELECT count(*) AS n FROM outbox_events WHERE status <> 'PUBLISHED'",
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'",
     )
     .await;
     assert_eq!(orders, n, "every order committed once");
@@ -306,10 +310,11 @@ async fn a_handler_that_crashes_its_backend_is_dead_lettered_after_its_attempts(
         .await
         .expect("start runtime");
 
-    let dead = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id = 'poison' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id = 'poison' \
                 AND status = 'DEAD_LETTER' AND attempt_count = 3 \
                 AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
-    let healthy = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+    let healthy =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id <> 'poison' \
                    AND status = 'PROCESSED'";
     let deadline = Instant::now() + WAIT;
     while (count(&db.url, dead).await, count(&db.url, healthy).await) != (1, HEALTHY)
@@ -329,7 +334,8 @@ async fn a_handler_that_crashes_its_backend_is_dead_lettered_after_its_attempts(
         HEALTHY,
         "every other event processed"
     );
-    let first = "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' \
+    let first =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id <> 'poison' \
                  AND status = 'PROCESSED' AND attempt_count = 1";
     assert_eq!(
         count(&db.url, first).await,
@@ -339,7 +345,7 @@ async fn a_handler_that_crashes_its_backend_is_dead_lettered_after_its_attempts(
     // The first crash was in a batch with others, which were suspected, not charged, and then
     // handed over alone.
     let suspected =
-        "SELECT count(*) AS n FROM inbox_events WHERE aggregate_id <> 'poison' AND alone";
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE aggregate_id <> 'poison' AND alone";
     assert!(
         count(&db.url, suspected).await >= 1,
         "the poison event's first crash was not in a batch"

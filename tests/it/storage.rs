@@ -58,7 +58,7 @@ async fn run(db: &TestDb) -> (usize, usize) {
         .await;
     let outbox = pages(db, "outbox_events").await;
     let rt = start(db, vec![(consumer("c", 3), Behaviour::default())]).await;
-    let received = "SELECT count(*) AS n FROM inbox_events WHERE status = 'RECEIVED'";
+    let received = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'RECEIVED'";
     assert_eq!(db.wait_for(received, EVENTS, WAIT).await, EVENTS);
     let outbox_moved = moved(db, "outbox_events", &outbox).await;
     let inbox = pages(db, "inbox_events").await;
@@ -66,7 +66,8 @@ async fn run(db: &TestDb) -> (usize, usize) {
         .await
         .unwrap();
     drop(conn);
-    let processed = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let processed =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(processed, EVENTS, WAIT).await, EVENTS);
     let inbox_moved = moved(db, "inbox_events", &inbox).await;
     rt.shutdown().await;
@@ -98,7 +99,7 @@ async fn without_the_room_most_rows_move() {
     let db = TestDb::new().await;
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(
-        "ALTER TABLE outbox_events RESET (fillfactor); ALTER TABLE inbox_events RESET (fillfactor)",
+        "ALTER TABLE actix_outbox.outbox_events RESET (fillfactor); ALTER TABLE actix_outbox.inbox_events RESET (fillfactor)",
     )
     .await
     .unwrap();

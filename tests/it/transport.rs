@@ -36,7 +36,8 @@ async fn start_external<T: actix_outbox::transport::Transport + Clone>(
         .unwrap()
 }
 
-const PUBLISHED: &str = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED'";
+const PUBLISHED: &str =
+    "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
 
 #[actix_rt::test]
 async fn a_publish_timeout_is_retried_after_its_backoff_with_the_same_id_and_delivered_once() {
@@ -47,7 +48,7 @@ async fn a_publish_timeout_is_retried_after_its_backoff_with_the_same_id_and_del
     let ids = db.produce(1, "o").await;
 
     assert_eq!(db.wait_for(PUBLISHED, 1, WAIT).await, 1);
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
 
     let calls = transport.calls();
@@ -63,14 +64,14 @@ async fn a_publish_timeout_is_retried_after_its_backoff_with_the_same_id_and_del
     );
     assert_eq!((calls[1].attempt, calls[1].finished), (2, true));
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE attempt_count = 2")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE attempt_count = 2")
             .await,
         1
     );
     // The retry waited for its backoff: published no earlier than 100 ms (timeout) + 150 ms
     // (backoff) after the event was created, by the database's clock.
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE published_at - created_at >= interval '250 milliseconds'")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE published_at - created_at >= interval '250 milliseconds'")
             .await,
         1
     );
@@ -87,7 +88,7 @@ async fn a_crash_after_publish_is_published_again_after_the_lease_and_the_inbox_
     db.produce(1, "o").await;
 
     assert_eq!(db.wait_for(PUBLISHED, 1, WAIT).await, 1);
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
     let calls = transport.calls();
     assert_eq!(
@@ -96,7 +97,8 @@ async fn a_crash_after_publish_is_published_again_after_the_lease_and_the_inbox_
         "published twice: before the crash and after the lease expired"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         1,
         "the duplicate was absorbed"
     );
@@ -123,7 +125,8 @@ async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
         .await
         .unwrap();
     db.produce(1, "o").await;
-    let processing = "SELECT count(*) AS n FROM outbox_events WHERE status = 'PROCESSING'";
+    let processing =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PROCESSING'";
     assert_eq!(db.wait_for(processing, 1, WAIT).await, 1);
     let stall = pool_a.get_owned().await.unwrap();
     assert!(
@@ -134,15 +137,15 @@ async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
     let fast = ScriptedTransport::new(db.pool.clone());
     let rt_b = start_external(&db, &fast, external(600, 500, 5), db.pool.clone()).await;
     let by_b =
-        "SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 2";
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 2";
     assert_eq!(db.wait_for(by_b, 1, WAIT).await, 1);
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
     assert!(
         slow.calls()[0].finished,
         "A published too, before it stalled"
     );
-    let marks = "SELECT (extract(epoch FROM updated_at) * 1000000)::bigint AS n FROM outbox_events";
+    let marks = "SELECT (extract(epoch FROM updated_at) * 1000000)::bigint AS n FROM actix_outbox.outbox_events";
     let b_mark = db.count(marks).await;
 
     // A is waiting for a connection to mark its row.
@@ -177,7 +180,8 @@ async fn a_publisher_whose_lease_was_reclaimed_cannot_mark_the_row() {
     );
     assert_eq!(db.count(by_b).await, 1);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM inbox_events").await,
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
         1,
         "A's publish was absorbed"
     );
@@ -223,10 +227,10 @@ async fn an_event_that_kills_its_publisher_is_dead_lettered_alone_and_its_batch_
     let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
 
     assert_eq!(db.wait_for(PUBLISHED, 9, WAIT).await, 9);
-    let dead = "SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER' \
+    let dead = "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER' \
                 AND aggregate_id = 'o-0' AND attempt_count = 3";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 9, WAIT).await, 9);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM effects").await,
@@ -234,7 +238,7 @@ async fn an_event_that_kills_its_publisher_is_dead_lettered_alone_and_its_batch_
         "one effect per healthy event"
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 1")
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED' AND attempt_count = 1")
             .await,
         9,
         "the batch's death was charged to none of the healthy events"
@@ -257,8 +261,8 @@ async fn a_lease_left_by_a_publisher_that_is_gone_is_published_by_the_in_process
     let mut conn = db.pool.get().await.unwrap();
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut *conn,
-        "UPDATE outbox_events SET status = 'PROCESSING', locked_by = 'gone', attempt_count = 1, \
-             lease_token = nextval('outbox_lease_token_seq'), \
+        "UPDATE actix_outbox.outbox_events SET status = 'PROCESSING', locked_by = 'gone', attempt_count = 1, \
+             lease_token = nextval('actix_outbox.outbox_lease_token_seq'), \
              locked_until = now() - interval '1 hour'",
     )
     .await
@@ -266,7 +270,7 @@ async fn a_lease_left_by_a_publisher_that_is_gone_is_published_by_the_in_process
     drop(conn);
     let rt = start(&db, vec![(consumer("c1", 3), Behaviour::default())]).await;
     assert_eq!(db.wait_for(PUBLISHED, 1, WAIT).await, 1);
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
     db.finish(&[&rt]).await;
@@ -282,22 +286,26 @@ async fn exhausted_publishes_and_rejections_are_dead_lettered_with_their_codes()
     let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
     db.produce(2, "o").await;
 
-    let dead = "SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER'";
+    let dead = "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER'";
     assert_eq!(db.wait_for(dead, 2, WAIT).await, 2);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'o-0' AND attempt_count = 3 \
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE aggregate_id = 'o-0' AND attempt_count = 3 \
                   AND error_code = 'OUTBOX_PUBLISH_FAILED' AND last_error LIKE '%scripted failure%'")
             .await,
         1
     );
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE aggregate_id = 'o-1' AND attempt_count = 1 \
+        db.count("SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE aggregate_id = 'o-1' AND attempt_count = 1 \
                   AND error_code = 'SCRIPTED_REJECT'")
             .await,
         1
     );
     assert_eq!(transport.calls().len(), 4);
-    assert_eq!(db.count("SELECT count(*) AS n FROM inbox_events").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+            .await,
+        0
+    );
     db.finish(&[&rt]).await;
 }
 
@@ -323,7 +331,7 @@ async fn the_timeline_of_a_receiving_database_shows_what_it_received_and_what_fo
     let ids = producer.produce(1, "o").await;
     let correlation = ids[0].to_string();
 
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(receiver.wait_for(done, 1, WAIT).await, 1);
     let mut conn = receiver.pool.get().await.unwrap();
     let follow_up = actix_outbox::NewEvent::new(
@@ -366,8 +374,8 @@ async fn duplicates_absorbed_on_receive_are_counted_per_consumer() {
     let mut conn = db.pool.get().await.unwrap();
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut *conn,
-        "INSERT INTO consumer_states (consumer) VALUES ('rmail'), ('rledger'); \
-         INSERT INTO consumer_subscriptions (consumer, event_type) \
+        "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('rmail'), ('rledger'); \
+         INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type) \
              VALUES ('rmail', 'ORDER_STATUS_CHANGED'), ('rledger', 'ORDER_STATUS_CHANGED')",
     )
     .await
@@ -408,12 +416,12 @@ async fn a_lease_larger_than_one_reap_is_not_split_into_rows_charged_alone() {
     let mut conn = db.pool.get().await.unwrap();
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut *conn,
-        "INSERT INTO outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
+        "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload, \
              correlation_id, status, locked_by, locked_until, lease_token, attempt_count) \
          SELECT gen_random_uuid(), 'ORDER_STATUS_CHANGED', 'order', 'o-' || g, \
              jsonb_build_object('order_id', 'o-' || g, 'status', 'COMPLETED'), 'c-' || g, \
              'PROCESSING', 'gone', now() - interval '1 hour', \
-             nextval('outbox_lease_token_seq'), 3 \
+             nextval('actix_outbox.outbox_lease_token_seq'), 3 \
          FROM generate_series(1, 1001) g",
     )
     .await
@@ -423,11 +431,13 @@ async fn a_lease_larger_than_one_reap_is_not_split_into_rows_charged_alone() {
     let rt = start_external(&db, &transport, external(2_000, 500, 3), db.pool.clone()).await;
     assert_eq!(db.wait_for(PUBLISHED, 1001, WAIT).await, 1001);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM outbox_events WHERE status = 'DEAD_LETTER'")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER'"
+        )
+        .await,
         0
     );
-    let done = "SELECT count(*) AS n FROM inbox_events WHERE status = 'PROCESSED'";
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, 1001, WAIT).await, 1001);
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1001);
     db.finish(&[&rt]).await;

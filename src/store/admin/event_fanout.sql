@@ -2,10 +2,10 @@
 -- an inbox row for it (by the inbox's unique `(event_id, consumer)` index) and those
 -- subscribed to its type now.
 --   $1 event id
-WITH r AS (SELECT * FROM inbox_events WHERE event_id = $1),
-     t AS (SELECT coalesce((SELECT event_type FROM outbox_events WHERE id = $1),
+WITH r AS (SELECT * FROM actix_outbox.inbox_events WHERE event_id = $1),
+     t AS (SELECT coalesce((SELECT event_type FROM actix_outbox.outbox_events WHERE id = $1),
                            (SELECT event_type FROM r LIMIT 1)) AS event_type),
-     s AS (SELECT consumer FROM consumer_subscriptions
+     s AS (SELECT consumer FROM actix_outbox.consumer_subscriptions
            WHERE event_type = (SELECT event_type FROM t))
 SELECT c.consumer, c.consumer IN (SELECT consumer FROM s) AS subscribed,
     r.id IS NOT NULL AS got, r.id AS inbox_id, r.status, r.attempt_count, r.error_code,

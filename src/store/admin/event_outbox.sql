@@ -3,4 +3,4 @@
 SELECT id, event_type, event_version, aggregate_type, aggregate_id, aggregate_version, status,
     attempt_count, error_code, last_error, correlation_id, causation_id, created_at,
     next_attempt_at, published_at, updated_at, CASE WHEN $2 THEN payload END AS payload
-FROM outbox_events WHERE id = $1
+FROM actix_outbox.outbox_events WHERE id = $1

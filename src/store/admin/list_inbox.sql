@@ -8,7 +8,7 @@ SELECT id, event_id, consumer, event_type, event_version, aggregate_type, aggreg
     aggregate_version, status, attempt_count, error_code, last_error, correlation_id,
     causation_id, event_created_at, received_at, next_attempt_at, processed_at,
     updated_at, CASE WHEN $6 THEN payload END AS payload
-FROM inbox_events
+FROM actix_outbox.inbox_events
 WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2)
   AND ($3::text IS NULL OR consumer = $3) AND ($4::int8 IS NULL OR id < $4)
 ORDER BY id DESC LIMIT $5

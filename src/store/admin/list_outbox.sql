@@ -6,7 +6,7 @@
 SELECT id, event_type, event_version, aggregate_type, aggregate_id, aggregate_version, status,
     attempt_count, error_code, last_error, correlation_id, causation_id, created_at,
     next_attempt_at, published_at, updated_at, CASE WHEN $5 THEN payload END AS payload
-FROM outbox_events
+FROM actix_outbox.outbox_events
 WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR event_type = $2)
   AND ($3::uuid IS NULL OR id < $3)
 ORDER BY id DESC LIMIT $4

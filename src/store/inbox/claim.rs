@@ -29,7 +29,7 @@ pub(crate) async fn claim(
 ) -> Result<Vec<InboxRow>> {
     let process = store::process_id();
     let claim = Prepared(
-        diesel::sql_query(include_str!("../inbox_claim.sql"))
+        crate::store::sql(include_str!("../inbox_claim.sql"))
             .bind::<Text, _>(consumer)
             .bind::<BigInt, _>(limit)
             .bind::<BigInt, _>(lease_ms)
@@ -38,7 +38,7 @@ pub(crate) async fn claim(
             .bind::<Bool, _>(dead_blocks),
     );
     let turn = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "SELECT pg_advisory_xact_lock(hashtextextended('actix_outbox.claim:' || $1, 0))",
         )
         .bind::<Text, _>(consumer),
@@ -69,14 +69,14 @@ pub(crate) async fn reload(
     token: i64,
 ) -> Result<Vec<InboxRow>> {
     let rows = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
                  i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
                  i.causation_id, i.event_created_at, i.attempt_count, $2 AS lease_token, \
                  i.alone, pg_backend_pid() AS backend \
-             FROM unnest($1::int8[]) AS n(id) JOIN inbox_events i ON i.id = n.id \
+             FROM unnest($1::int8[]) AS n(id) JOIN actix_outbox.inbox_events i ON i.id = n.id \
              WHERE i.status IN ('RECEIVED', 'RETRY_PENDING') \
-               AND n.id IN (SELECT unnest(ids) FROM inbox_leases WHERE token = $2) \
+               AND n.id IN (SELECT unnest(ids) FROM actix_outbox.inbox_leases WHERE token = $2) \
              ORDER BY i.next_attempt_at, i.id",
         )
         .bind::<Array<BigInt>, _>(ids)

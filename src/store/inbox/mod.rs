@@ -123,15 +123,15 @@ pub(crate) async fn register_consumer(
         event_type: String,
     }
     let extra: Vec<Subscription> = Prepared(
-        diesel::sql_query(
-            "WITH c AS (INSERT INTO consumer_states (consumer, replay_safe) VALUES ($1, $4) \
+        crate::store::sql(
+            "WITH c AS (INSERT INTO actix_outbox.consumer_states (consumer, replay_safe) VALUES ($1, $4) \
                     ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4 \
                     WHERE consumer_states.replay_safe <> $4), \
-              s AS (INSERT INTO consumer_subscriptions (consumer, event_type, ordered) \
+              s AS (INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type, ordered) \
                     SELECT $1, t, $3 FROM unnest($2::text[]) AS t \
                     ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3 \
                     WHERE consumer_subscriptions.ordered <> $3) \
-         SELECT event_type FROM consumer_subscriptions \
+         SELECT event_type FROM actix_outbox.consumer_subscriptions \
          WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
         )
         .bind::<Text, _>(consumer)
@@ -159,10 +159,10 @@ pub(crate) async fn remove_subscription(
         removed: i64,
     }
     let r: Removed = Prepared(
-        diesel::sql_query(
-            "WITH d AS (DELETE FROM consumer_subscriptions WHERE consumer = $1 AND event_type = $2 \
+        crate::store::sql(
+            "WITH d AS (DELETE FROM actix_outbox.consumer_subscriptions WHERE consumer = $1 AND event_type = $2 \
                         RETURNING 1) \
-             SELECT EXISTS (SELECT 1 FROM consumer_states WHERE consumer = $1) AS known, \
+             SELECT EXISTS (SELECT 1 FROM actix_outbox.consumer_states WHERE consumer = $1) AS known, \
                     (SELECT count(*) FROM d) AS removed",
         )
         .bind::<Text, _>(consumer)
@@ -234,8 +234,8 @@ pub(crate) async fn pause(
     until: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<()> {
     Prepared(
-        diesel::sql_query(
-            "INSERT INTO consumer_states (consumer, paused, paused_by, reason, paused_until) \
+        crate::store::sql(
+            "INSERT INTO actix_outbox.consumer_states (consumer, paused, paused_by, reason, paused_until) \
          VALUES ($1, true, $2, $3, $4) \
          ON CONFLICT (consumer) DO UPDATE SET paused = true, paused_by = $2, reason = $3, \
              paused_until = $4, updated_at = now()",
@@ -253,8 +253,8 @@ pub(crate) async fn pause(
 /// Resumes a consumer. Returns false when no such consumer was ever registered or paused.
 pub(crate) async fn resume(conn: &mut AsyncPgConnection, consumer: &str, by: &str) -> Result<bool> {
     let n = Prepared(
-        diesel::sql_query(
-            "UPDATE consumer_states SET paused = false, paused_by = $2, reason = NULL, \
+        crate::store::sql(
+            "UPDATE actix_outbox.consumer_states SET paused = false, paused_by = $2, reason = NULL, \
              paused_until = NULL, updated_at = now() \
          WHERE consumer = $1",
         )
@@ -282,10 +282,10 @@ pub(crate) async fn receive(
     conn: &mut AsyncPgConnection,
     e: &crate::event::OutboxEvent,
 ) -> Result<Vec<ReceiveRow>> {
-    let rows = Prepared(diesel::sql_query(
-        "WITH subs AS (SELECT consumer FROM consumer_subscriptions WHERE event_type = $2), \
+    let rows = Prepared(crate::store::sql(
+        "WITH subs AS (SELECT consumer FROM actix_outbox.consumer_subscriptions WHERE event_type = $2), \
          ins AS ( \
-             INSERT INTO inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
+             INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
                  aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id, \
                  event_created_at, external) \
              SELECT $1, consumer, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, true FROM subs \
@@ -347,12 +347,12 @@ pub(crate) async fn advance_version(
     version: i64,
 ) -> Result<Advance> {
     let r: AdvanceRow = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "WITH l AS ( \
              SELECT pg_try_advisory_xact_lock( \
                  hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 7)) AS ok \
          ), up AS ( \
-             INSERT INTO aggregate_versions (consumer, aggregate_type, aggregate_id, version) \
+             INSERT INTO actix_outbox.aggregate_versions (consumer, aggregate_type, aggregate_id, version) \
              SELECT $1, $2, $3, $4 FROM l WHERE l.ok \
              ON CONFLICT (consumer, aggregate_type, aggregate_id) DO UPDATE \
                  SET version = EXCLUDED.version, updated_at = now() \
@@ -360,7 +360,7 @@ pub(crate) async fn advance_version(
              RETURNING 1 \
          ) \
          SELECT (SELECT ok FROM l) AS locked, (SELECT count(*) FROM up) AS applied, \
-                (SELECT version FROM aggregate_versions \
+                (SELECT version FROM actix_outbox.aggregate_versions \
                  WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3) AS current",
         )
         .bind::<Text, _>(consumer)

@@ -43,14 +43,14 @@ pub(crate) async fn judge_dead(
     patience_ms: i64,
 ) -> Result<usize> {
     let judge = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "WITH live AS MATERIALIZED (SELECT array_agg(pid) AS pids FROM pg_stat_activity), \
              leases AS ( \
                  SELECT l.token, l.consumer, l.locked_by, l.held, l.locked_until, \
                      cardinality(l.ids) AS n, \
                      (l.locked_until < now() \
                       OR coalesce(NOT l.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
-                 FROM inbox_leases l \
+                 FROM actix_outbox.inbox_leases l \
              ), judged AS ( \
                  SELECT locked_by, sum(n)::int4 AS n FROM leases \
                  WHERE locked_by IN (SELECT locked_by FROM leases \
@@ -59,7 +59,7 @@ pub(crate) async fn judge_dead(
                  HAVING bool_and(dead) \
                      OR min(locked_until) < now() - $2 * interval '1 millisecond' \
              ) \
-             UPDATE inbox_leases l SET held = j.n \
+             UPDATE actix_outbox.inbox_leases l SET held = j.n \
              FROM leases x JOIN judged j USING (locked_by) \
              WHERE l.token = x.token AND x.dead AND l.held IS NULL",
         )
@@ -81,8 +81,8 @@ pub(crate) async fn expire(
     patience_ms: i64,
 ) -> Result<()> {
     Prepared(
-        diesel::sql_query(
-            "UPDATE inbox_leases SET locked_until = now() - ($2 + 1) * interval '1 millisecond' \
+        crate::store::sql(
+            "UPDATE actix_outbox.inbox_leases SET locked_until = now() - ($2 + 1) * interval '1 millisecond' \
              WHERE token = $1",
         )
         .bind::<BigInt, _>(token)
@@ -97,8 +97,8 @@ pub(crate) async fn expire(
 /// timeout, in a process that lives.
 pub(crate) async fn extend(conn: &mut AsyncPgConnection, token: i64, lease_ms: i64) -> Result<()> {
     Prepared(
-        diesel::sql_query(
-            "UPDATE inbox_leases SET locked_until = now() + $2 * interval '1 millisecond' \
+        crate::store::sql(
+            "UPDATE actix_outbox.inbox_leases SET locked_until = now() + $2 * interval '1 millisecond' \
              WHERE token = $1",
         )
         .bind::<BigInt, _>(token)
@@ -118,7 +118,7 @@ pub(crate) async fn session_alive(conn: &mut AsyncPgConnection, backend: i32) ->
         alive: bool,
     }
     let r: Alive = Prepared(
-        diesel::sql_query("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1) AS alive")
+        crate::store::sql("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1) AS alive")
             .bind::<Integer, _>(backend),
     )
     .get_result(conn)
@@ -133,11 +133,11 @@ pub(crate) async fn judged(
     limit: i64,
 ) -> Result<Vec<ExpiredRow>> {
     let judged = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "SELECT i.id, l.token AS lease_token, i.event_id, i.attempt_count, l.held, \
                  i.suspicions \
-             FROM inbox_leases l CROSS JOIN unnest(l.ids) AS u(id) \
-             JOIN inbox_events i ON i.id = u.id \
+             FROM actix_outbox.inbox_leases l CROSS JOIN unnest(l.ids) AS u(id) \
+             JOIN actix_outbox.inbox_events i ON i.id = u.id \
              WHERE l.consumer = $1 AND l.held IS NOT NULL \
              ORDER BY i.id LIMIT $2",
         )

@@ -101,7 +101,7 @@ pub(crate) async fn settle_now(
 /// The one statement that marks leased rows and takes them out of their leases (a lease goes
 /// with its last row). Fenced on each row's lease: a row its lease no longer names (the reaper
 /// settled it, after the lease died) is not touched, nor is one an operator moved out of its
-/// due status. With `check`, a row not touched raises `AO001` (`inbox_lease_held`). The leases
+/// due status. With `check`, a row not touched raises `AO001` (`actix_outbox.inbox_lease_held`). The leases
 /// are locked first, in token order, so a batch and the reaper settling the same lease take
 /// turns. A row given back (`release`) is not written at all: nothing of it changes but its
 /// lease, so it only counts as held (a failing consumer gives most of its batch back).
@@ -162,18 +162,18 @@ async fn settle(
     }
     let expected = check.then_some(outcomes.len() as i64);
     let r: Held = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "WITH o AS ( \
                  SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int8[], \
                      $5::text[], $6::text[], $8::int4[]) \
                      AS o(id, token, kind, n, code, message, attempts) \
              ), l AS MATERIALIZED ( \
-                 SELECT token, ids, held FROM inbox_leases \
+                 SELECT token, ids, held FROM actix_outbox.inbox_leases \
                  WHERE token = ANY ($2::int8[]) ORDER BY token FOR UPDATE \
              ), named AS MATERIALIZED ( \
                  SELECT l.token, x AS id, l.held FROM l CROSS JOIN unnest(l.ids) AS x \
              ), settled AS ( \
-                 UPDATE inbox_events i SET \
+                 UPDATE actix_outbox.inbox_events i SET \
                      status = CASE \
                          WHEN o.kind IN ('processed', 'stale') THEN 'PROCESSED' \
                          WHEN o.kind IN ('dead', 'died_dead') THEN 'DEAD_LETTER' \
@@ -214,19 +214,19 @@ async fn settle(
                      AND o.kind <> 'release' \
                  RETURNING 1 \
              ), released AS ( \
-                 SELECT FROM o JOIN named USING (token, id) JOIN inbox_events i ON i.id = o.id \
+                 SELECT FROM o JOIN named USING (token, id) JOIN actix_outbox.inbox_events i ON i.id = o.id \
                  WHERE o.kind = 'release' AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
              ), rest AS ( \
                  SELECT n.token, coalesce(array_agg(n.id) FILTER (WHERE o.id IS NULL), '{}') AS ids \
                  FROM named n LEFT JOIN o USING (token, id) GROUP BY n.token \
              ), shrunk AS ( \
-                 UPDATE inbox_leases p SET ids = r.ids FROM rest r \
+                 UPDATE actix_outbox.inbox_leases p SET ids = r.ids FROM rest r \
                  WHERE p.token = r.token AND cardinality(r.ids) > 0 \
              ), gone AS ( \
-                 DELETE FROM inbox_leases p USING rest r \
+                 DELETE FROM actix_outbox.inbox_leases p USING rest r \
                  WHERE p.token = r.token AND cardinality(r.ids) = 0 \
              ) \
-             SELECT inbox_lease_held( \
+             SELECT actix_outbox.inbox_lease_held( \
                  (SELECT count(*) FROM settled) + (SELECT count(*) FROM released), $7) AS held",
         )
         .bind::<Array<BigInt>, _>(ids)
@@ -263,28 +263,28 @@ async fn processed(
 ) -> Result<usize> {
     let ids: Vec<i64> = outcomes.iter().map(|o| o.id).collect();
     let r: Held = Prepared(
-        diesel::sql_query(
+        crate::store::sql(
             "WITH l AS MATERIALIZED ( \
-                 SELECT ids FROM inbox_leases WHERE token = $2 FOR UPDATE \
+                 SELECT ids FROM actix_outbox.inbox_leases WHERE token = $2 FOR UPDATE \
              ), mine AS MATERIALIZED ( \
                  SELECT n.id FROM unnest($1::int8[]) AS n(id) \
                  WHERE n.id IN (SELECT unnest(ids) FROM l) \
              ), settled AS ( \
-                 UPDATE inbox_events i SET status = 'PROCESSED', \
+                 UPDATE actix_outbox.inbox_events i SET status = 'PROCESSED', \
                      attempt_count = i.attempt_count + 1, suspicions = 0, \
                      processed_at = clock_timestamp(), error_code = NULL, last_error = NULL, \
                      updated_at = now() \
                  FROM mine WHERE i.id = mine.id AND i.status IN ('RECEIVED', 'RETRY_PENDING') \
                  RETURNING 1 \
              ), gone AS ( \
-                 DELETE FROM inbox_leases WHERE token = $2 \
+                 DELETE FROM actix_outbox.inbox_leases WHERE token = $2 \
                      AND cardinality(ids) = cardinality($1::int8[]) \
              ), shrunk AS ( \
-                 UPDATE inbox_leases SET ids = ARRAY(SELECT x FROM unnest(ids) AS x \
+                 UPDATE actix_outbox.inbox_leases SET ids = ARRAY(SELECT x FROM unnest(ids) AS x \
                                                      WHERE x <> ALL ($1)) \
                  WHERE token = $2 AND cardinality(ids) <> cardinality($1::int8[]) \
              ) \
-             SELECT inbox_lease_held((SELECT count(*) FROM settled), $3) AS held",
+             SELECT actix_outbox.inbox_lease_held((SELECT count(*) FROM settled), $3) AS held",
         )
         .bind::<Array<BigInt>, _>(&ids)
         .bind::<BigInt, _>(token)

@@ -143,7 +143,7 @@ struct Xid {
 
 /// The id of the transaction running on `conn` (assigned by this call if it had none).
 async fn transaction_id(conn: &mut AsyncPgConnection) -> crate::Result<i64> {
-    let row: Xid = diesel::sql_query("SELECT txid_current() AS xid")
+    let row: Xid = crate::store::sql("SELECT txid_current() AS xid")
         .get_result(conn)
         .await?;
     Ok(row.xid)
