@@ -60,6 +60,16 @@ impl ErrorCode {
     pub const REPLAY_INVALID: ErrorCode = ErrorCode::from_static("REPLAY_INVALID");
     /// No replay has that id.
     pub const REPLAY_UNKNOWN: ErrorCode = ErrorCode::from_static("REPLAY_UNKNOWN");
+    /// The database role lacks a privilege the runtime needs on the library's schema (the
+    /// error names each object and privilege; `docs/security.md` lists the grants).
+    pub const PRIVILEGE_MISSING: ErrorCode = ErrorCode::from_static("PRIVILEGE_MISSING");
+    /// The library's schema is missing, or older than this build: run
+    /// [`migrate`](crate::migrate) as its owner first.
+    pub const SCHEMA_NOT_MIGRATED: ErrorCode = ErrorCode::from_static("SCHEMA_NOT_MIGRATED");
+    /// The pool's connections go through a pooler in transaction or statement mode, which the
+    /// runtime cannot run behind (it relies on sessions: leases, advisory locks, `LISTEN`,
+    /// prepared statements).
+    pub const POOLER_UNSUPPORTED: ErrorCode = ErrorCode::from_static("POOLER_UNSUPPORTED");
 
     /// A code known at compile time.
     pub const fn from_static(code: &'static str) -> Self {
@@ -130,6 +140,23 @@ pub enum Error {
     /// No replay has that id.
     #[error("no replay {0}")]
     UnknownReplay(i64),
+    /// The role lacks privileges the runtime needs on the library's schema: each
+    /// `(privilege, object)`, e.g. `("UPDATE", "actix_outbox.inbox_events")`. Nothing was
+    /// started or written.
+    #[error("role {role} lacks {}: grant them as docs/security.md says (actix_outbox::db::grants)",
+        missing.iter().map(|(p, o)| format!("{p} on {o}")).collect::<Vec<_>>().join(", "))]
+    PrivilegeMissing {
+        /// The role the pool connects as.
+        role: String,
+        /// What it lacks, as `(privilege, object)`.
+        missing: Vec<(String, String)>,
+    },
+    /// The library's schema is missing or older than this build. Nothing was started.
+    #[error("{0}")]
+    NotMigrated(String),
+    /// The pool goes through a transaction- or statement-mode pooler. Nothing was started.
+    #[error("{0}")]
+    PoolerUnsupported(String),
 }
 
 impl Error {
@@ -149,6 +176,9 @@ impl Error {
             Error::NotReplaySafe(_) => ErrorCode::CONSUMER_NOT_REPLAY_SAFE,
             Error::InvalidReplay(_) => ErrorCode::REPLAY_INVALID,
             Error::UnknownReplay(_) => ErrorCode::REPLAY_UNKNOWN,
+            Error::PrivilegeMissing { .. } => ErrorCode::PRIVILEGE_MISSING,
+            Error::NotMigrated(_) => ErrorCode::SCHEMA_NOT_MIGRATED,
+            Error::PoolerUnsupported(_) => ErrorCode::POOLER_UNSUPPORTED,
         }
     }
 

@@ -215,6 +215,7 @@ pub mod db {
     //! prepared statement marker, and the connection a delivery lends its handler.
     pub use crate::consumer::{SharedConn, TxConn};
     pub use crate::error::PoolError;
+    pub use crate::store::access::{grant, grants, Role};
     pub use crate::store::migrate::{
         migrate, migrate_with, MigrateConfig, MigrateReport, Migration, MIGRATIONS,
     };

@@ -5,6 +5,7 @@ pub(crate) mod contract;
 #[cfg(feature = "testing")]
 mod fault;
 mod listener;
+mod preflight;
 mod supervisor;
 
 use std::collections::BTreeMap;
@@ -47,6 +48,7 @@ pub struct RuntimeConfig {
     pub(crate) retention_interval: Duration,
     pub(crate) contract_check: contract::ContractCheck,
     pub(crate) contract_window: u32,
+    pub(crate) pooler_check: bool,
     pub(crate) redact: Redactor,
 }
 
@@ -128,6 +130,15 @@ impl RuntimeConfig {
         self
     }
 
+    /// Whether a start refuses a pool that goes through a pooler in transaction or statement
+    /// mode (`POOLER_UNSUPPORTED`): it looks for the session moving between two backends. The
+    /// runtime is not supported behind such a pooler; turn the check off only where it
+    /// misreads a set-up that does keep sessions. Default true.
+    pub fn pooler_check(mut self, pooler_check: bool) -> Self {
+        self.pooler_check = pooler_check;
+        self
+    }
+
     /// Hold one connection in `LISTEN` (opened through the pool's manager, outside the
     /// pool, and closed when the runtime stops), so other instances' fan-outs (and
     /// [`notify_publishers`](crate::ops::notify_publishers) calls) wake this one at once instead of
@@ -193,6 +204,7 @@ impl Default for RuntimeConfig {
             redact: Redactor::default(),
             contract_check: contract::ContractCheck::Warn,
             contract_window: 10_000,
+            pooler_check: true,
         }
     }
 }
@@ -396,6 +408,8 @@ impl OutboxBuilder {
                 )));
             }
         }
+        // Privileges, the schema's version and the pooler, before anything is written.
+        preflight::check(&self.pool, self.config.pooler_check).await?;
         {
             let mut conn = self.pool.get().await?;
             let mut registered = Vec::with_capacity(self.consumers.len());

@@ -39,6 +39,14 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
+impl Migration {
+    /// Its statements, as the runner sends them: split at each `;` outside quotes, dollar
+    /// quotes and comments.
+    pub fn statements(&self) -> Vec<&'static str> {
+        split(self.sql)
+    }
+}
+
 /// The library's migrations, oldest first.
 pub const MIGRATIONS: &[Migration] = include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
 
@@ -313,7 +321,7 @@ impl Runner {
             "INSERT INTO {}.schema_migrations (version, name) VALUES ('{}', '{}')",
             self.schema, m.version, m.name
         );
-        let statements = split(m.sql);
+        let statements = m.statements();
         if m.transactional {
             let mut all: Vec<&str> = statements.clone();
             all.push(&record);
@@ -421,7 +429,7 @@ fn fail(what: &'static str) -> impl Fn(tokio_postgres::Error) -> Error {
 
 /// The statements of `sql`: split at each `;` outside quotes, dollar quotes and comments;
 /// statements that are only comments are left out.
-fn split(sql: &str) -> Vec<&str> {
+fn split(sql: &'static str) -> Vec<&'static str> {
     let bytes = sql.as_bytes();
     let (mut out, mut start, mut i) = (Vec::new(), 0, 0);
     let mut code = false; // whether the current statement has anything but comments

@@ -3,6 +3,7 @@
 //! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users
 //! see only [`PgPool`], the pool builders and [`ConnectionConfig`].
 
+pub(crate) mod access;
 pub(crate) mod admin;
 pub(crate) mod audit;
 mod connection;

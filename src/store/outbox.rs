@@ -99,11 +99,11 @@ impl<B: QueryFragment<Pg>> QueryFragment<Pg> for InsertEvents<'_, B> {
             business.walk_ast(out.reborrow())?;
             out.push_sql(") ");
         }
-        out.push_sql(
+        out.push_sql(&super::schema::qualify(
             "INSERT INTO actix_outbox.outbox_events (id, event_type, event_version, aggregate_type, \
              aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id) \
              SELECT * FROM unnest(",
-        );
+        ));
         out.push_bind_param::<Array<SqlUuid>, _>(&self.ids)?;
         out.push_sql(", ");
         out.push_bind_param::<Array<Text>, _>(&self.types)?;

@@ -137,7 +137,7 @@ async fn the_in_process_route_logs_each_name_with_the_events_ids() {
     conn.batch_execute(
         "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS \
              $$ BEGIN RAISE EXCEPTION 'injected: inbox refused'; END $$; \
-         CREATE TRIGGER refuse BEFORE INSERT ON inbox_events FOR EACH ROW \
+         CREATE TRIGGER refuse BEFORE INSERT ON actix_outbox.inbox_events FOR EACH ROW \
              WHEN (NEW.aggregate_id = 'logged') EXECUTE FUNCTION refuse();",
     )
     .await
@@ -176,7 +176,7 @@ async fn the_in_process_route_logs_each_name_with_the_events_ids() {
     assert_eq!(failed[0]["level"], "WARN");
     // Nothing about the event before its claim committed.
     assert!(logs.about("outbox.created", &id).is_empty());
-    conn.batch_execute("DROP TRIGGER refuse ON inbox_events")
+    conn.batch_execute("DROP TRIGGER refuse ON actix_outbox.inbox_events")
         .await
         .unwrap();
     rt.handle().wake();

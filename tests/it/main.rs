@@ -33,3 +33,4 @@ mod replay;
 mod server_crash;
 mod storage;
 mod transport;
+mod upgrade;

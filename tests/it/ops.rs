@@ -1064,7 +1064,7 @@ async fn the_charts_query_reads_the_samples_index_for_its_window() {
          SELECT 'i1', now() - n * interval '1 minute', 60000, \
              '{\"consumers\": [{\"consumer\": \"mailer\", \"processed\": 1}]}', '{}' \
          FROM generate_series(0, 1439) n; \
-         ANALYZE outbox_stats_samples",
+         ANALYZE actix_outbox.outbox_stats_samples",
     )
     .await;
     #[derive(diesel::QueryableByName)]

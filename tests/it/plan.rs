@@ -276,7 +276,9 @@ async fn claim_uses_the_due_index_on_a_large_analyzed_table() {
     conn.batch_execute(&insert_rows(1_000, "PENDING"))
         .await
         .unwrap();
-    conn.batch_execute("ANALYZE outbox_events").await.unwrap();
+    conn.batch_execute("ANALYZE actix_outbox.outbox_events")
+        .await
+        .unwrap();
     let nodes = explain_claim(&mut conn).await;
     drop(conn);
     assert_claim_plan(&nodes, "500,000 PUBLISHED + 1,000 PENDING, analyzed");
@@ -293,7 +295,9 @@ async fn claim_finds_claimed_rows_by_key_on_an_analyzed_backlog() {
     conn.batch_execute(&insert_rows(200_000, "PENDING"))
         .await
         .unwrap();
-    conn.batch_execute("ANALYZE outbox_events").await.unwrap();
+    conn.batch_execute("ANALYZE actix_outbox.outbox_events")
+        .await
+        .unwrap();
     let nodes = explain_claim(&mut conn).await;
     drop(conn);
     assert_claim_plan(&nodes, "200,000 PENDING, analyzed");
@@ -402,9 +406,11 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         .await
         .unwrap();
     explain(&mut conn, "custom plan, never analyzed").await;
-    conn.batch_execute("ANALYZE inbox_events; SET plan_cache_mode = force_generic_plan")
-        .await
-        .unwrap();
+    conn.batch_execute(
+        "ANALYZE actix_outbox.inbox_events; SET plan_cache_mode = force_generic_plan",
+    )
+    .await
+    .unwrap();
     explain(&mut conn, "generic plan, analyzed").await;
     conn.batch_execute("RESET plan_cache_mode; DEALLOCATE inbox_claim_test")
         .await
@@ -513,8 +519,8 @@ async fn build_history(conn: &mut AsyncPgConnection) {
          INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('c0'), ('c1'), ('c2'), ('c3');
          INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type)
          SELECT 'c' || c, 'T' || t FROM generate_series(0, 3) c, generate_series(0, 19) t;
-         ANALYZE inbox_events; ANALYZE outbox_events; ANALYZE admin_audit; ANALYZE replays;
-         ANALYZE consumer_states; ANALYZE consumer_subscriptions;",
+         ANALYZE actix_outbox.inbox_events; ANALYZE actix_outbox.outbox_events; ANALYZE actix_outbox.admin_audit; ANALYZE actix_outbox.replays;
+         ANALYZE actix_outbox.consumer_states; ANALYZE actix_outbox.consumer_subscriptions;",
     )
     .await
     .expect("write the history");

@@ -64,7 +64,7 @@ async fn a_secret_in_a_handlers_error_never_reaches_inbox_last_error() {
     let db = TestDb::new().await;
     let rt = leaky_consumer(&db, fast_runtime()).await;
     db.enqueue_one("o-1").await;
-    let stored = dead_letter_error(&db, "inbox_events").await;
+    let stored = dead_letter_error(&db, "actix_outbox.inbox_events").await;
     for secret in SECRETS {
         assert!(!stored.contains(secret), "{secret} stored in {stored}");
     }
@@ -79,7 +79,7 @@ async fn an_applications_redactor_replaces_the_default_and_may_call_it() {
         .redact_errors(|message| default_redactor(message).replace("api.example.com", "[host]"));
     let rt = leaky_consumer(&db, config).await;
     db.enqueue_one("o-1").await;
-    let stored = dead_letter_error(&db, "inbox_events").await;
+    let stored = dead_letter_error(&db, "actix_outbox.inbox_events").await;
     assert_eq!(stored, REDACTED.replace("api.example.com", "[host]"));
     db.finish(&[&rt]).await;
 
@@ -87,7 +87,7 @@ async fn an_applications_redactor_replaces_the_default_and_may_call_it() {
     let db = TestDb::new().await;
     let rt = leaky_consumer(&db, fast_runtime().redact_errors(|m| m.to_uppercase())).await;
     db.enqueue_one("o-1").await;
-    let stored = dead_letter_error(&db, "inbox_events").await;
+    let stored = dead_letter_error(&db, "actix_outbox.inbox_events").await;
     assert_eq!(stored, LEAKY.to_uppercase());
     db.finish(&[&rt]).await;
 }
@@ -115,7 +115,7 @@ async fn a_secret_in_a_transports_error_never_reaches_outbox_last_error() {
         .await
         .expect("start runtime");
     db.enqueue_one("o-1").await;
-    let stored = dead_letter_error(&db, "outbox_events").await;
+    let stored = dead_letter_error(&db, "actix_outbox.outbox_events").await;
     for secret in SECRETS {
         assert!(!stored.contains(secret), "{secret} stored in {stored}");
     }

@@ -56,12 +56,12 @@ async fn run(db: &TestDb) -> (usize, usize) {
         .unwrap();
     db.produce_batched(EVENTS as usize, EVENTS as usize, "p")
         .await;
-    let outbox = pages(db, "outbox_events").await;
+    let outbox = pages(db, "actix_outbox.outbox_events").await;
     let rt = start(db, vec![(consumer("c", 3), Behaviour::default())]).await;
     let received = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'RECEIVED'";
     assert_eq!(db.wait_for(received, EVENTS, WAIT).await, EVENTS);
-    let outbox_moved = moved(db, "outbox_events", &outbox).await;
-    let inbox = pages(db, "inbox_events").await;
+    let outbox_moved = moved(db, "actix_outbox.outbox_events", &outbox).await;
+    let inbox = pages(db, "actix_outbox.inbox_events").await;
     actix_outbox::ops::resume_consumer(&mut conn, &c, "test")
         .await
         .unwrap();
@@ -69,7 +69,7 @@ async fn run(db: &TestDb) -> (usize, usize) {
     let processed =
         "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(processed, EVENTS, WAIT).await, EVENTS);
-    let inbox_moved = moved(db, "inbox_events", &inbox).await;
+    let inbox_moved = moved(db, "actix_outbox.inbox_events", &inbox).await;
     rt.shutdown().await;
     (outbox_moved, inbox_moved)
 }
