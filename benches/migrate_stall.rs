@@ -5,7 +5,7 @@
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
 //!     cargo bench --bench migrate_stall -- [--rows N] [--tasks K] [--gap-ms N] \
-//!     [--round quiet,reader,snapshot]
+//!     [--round quiet,reader,snapshot,late]
 //! ```
 //!
 //! How it measures:
@@ -34,7 +34,11 @@
 //!   FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'` just before the migration and
 //!   keeps the transaction open 5 s (READ COMMITTED, as an application's report would);
 //!   `snapshot`: the same in `REPEATABLE READ`, which keeps its snapshot open as `pg_dump` does,
-//!   so that `CREATE INDEX CONCURRENTLY` must wait for it.
+//!   so that `CREATE INDEX CONCURRENTLY` must wait for it; `late`: a `REPEATABLE READ`
+//!   transaction that reads one outbox row, opened once the migration has begun building the
+//!   outbox's index and kept open 5 s: the build then fails on its lock timeout, and the
+//!   invalid index it leaves must be dropped while the reader still holds its lock on the
+//!   table.
 
 #[path = "../tests/common/url.rs"]
 mod url;
@@ -64,7 +68,7 @@ const MONITOR_EVERY: Duration = Duration::from_millis(100);
 const MIGRATE_APP: &str = "ao_bench_stall_migrate";
 const CONSUMER: &str = "bench-consumer";
 const EVENT_TYPE: &str = "ORDER_PLACED";
-const ROUNDS: &[&str] = &["quiet", "reader", "snapshot"];
+const ROUNDS: &[&str] = &["quiet", "reader", "snapshot", "late"];
 
 // ------------------------------------------------------------------------------- options
 
@@ -299,7 +303,8 @@ async fn monitor(url: String, origin: Instant, stop: Arc<AtomicBool>) -> Res<Mon
         "SELECT (SELECT CASE WHEN a.wait_event_type = 'Lock' \
                      THEN 'waits for a lock (' || a.wait_event || ')' ELSE 'runs' END \
                  || coalesce(' [' || p.phase || ']', '') || ': ' \
-                 || left(regexp_replace(a.query, '\\s+', ' ', 'g'), 110) \
+                 || left(regexp_replace(regexp_replace(a.query, '^(\\s*--[^\\n]*\\n)*\\s*', ''), \
+                     '\\s+', ' ', 'g'), 110) \
              FROM pg_stat_activity a LEFT JOIN pg_stat_progress_create_index p ON p.pid = a.pid \
              WHERE a.application_name = '{MIGRATE_APP}' AND a.state = 'active' LIMIT 1), \
          (SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
@@ -433,9 +438,10 @@ async fn measure(name: &str, url: &str, opts: &Opts) -> Res<RoundResult> {
     let watcher = actix_rt::spawn(monitor(url.to_owned(), origin, stop.clone()));
     actix_rt::time::sleep(WARM).await;
 
-    // The long reader, if any: its read done and its transaction open when the migration
-    // starts, committed READER_HOLD after it began.
-    let mut reader_span = None;
+    // The long reader, if any. `reader` and `snapshot`: its read done and its transaction
+    // open when the migration starts; `late`: opened once the migration builds the outbox's
+    // index. Committed READER_HOLD after it began.
+    let migrated = Arc::new(AtomicBool::new(false));
     let reader = match name {
         "reader" | "snapshot" => {
             let c = client(url).await?;
@@ -460,7 +466,32 @@ async fn measure(name: &str, url: &str, opts: &Opts) -> Res<RoundResult> {
                 let left = READER_HOLD.saturating_sub(origin.elapsed() - opened);
                 actix_rt::time::sleep(left).await;
                 let _ = c.batch_execute("COMMIT").await;
-                (opened, origin.elapsed())
+                Ok::<_, String>(Some((opened, origin.elapsed())))
+            }))
+        }
+        "late" => {
+            let c = client(url).await?;
+            let migrated = migrated.clone();
+            Some(actix_rt::spawn(async move {
+                let e = |e: tokio_postgres::Error| e.to_string();
+                let building = "SELECT count(*) FROM pg_stat_progress_create_index \
+                     WHERE relid = 'actix_outbox.outbox_events'::regclass";
+                while scalar(&c, building).await.map_err(|e| e.to_string())? == "0" {
+                    if migrated.load(Ordering::Relaxed) {
+                        return Ok(None);
+                    }
+                    actix_rt::time::sleep(Duration::from_millis(20)).await;
+                }
+                let opened = origin.elapsed();
+                c.batch_execute(
+                    "BEGIN ISOLATION LEVEL REPEATABLE READ; \
+                     SELECT 1 FROM actix_outbox.outbox_events LIMIT 1",
+                )
+                .await
+                .map_err(e)?;
+                actix_rt::time::sleep(READER_HOLD).await;
+                c.batch_execute("COMMIT").await.map_err(e)?;
+                Ok(Some((opened, origin.elapsed())))
             }))
         }
         _ => None,
@@ -472,9 +503,11 @@ async fn measure(name: &str, url: &str, opts: &Opts) -> Res<RoundResult> {
         .await
         .map_err(|e| e.to_string());
     let mig_end = origin.elapsed();
-    if let Some(r) = reader {
-        reader_span = Some(r.await?);
-    }
+    migrated.store(true, Ordering::Relaxed);
+    let reader_span = match reader {
+        Some(r) => r.await?.map_err(|e| format!("the reader failed: {e}"))?,
+        None => None,
+    };
     let rest = (mig_end + TAIL).saturating_sub(origin.elapsed());
     actix_rt::time::sleep(rest).await;
     stop.store(true, Ordering::Relaxed);

@@ -44,9 +44,10 @@ async fn pid(conn: &mut AsyncPgConnection) -> Result<i32> {
 /// Refuses a pool whose session moves between backends. Between two statements of `conn`,
 /// a second client holds a transaction open: a transaction pooler that reuses its most recent
 /// server connection (PgBouncer's default) gives it the one `conn` just used, so `conn`'s
-/// next statement answers from another backend. The second client commits after a short
-/// while even if `conn` is still waiting, so a pooler with a single server connection cannot
-/// deadlock the check (it then passes unseen).
+/// next statement answers from another backend. The second client commits as soon as that
+/// statement answers, or after 200 ms if it waits (for the server connection the second
+/// client holds: a pooler with a single one), so the check cannot deadlock; such a pooler
+/// then passes unseen.
 async fn pooler(pool: &PgPool, conn: &mut AsyncPgConnection) -> Result<()> {
     let first = pid(conn).await?;
     // Outside the pool: a pool of one connection must not wait for itself.
@@ -56,13 +57,15 @@ async fn pooler(pool: &PgPool, conn: &mut AsyncPgConnection) -> Result<()> {
     })?;
     other.batch_execute("BEGIN").await?;
     let _ = pid(&mut other).await?;
-    let release = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        other.batch_execute("COMMIT").await
+    let second = {
+        let mut probe = std::pin::pin!(pid(conn));
+        let answered = tokio::time::timeout(Duration::from_millis(200), &mut probe).await;
+        other.batch_execute("COMMIT").await?;
+        match answered {
+            Ok(pid) => pid?,
+            Err(_) => probe.await?,
+        }
     };
-    let (second, committed) = futures_util::future::join(pid(conn), release).await;
-    let second = second?;
-    committed?;
     if first == second {
         return Ok(());
     }

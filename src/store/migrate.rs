@@ -50,25 +50,38 @@ impl Migration {
 /// The library's migrations, oldest first.
 pub const MIGRATIONS: &[Migration] = include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
 
-/// The tables, sequences and functions an install of an earlier version kept in `public`.
-const LEGACY_TABLES: &[&str] = &[
-    "outbox_events",
-    "inbox_events",
-    "consumer_states",
-    "consumer_subscriptions",
-    "idempotency_keys",
-    "reconcile_runs",
-    "admin_audit",
-    "outbox_stats_samples",
-    "aggregate_versions",
-    "inbox_in_flight",
-    "inbox_leases",
-    "unrouted_events",
-    "contract_findings",
-    "replays",
+/// What an install of an earlier version kept in `public`: each object's kind, its name, the
+/// version that created it and the one that dropped it. Only an object whose creating version
+/// is recorded (and dropping version is not) is the library's: a table of the application's
+/// that happens to share the name of one a later version creates stays where it is.
+const LEGACY: &[(&str, &str, &str, Option<&str>)] = &[
+    ("TABLE", "outbox_events", "20261129000001", None),
+    ("TABLE", "inbox_events", "20261129000001", None),
+    ("TABLE", "consumer_states", "20261129000001", None),
+    ("TABLE", "consumer_subscriptions", "20261129000001", None),
+    ("TABLE", "idempotency_keys", "20261129000002", None),
+    ("TABLE", "reconcile_runs", "20261129000002", None),
+    ("TABLE", "admin_audit", "20261129000003", None),
+    ("TABLE", "outbox_stats_samples", "20261129000003", None),
+    ("SEQUENCE", "outbox_lease_token_seq", "20261129000004", None),
+    ("TABLE", "aggregate_versions", "20261129000005", None),
+    (
+        "TABLE",
+        "inbox_in_flight",
+        "20261129000008",
+        Some("20261201000010"),
+    ),
+    (
+        "FUNCTION",
+        "inbox_lease_held(bigint, bigint)",
+        "20261201000010",
+        None,
+    ),
+    ("TABLE", "inbox_leases", "20261201000011", None),
+    ("TABLE", "unrouted_events", "20261202000014", None),
+    ("TABLE", "contract_findings", "20261202000015", None),
+    ("TABLE", "replays", "20261202000016", None),
 ];
-const LEGACY_SEQUENCES: &[&str] = &["outbox_lease_token_seq"];
-const LEGACY_FUNCTIONS: &[&str] = &["inbox_lease_held(bigint, bigint)"];
 
 /// How [`migrate_with`] treats a live database.
 #[derive(Debug, Clone)]
@@ -169,6 +182,11 @@ impl Runner {
             "SET lock_timeout = '{}ms'; SET statement_timeout = 0; SET search_path = {s}",
             self.config.lock_timeout.as_millis().max(1)
         );
+        // search_path may name the schema before it exists.
+        self.client
+            .batch_execute(&settings)
+            .await
+            .map_err(fail("setting lock_timeout and search_path"))?;
         let exists = self
             .client
             .query_one(
@@ -186,10 +204,6 @@ impl Runner {
             )
             .await?;
         }
-        self.client
-            .batch_execute(&settings)
-            .await
-            .map_err(fail("setting lock_timeout and search_path"))?;
         self.retried(
             "creating schema_migrations",
             &format!(
@@ -260,24 +274,12 @@ impl Runner {
         if !recorded.iter().any(|v| v == MIGRATIONS[0].version) {
             return Ok(Vec::new());
         }
+        let has = |v: &str| recorded.iter().any(|r| r == v);
         let mut statements = Vec::new();
-        for t in LEGACY_TABLES {
-            statements.push(format!(
-                "DO $$ BEGIN IF to_regclass('public.{t}') IS NOT NULL THEN \
-                     ALTER TABLE public.{t} SET SCHEMA {s}; END IF; END $$"
-            ));
-        }
-        for q in LEGACY_SEQUENCES {
-            statements.push(format!(
-                "DO $$ BEGIN IF to_regclass('public.{q}') IS NOT NULL THEN \
-                     ALTER SEQUENCE public.{q} SET SCHEMA {s}; END IF; END $$"
-            ));
-        }
-        for f in LEGACY_FUNCTIONS {
-            statements.push(format!(
-                "DO $$ BEGIN IF to_regprocedure('public.{f}') IS NOT NULL THEN \
-                     ALTER FUNCTION public.{f} SET SCHEMA {s}; END IF; END $$"
-            ));
+        for (kind, name, created, dropped) in LEGACY {
+            if has(created) && !dropped.is_some_and(has) {
+                statements.push(format!("ALTER {kind} public.{name} SET SCHEMA {s}"));
+            }
         }
         for v in &recorded {
             let name = MIGRATIONS
@@ -327,6 +329,8 @@ impl Runner {
             all.push(&record);
             self.transaction(&what, &all).await?;
         } else {
+            // Left by an earlier try that failed half-way: `IF NOT EXISTS` would skip it.
+            self.drop_invalid_indexes().await?;
             for (i, st) in statements.iter().enumerate() {
                 self.retried(&format!("{what}, statement {}", i + 1), st)
                     .await?;

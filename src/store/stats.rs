@@ -539,7 +539,7 @@ pub(crate) async fn delete_expired(
                 .into()
         }
     };
-    let query = crate::store::sql(sql.into_owned())
+    let query = crate::store::sql(&sql)
         .bind::<BigInt, _>(store::millis(older_than))
         .bind::<BigInt, _>(batch);
     let expiry = if what == Expired::PublishedOutbox {

@@ -829,3 +829,43 @@ async fn an_older_install_in_public_is_moved_then_migrated_in_the_schema() {
     );
     db.finish(&[&rt]).await;
 }
+
+/// An application table named like one a later version of the library creates (`replays`,
+/// created by 000016) is the application's in an install older than that version: the move
+/// leaves it in `public` with its rows, and the later migration creates the library's own in
+/// the schema.
+#[actix_rt::test]
+async fn an_application_table_named_like_a_later_library_table_stays_in_public() {
+    let db = TestDb::empty().await;
+    install_in_public(&db.url, "20261201000010").await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE public.replays (id int PRIMARY KEY, film text NOT NULL);
+         INSERT INTO public.replays VALUES (1, 'Stalker'), (2, 'Solaris');",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let report = actix_outbox::db::migrate_with(&db.url, &Default::default())
+        .await
+        .unwrap();
+    assert!(report.moved_from_public, "{report:?}");
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM public.replays WHERE film IN ('Stalker', 'Solaris')")
+            .await,
+        2,
+        "the application's table kept its place and rows"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.replays")
+            .await,
+        0,
+        "the library's own was created in the schema"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.schema_migrations")
+            .await,
+        MIGRATIONS.len() as i64
+    );
+    db.finish(&[]).await;
+}
