@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 #[non_exhaustive]
 pub enum Role {
     /// The runtime (publisher, consumers, reaper, retention, stats) and the operator API's
-    /// actions: rows of every table of the schema, no DDL.
+    /// actions: rows of every table of the schema (only reads of the migration record), no
+    /// DDL.
     Runtime,
     /// A service that only enqueues: inserts into `outbox_events`, nothing else.
     Producer,
@@ -39,7 +40,7 @@ pub fn grants(role: Role, grantee: &str) -> Result<Vec<String>> {
         && !grantee.starts_with(|c: char| c.is_ascii_digit());
     if !ok {
         return Err(Error::Config(format!(
-            "role name {grantee:?}: use lower-case letters, digits and '_', starting with a letter"
+            "role name {grantee:?}: use lower-case letters, digits and '_', not starting with a digit"
         )));
     }
     let (s, g) = (schema(), grantee);
@@ -50,6 +51,8 @@ pub fn grants(role: Role, grantee: &str) -> Result<Vec<String>> {
             format!("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {g}"),
             format!("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {g}"),
             format!("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {s} TO {g}"),
+            // The migration record is the owner's to write.
+            format!("REVOKE INSERT, UPDATE, DELETE ON {s}.schema_migrations FROM {g}"),
             format!(
                 "ALTER DEFAULT PRIVILEGES IN SCHEMA {s} \
                  GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO {g}"

@@ -18,7 +18,7 @@
 //! The rules a migration of large tables keeps are checked by `migrations_keep_to_the_rules`
 //! below.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, NoTls};
@@ -90,8 +90,15 @@ pub struct MigrateConfig {
     /// While a migration waits for a table's lock, the application's writes to that table
     /// queue behind it, so this bounds the stall a migration can cause. Default 500 ms.
     pub lock_timeout: Duration,
-    /// How many times a statement is tried before the migration fails. Default 40.
-    pub attempts: u32,
+    /// The same for a statement that runs `CONCURRENTLY`. Its waits (for the transactions
+    /// older than it to end) queue no write behind them, and a timeout throws away a build
+    /// that then starts over, so it waits longer. Default 60 s.
+    pub concurrent_lock_timeout: Duration,
+    /// How long a statement that keeps timing out is tried again before the migration fails
+    /// (a transaction that never ends, an autovacuum of a large table: PostgreSQL cancels an
+    /// autovacuum that blocks a lock request only after `deadlock_timeout`, 1 s by default,
+    /// longer than `lock_timeout`). Default 15 min.
+    pub retry_for: Duration,
     /// Apply the migrations up to this version only (for an upgrade in steps, and tests);
     /// `None`, the default, applies them all.
     pub until: Option<String>,
@@ -101,7 +108,8 @@ impl Default for MigrateConfig {
     fn default() -> Self {
         MigrateConfig {
             lock_timeout: Duration::from_millis(500),
-            attempts: 40,
+            concurrent_lock_timeout: Duration::from_secs(60),
+            retry_for: Duration::from_secs(15 * 60),
             until: None,
         }
     }
@@ -344,7 +352,7 @@ impl Runner {
 
     /// `statements` in one transaction, tried again whole after a lock timeout.
     async fn transaction(&mut self, what: &str, statements: &[&str]) -> Result<()> {
-        let mut attempt = 1;
+        let started = Instant::now();
         loop {
             let result = async {
                 self.client.batch_execute("BEGIN").await?;
@@ -354,57 +362,81 @@ impl Runner {
                 self.client.batch_execute("COMMIT").await
             }
             .await;
-            match result {
-                Ok(()) => return Ok(()),
-                Err(e) => {
-                    let _ = self.client.batch_execute("ROLLBACK").await;
-                    self.after_error(what, &e, attempt).await?;
-                }
-            }
-            attempt += 1;
+            let Err(e) = result else { return Ok(()) };
+            let _ = self.client.batch_execute("ROLLBACK").await;
+            self.after_error(what, &e, started).await?;
         }
     }
 
-    /// One statement in a transaction of its own, tried again after a lock timeout.
+    /// One statement in a transaction of its own, tried again after a lock timeout. A
+    /// `CONCURRENTLY` statement waits up to `concurrent_lock_timeout`, and an index a
+    /// concurrent build left invalid is dropped before it is tried again.
     async fn retried(&mut self, what: &str, statement: &str) -> Result<()> {
-        let mut attempt = 1;
+        let concurrently = statement.to_uppercase().contains("CONCURRENTLY");
+        let started = Instant::now();
         loop {
-            match self.client.batch_execute(statement).await {
-                Ok(()) => return Ok(()),
-                Err(e) => self.after_error(what, &e, attempt).await?,
+            let result = if concurrently {
+                self.with_lock_timeout(self.config.concurrent_lock_timeout, statement)
+                    .await
+            } else {
+                self.client.batch_execute(statement).await
+            };
+            let Err(e) = result else { return Ok(()) };
+            self.after_error(what, &e, started).await?;
+            if concurrently && !statement.to_uppercase().starts_with("DROP") {
+                self.drop_invalid_indexes().await?;
             }
-            attempt += 1;
         }
     }
 
-    /// After a failed try: `Ok` to try again (a lock timeout, attempts left), after a pause
-    /// and with any index a failed concurrent build left invalid dropped; the error otherwise.
+    async fn with_lock_timeout(
+        &mut self,
+        timeout: Duration,
+        statement: &str,
+    ) -> std::result::Result<(), tokio_postgres::Error> {
+        let set = |d: Duration| format!("SET lock_timeout = '{}ms'", d.as_millis().max(1));
+        self.client.batch_execute(&set(timeout)).await?;
+        let result = self.client.batch_execute(statement).await;
+        self.client
+            .batch_execute(&set(self.config.lock_timeout))
+            .await?;
+        result
+    }
+
+    /// After a failed try: `Ok` to try again (a lock timeout, within `retry_for`), after a
+    /// pause; the error otherwise.
     async fn after_error(
         &mut self,
         what: &str,
         e: &tokio_postgres::Error,
-        attempt: u32,
+        started: Instant,
     ) -> Result<()> {
         let lock_timeout = e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE);
-        if !lock_timeout || attempt >= self.config.attempts {
+        if !lock_timeout || started.elapsed() >= self.config.retry_for {
             let why = e.as_db_error().map_or_else(
                 || e.to_string(),
                 |d| format!("{} ({})", d.message(), d.code().code()),
             );
-            return Err(Error::Migration(
-                format!("{what}: {why}, after {attempt} attempt(s)").into(),
-            ));
+            let tried = if lock_timeout {
+                format!(", tried for {:?}", started.elapsed())
+            } else {
+                String::new()
+            };
+            return Err(Error::Migration(format!("{what}: {why}{tried}").into()));
         }
         self.report.lock_retries += 1;
-        tracing::info!(name: "outbox.migrate.lock_timeout", step = what, attempt,
+        tracing::info!(name: "outbox.migrate.lock_timeout", step = what,
             "outbox.migrate.lock_timeout: waited too long for a lock; trying again");
-        let pause = Duration::from_millis(200 * u64::from(attempt.min(25)));
+        // 200 ms, growing to 5 s while the lock stays taken.
+        let pause =
+            (started.elapsed() / 10).clamp(Duration::from_millis(200), Duration::from_secs(5));
         tokio::time::sleep(pause).await;
-        self.drop_invalid_indexes().await
+        Ok(())
     }
 
     /// Drops the indexes of the schema that a concurrent build left invalid, so that its
     /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` builds them again rather than skipping them.
+    /// (The drop itself never calls this again: a `DROP` is not a build.)
     async fn drop_invalid_indexes(&mut self) -> Result<()> {
         let invalid: Vec<String> = self
             .client

@@ -257,14 +257,16 @@ async fn granted(pool: &PgPool, role: &str) -> Vec<Grant> {
 }
 
 /// What [`Role::Runtime`] should hold, read from the catalog: the four row privileges on each
-/// table of `schema`, USAGE on each sequence, EXECUTE on each function, USAGE on the schema.
+/// table of `schema` but the migration record (which it only reads), USAGE on each sequence,
+/// EXECUTE on each function, USAGE on the schema.
 async fn runtime_should_hold(pool: &PgPool, schema: &str) -> Vec<Grant> {
     let mut conn = pool.get().await.unwrap();
     let mut want: Vec<Grant> = diesel::sql_query(
         "SELECT CASE c.relkind WHEN 'S' THEN 'sequence ' ELSE 'table ' END
                     || n.nspname || '.' || c.relname AS object,
-                CASE c.relkind WHEN 'S' THEN 'USAGE' ELSE 'DELETE+INSERT+SELECT+UPDATE' END
-                    AS privileges
+                CASE WHEN c.relkind = 'S' THEN 'USAGE'
+                     WHEN c.relname = 'schema_migrations' THEN 'SELECT'
+                     ELSE 'DELETE+INSERT+SELECT+UPDATE' END AS privileges
          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE n.nspname = $1 AND c.relkind IN ('r', 'p', 'S')
          UNION ALL
