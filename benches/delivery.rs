@@ -475,8 +475,8 @@ const SCHEMA: &str = "
 
 /// Every table a scenario writes, emptied so the next one starts on fresh tables.
 const RESET: &str =
-    "TRUNCATE outbox_events, inbox_events, consumer_subscriptions, consumer_states, \
-     outbox_stats_samples, bench_orders, bench_effects RESTART IDENTITY CASCADE";
+    "TRUNCATE actix_outbox.outbox_events, actix_outbox.inbox_events, actix_outbox.consumer_subscriptions, actix_outbox.consumer_states, \
+     actix_outbox.outbox_stats_samples, bench_orders, bench_effects RESTART IDENTITY CASCADE";
 
 #[derive(QueryableByName)]
 struct Lsn {
@@ -1103,7 +1103,8 @@ async fn run_history(ctx: &Ctx) -> Res<(String, Value)> {
     .await?;
     let insert_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
+    conn.batch_execute("VACUUM ANALYZE actix_outbox.outbox_events")
+        .await?;
     // The bulk insert and the vacuum leave gigabytes of dirty pages, which the checkpointer
     // would write out during the claims below and whose I/O would show as their p99. History
     // builds up over days in production, not in a minute: that debt is the benchmark's, so

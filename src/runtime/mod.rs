@@ -376,7 +376,7 @@ impl OutboxBuilder {
     /// # Cancel safety
     /// Dropping the future before it resolves stops whatever it had started.
     pub async fn start(mut self) -> Result<OutboxRuntime> {
-        crate::store::schema::check_env()?;
+        crate::store::schema::check()?;
         self.config.validate()?;
         if let Route::External(_, cfg) = &mut self.route {
             cfg.validate()?;

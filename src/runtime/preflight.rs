@@ -23,10 +23,16 @@ pub(crate) async fn check(pool: &PgPool, pooler_check: bool) -> Result<()> {
     let mut conn = pool.get().await?;
     store::access::check_runtime(&mut conn).await?;
     if pooler_check {
-        pooler(pool, &mut conn).await?;
+        // A pooler with no server connection to spare makes the probe wait for one.
+        tokio::time::timeout(PROBE_BOUND, pooler(pool, &mut conn))
+            .await
+            .map_err(|_| Error::DatabaseTimeout(PROBE_BOUND))??;
     }
     Ok(())
 }
+
+/// How long the pooler probe may take: a few round trips and one new connection.
+const PROBE_BOUND: Duration = Duration::from_secs(15);
 
 #[derive(QueryableByName)]
 struct Pid {

@@ -113,7 +113,7 @@ pub(crate) async fn check_runtime(conn: &mut AsyncPgConnection) -> Result<()> {
         "WITH o AS ( \
              SELECT c.oid, c.relname, c.relkind FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE n.nspname = $1 AND c.relkind IN ('r', 'S')), \
+             WHERE n.nspname = $1 AND c.relkind IN ('r', 'p', 'S') AND NOT c.relispartition), \
          wanted AS ( \
              SELECT o.oid, o.relname, o.relkind, p FROM o, LATERAL unnest(CASE \
                  WHEN o.relkind = 'S' THEN ARRAY['USAGE'] \

@@ -149,7 +149,7 @@ pub async fn migrate(database_url: &str) -> Result<()> {
 /// # Errors
 /// As [`migrate`].
 pub async fn migrate_with(database_url: &str, config: &MigrateConfig) -> Result<MigrateReport> {
-    super::schema::check_env()?;
+    super::schema::check()?;
     let (client, connection) = tokio_postgres::connect(database_url, NoTls)
         .await
         .map_err(fail("connecting"))?;
@@ -177,15 +177,14 @@ struct Runner {
 impl Runner {
     async fn run(&mut self) -> Result<MigrateReport> {
         let s = self.schema;
-        // Instances that start together take turns; the wait for another's migration is not
-        // bounded by lock_timeout, which is set after it.
-        self.client
-            .execute(
-                "SELECT pg_advisory_lock(hashtextextended('actix_outbox.migrate:' || $1, 0))",
-                &[&s],
-            )
-            .await
-            .map_err(fail("taking the migration lock"))?;
+        if let Some(until) = &self.config.until {
+            if !MIGRATIONS.iter().any(|m| m.version == until.as_str()) {
+                return Err(Error::Config(format!(
+                    "MigrateConfig::until: {until:?} is no migration's version (such as {})",
+                    MIGRATIONS[0].version
+                )));
+            }
+        }
         let settings = format!(
             "SET lock_timeout = '{}ms'; SET statement_timeout = 0; SET search_path = {s}",
             self.config.lock_timeout.as_millis().max(1)
@@ -195,6 +194,23 @@ impl Runner {
             .batch_execute(&settings)
             .await
             .map_err(fail("setting lock_timeout and search_path"))?;
+        // Instances that start together take turns. A waiter asks again and again rather than
+        // wait inside one statement: a statement's snapshot would make the holder's
+        // `CREATE INDEX CONCURRENTLY` wait for the waiter, which waits for the holder.
+        loop {
+            let row = self
+                .client
+                .query_one(
+                    "SELECT pg_try_advisory_lock(hashtextextended('actix_outbox.migrate:' || $1, 0))",
+                    &[&s],
+                )
+                .await
+                .map_err(fail("taking the migration lock"))?;
+            if row.get::<_, bool>(0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         let exists = self
             .client
             .query_one(
@@ -249,8 +265,8 @@ impl Runner {
     }
 
     /// Moves an earlier version's install out of `public`, in one transaction: its objects
-    /// (`ALTER … SET SCHEMA` changes the catalog only: no row is read or rewritten) and its
-    /// versions. Returns the versions it carried over.
+    /// (`ALTER … SET SCHEMA` changes the catalog only: no row is read or rewritten), and its
+    /// versions copied into the schema's record. Returns the versions it carried over.
     async fn move_from_public(&mut self) -> Result<Vec<String>> {
         let s = self.schema;
         let legacy = self
@@ -298,20 +314,11 @@ impl Runner {
                 "INSERT INTO {s}.schema_migrations (version, name) VALUES ('{v}', '{name}')"
             ));
         }
-        let list = recorded
-            .iter()
-            .map(|v| format!("'{v}'"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        statements.push(format!(
-            "DELETE FROM public.__diesel_schema_migrations WHERE version IN ({list})"
-        ));
-        // Left empty, the table was only ever ours.
-        statements.push(
-            "DO $$ BEGIN IF NOT EXISTS (SELECT FROM public.__diesel_schema_migrations) THEN \
-                 DROP TABLE public.__diesel_schema_migrations; END IF; END $$"
-                .to_owned(),
-        );
+        // The versions stay in `public.__diesel_schema_migrations` too: an instance of an
+        // earlier build that starts again (a rollback, a crash loop) then finds nothing to
+        // migrate and fails on the missing tables, loudly, instead of making a second, empty
+        // install in `public` beside this one. Once no earlier build can start, delete them
+        // (docs/operations.md#upgrading-a-running-fleet).
         let refs: Vec<&str> = statements.iter().map(String::as_str).collect();
         self.transaction("moving the install out of public", &refs)
             .await?;
@@ -338,7 +345,9 @@ impl Runner {
             self.transaction(&what, &all).await?;
         } else {
             // Left by an earlier try that failed half-way: `IF NOT EXISTS` would skip it.
-            self.drop_invalid_indexes().await?;
+            for index in statements.iter().filter_map(|st| built_index(st)) {
+                self.drop_if_invalid(&index).await?;
+            }
             for (i, st) in statements.iter().enumerate() {
                 self.retried(&format!("{what}, statement {}", i + 1), st)
                     .await?;
@@ -369,10 +378,14 @@ impl Runner {
     }
 
     /// One statement in a transaction of its own, tried again after a lock timeout. A
-    /// `CONCURRENTLY` statement waits up to `concurrent_lock_timeout`, and an index a
-    /// concurrent build left invalid is dropped before it is tried again.
+    /// `CONCURRENTLY` statement waits up to `concurrent_lock_timeout`, and the index a
+    /// concurrent build of it left invalid is dropped before it is tried again.
     async fn retried(&mut self, what: &str, statement: &str) -> Result<()> {
-        let concurrently = statement.to_uppercase().contains("CONCURRENTLY");
+        let concurrently = code_of(statement)
+            .to_uppercase()
+            .split_whitespace()
+            .any(|w| w == "CONCURRENTLY");
+        let builds = built_index(statement);
         let started = Instant::now();
         loop {
             let result = if concurrently {
@@ -383,8 +396,8 @@ impl Runner {
             };
             let Err(e) = result else { return Ok(()) };
             self.after_error(what, &e, started).await?;
-            if concurrently && !statement.to_uppercase().starts_with("DROP") {
-                self.drop_invalid_indexes().await?;
+            if let Some(index) = &builds {
+                self.drop_if_invalid(index).await?;
             }
         }
     }
@@ -413,10 +426,7 @@ impl Runner {
     ) -> Result<()> {
         let lock_timeout = e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE);
         if !lock_timeout || started.elapsed() >= self.config.retry_for {
-            let why = e.as_db_error().map_or_else(
-                || e.to_string(),
-                |d| format!("{} ({})", d.message(), d.code().code()),
-            );
+            let why = described(e);
             let tried = if lock_timeout {
                 format!(", tried for {:?}", started.elapsed())
             } else {
@@ -434,25 +444,23 @@ impl Runner {
         Ok(())
     }
 
-    /// Drops the indexes of the schema that a concurrent build left invalid, so that its
-    /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` builds them again rather than skipping them.
-    /// (The drop itself never calls this again: a `DROP` is not a build.)
-    async fn drop_invalid_indexes(&mut self) -> Result<()> {
-        let invalid: Vec<String> = self
+    /// Drops `index` of the schema if a concurrent build left it invalid, so that its
+    /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` builds it again rather than skipping it. Only
+    /// the migration's own indexes: another invalid one may be a build in progress (an
+    /// operator's `REINDEX CONCURRENTLY`). The drop builds nothing, so it never comes back here.
+    async fn drop_if_invalid(&mut self, index: &str) -> Result<()> {
+        let qualified = format!("{}.{index}", self.schema);
+        let invalid = self
             .client
-            .query(
-                "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
-                 JOIN pg_namespace n ON n.oid = c.relnamespace \
-                 WHERE n.nspname = $1 AND NOT i.indisvalid",
-                &[&self.schema],
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_index \
+                 WHERE indexrelid = to_regclass($1) AND NOT indisvalid)",
+                &[&qualified],
             )
             .await
-            .map_err(fail("looking for invalid indexes"))?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        for index in invalid {
-            let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {}.{index}", self.schema);
+            .map_err(fail("looking for an invalid index"))?;
+        if invalid.get::<_, bool>(0) {
+            let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}");
             Box::pin(self.retried(&format!("dropping the invalid index {index}"), &drop)).await?;
         }
         Ok(())
@@ -460,7 +468,56 @@ impl Runner {
 }
 
 fn fail(what: &'static str) -> impl Fn(tokio_postgres::Error) -> Error {
-    move |e| Error::Migration(format!("{what}: {e}").into())
+    move |e| Error::Migration(format!("{what}: {}", described(&e)).into())
+}
+
+/// The server's message and SQLSTATE, where tokio-postgres' own text says only "db error".
+fn described(e: &tokio_postgres::Error) -> String {
+    e.as_db_error().map_or_else(
+        || e.to_string(),
+        |d| format!("{} ({})", d.message(), d.code().code()),
+    )
+}
+
+/// The name of the index `statement` builds `CONCURRENTLY`, lower-cased: the word after
+/// `INDEX CONCURRENTLY [IF NOT EXISTS]`.
+fn built_index(statement: &str) -> Option<String> {
+    let code = code_of(statement).to_lowercase();
+    let words: Vec<&str> = code.split_whitespace().collect();
+    let at = words
+        .windows(2)
+        .position(|w| w == ["index", "concurrently"])?;
+    let rest = &words[at + 2..];
+    let rest = if rest.starts_with(&["if", "not", "exists"]) {
+        &rest[3..]
+    } else {
+        rest
+    };
+    rest.first()
+        .filter(|w| **w != "on" && words[0] == "create")
+        .map(|w| (*w).to_owned())
+}
+
+/// `statement` without its comments (outside quotes), for reading what it does.
+fn code_of(statement: &str) -> String {
+    let mut out = String::with_capacity(statement.len());
+    let mut rest = statement;
+    while !rest.is_empty() {
+        if rest.starts_with("--") {
+            rest = &rest[rest.find('\n').unwrap_or(rest.len())..];
+        } else if rest.starts_with("/*") {
+            rest = &rest[rest.find("*/").map_or(rest.len(), |e| e + 2)..];
+        } else if rest.starts_with('\'') {
+            let end = rest[1..].find('\'').map_or(rest.len(), |e| e + 2);
+            out.push_str(&rest[..end]);
+            rest = &rest[end..];
+        } else {
+            let c = rest.chars().next().unwrap_or(' ');
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    out
 }
 
 /// The statements of `sql`: split at each `;` outside quotes, dollar quotes and comments;
@@ -544,6 +601,50 @@ mod tests {
         assert_eq!(MIGRATIONS[0].version, "20261129000001");
     }
 
+    /// What `m` does that a migration of live, large tables must not.
+    fn rule_breaks(m: &Migration) -> Vec<String> {
+        let mut broken = Vec::new();
+        for st in split(m.sql) {
+            let flat = code_of(st)
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+                .to_uppercase();
+            let mut why = Vec::new();
+            if flat.starts_with("CREATE INDEX") || flat.starts_with("CREATE UNIQUE INDEX") {
+                if !flat.contains(" CONCURRENTLY ") {
+                    why.push("an index built without CONCURRENTLY");
+                }
+                if !flat.contains(" IF NOT EXISTS ") {
+                    why.push("a concurrent build that cannot be run again (IF NOT EXISTS)");
+                }
+            }
+            if flat.contains("CONCURRENTLY") && m.transactional {
+                why.push("CONCURRENTLY in a migration that runs in a transaction");
+            }
+            if flat.contains("ADD CONSTRAINT") && !flat.contains("NOT VALID") {
+                why.push("a constraint added without NOT VALID");
+            }
+            if flat.contains("VALIDATE CONSTRAINT") && m.transactional {
+                why.push("VALIDATE in the transaction that holds the ADD's lock");
+            }
+            let rewrites = [
+                " TYPE ",
+                "SET NOT NULL",
+                "VACUUM FULL",
+                "CLUSTER ",
+                "SET LOGGED",
+            ];
+            if flat.starts_with("ALTER TABLE") && rewrites.iter().any(|r| flat.contains(r)) {
+                why.push("a statement that rewrites or scans the table under ACCESS EXCLUSIVE");
+            }
+            for w in why {
+                broken.push(format!("{}_{}: {w}: {st}", m.version, m.name));
+            }
+        }
+        broken
+    }
+
     /// Migrations from `20261202000017` on run against live, large tables, so each keeps to
     /// the rules in the module docs: an index is built `CONCURRENTLY` (in a migration that does
     /// not run in a transaction), a constraint is added `NOT VALID` and validated in a
@@ -552,50 +653,49 @@ mod tests {
     /// a new install runs them on empty tables.
     #[test]
     fn migrations_keep_to_the_rules() {
-        let mut broken = Vec::new();
-        for m in MIGRATIONS.iter().filter(|m| m.version >= "20261202000017") {
-            for st in split(m.sql) {
-                let flat = st
-                    .split_whitespace()
-                    .collect::<Vec<_>>()
-                    .join(" ")
-                    .to_uppercase();
-                let mut why = Vec::new();
-                if flat.starts_with("CREATE INDEX") || flat.starts_with("CREATE UNIQUE INDEX") {
-                    if !flat.contains(" CONCURRENTLY ") {
-                        why.push("an index built without CONCURRENTLY");
-                    }
-                    if !flat.contains(" IF NOT EXISTS ") {
-                        why.push("a concurrent build that cannot be run again (IF NOT EXISTS)");
-                    }
-                }
-                if flat.contains("CONCURRENTLY") && m.transactional {
-                    why.push("CONCURRENTLY in a migration that runs in a transaction");
-                }
-                if flat.contains("ADD CONSTRAINT") && !flat.contains("NOT VALID") {
-                    why.push("a constraint added without NOT VALID");
-                }
-                if flat.contains("VALIDATE CONSTRAINT") && m.transactional {
-                    why.push("VALIDATE in the transaction that holds the ADD's lock");
-                }
-                for rewrite in [
-                    " TYPE ",
-                    "SET NOT NULL",
-                    "VACUUM FULL",
-                    "CLUSTER ",
-                    "SET LOGGED",
-                ] {
-                    if flat.starts_with("ALTER TABLE") && flat.contains(rewrite) {
-                        why.push(
-                            "a statement that rewrites or scans the table under ACCESS EXCLUSIVE",
-                        );
-                    }
-                }
-                for w in why {
-                    broken.push(format!("{}_{}: {w}: {st}", m.version, m.name));
-                }
-            }
-        }
+        let broken: Vec<String> = MIGRATIONS
+            .iter()
+            .filter(|m| m.version >= "20261202000017")
+            .flat_map(rule_breaks)
+            .collect();
         assert!(broken.is_empty(), "{}", broken.join("\n"));
+    }
+
+    /// The rules read past a statement's comments: a migration opens with one.
+    #[test]
+    fn the_rules_see_a_statement_behind_its_comment() {
+        let bad = Migration {
+            version: "20990101000001",
+            name: "bad",
+            transactional: true,
+            sql: "-- why this index\nCREATE INDEX x ON outbox_events (id);\n\
+                  -- and this check\nALTER TABLE inbox_events ADD CONSTRAINT c CHECK (id > 0);",
+        };
+        let broken = rule_breaks(&bad);
+        assert_eq!(broken.len(), 3, "{broken:#?}");
+        let good = Migration {
+            version: "20990101000002",
+            name: "good",
+            transactional: false,
+            sql: "-- why\nCREATE INDEX CONCURRENTLY IF NOT EXISTS x ON outbox_events (id);",
+        };
+        assert!(rule_breaks(&good).is_empty());
+    }
+
+    #[test]
+    fn the_index_a_statement_builds_is_read_past_comments() {
+        let st = "-- the 'why'; of it\nCREATE INDEX CONCURRENTLY IF NOT EXISTS Outbox_X ON t (a)";
+        assert_eq!(built_index(st).as_deref(), Some("outbox_x"));
+        assert_eq!(
+            built_index("CREATE INDEX CONCURRENTLY y ON t (a)").as_deref(),
+            Some("y")
+        );
+        assert_eq!(built_index("CREATE INDEX CONCURRENTLY ON t (a)"), None);
+        assert_eq!(built_index("DROP INDEX CONCURRENTLY IF EXISTS y"), None);
+        assert_eq!(
+            built_index("-- CREATE INDEX CONCURRENTLY z\nSELECT 1"),
+            None
+        );
+        assert_eq!(code_of("a -- b\nc /* d */ 'e -- f'"), "a \nc  'e -- f'");
     }
 }

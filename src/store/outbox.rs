@@ -13,6 +13,7 @@ use crate::store::{self, Prepared};
 /// Inserts all `events` with one statement (`unnest` of column arrays), so a producer that
 /// writes 500 events in one business transaction pays for one round trip, not 500.
 pub(crate) async fn insert_events(mut conn: &AsyncPgConnection, events: &[NewEvent]) -> Result<()> {
+    super::schema::check()?;
     if events.is_empty() {
         return Ok(());
     }
@@ -37,6 +38,7 @@ pub(crate) async fn insert_events_with<B>(
 where
     B: QueryFragment<Pg> + Send,
 {
+    super::schema::check()?;
     let written = InsertEvents::new(Some(business), events)
         .execute(&mut conn)
         .await?;

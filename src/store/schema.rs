@@ -26,47 +26,62 @@ pub const SCHEMA_ENV: &str = "ACTIX_OUTBOX_SCHEMA";
 /// The prefix every statement of the library is written with.
 const PREFIX: &str = "actix_outbox.";
 
-static SCHEMA: OnceLock<String> = OnceLock::new();
+/// The schema, or why `ACTIX_OUTBOX_SCHEMA` names none: fixed by the first use.
+static SCHEMA: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+
+/// The longest name: `NOTIFY` channels are the name and `_outbox`, and a channel name must fit
+/// PostgreSQL's 63 bytes.
+const MAX_NAME: usize = 63 - "_outbox".len();
 
 /// Sets the schema this process's library objects live in: call it once, before
 /// [`migrate`](crate::migrate), the runtime or the first [`enqueue`](crate::enqueue).
 ///
-/// A name is lower-case letters, digits and `_`, starting with a letter or `_`, at most 63
-/// bytes: it is written into statements unquoted, the way PostgreSQL folds it. Calling it again
-/// with the same name is harmless.
+/// A name is lower-case letters, digits and `_`, starting with a letter or `_`, at most 56
+/// bytes, and not `public` (the library's schema is its own). It is written into statements
+/// unquoted, the way PostgreSQL folds it. Calling it again with the same name is harmless.
 ///
 /// # Errors
 /// [`Error::Config`] (`CONFIG_INVALID`) for an invalid name, or when the process already uses
 /// another schema (an earlier call, or a statement already sent).
 pub fn use_schema(name: &str) -> Result<()> {
     valid(name)?;
-    let set = SCHEMA.get_or_init(|| name.to_owned());
-    if set == name {
-        Ok(())
-    } else {
-        Err(Error::Config(format!(
+    match SCHEMA.get_or_init(|| Ok(name.to_owned())) {
+        Ok(set) if set == name => Ok(()),
+        Ok(set) => Err(Error::Config(format!(
             "the schema is already {set}: use_schema({name:?}) must come before the library's \
              first statement, and a process uses one schema"
-        )))
+        ))),
+        Err(why) => Err(Error::Config(why.clone())),
     }
 }
 
-/// The schema this process uses: [`use_schema`]'s, else `ACTIX_OUTBOX_SCHEMA` when it holds a
-/// valid name, else `actix_outbox`. Fixed by the first call.
-pub fn schema() -> &'static str {
+fn resolved() -> &'static std::result::Result<String, String> {
     SCHEMA.get_or_init(|| match std::env::var(SCHEMA_ENV) {
-        Ok(name) if valid(&name).is_ok() => name,
-        _ => DEFAULT_SCHEMA.to_owned(),
+        Ok(name) => valid(&name)
+            .map(|()| name)
+            .map_err(|e| format!("{SCHEMA_ENV}: {e}")),
+        Err(_) => Ok(DEFAULT_SCHEMA.to_owned()),
     })
 }
 
-/// Refuses an `ACTIX_OUTBOX_SCHEMA` that is set but is not a valid name, which [`schema`]
-/// would otherwise pass over: `migrate` and the runtime's start call it.
-pub(crate) fn check_env() -> Result<()> {
-    match std::env::var(SCHEMA_ENV) {
-        Ok(name) if SCHEMA.get().is_none() => valid(&name),
-        _ => Ok(()),
+/// The schema this process uses: [`use_schema`]'s, else `ACTIX_OUTBOX_SCHEMA`'s, else
+/// `actix_outbox`. Fixed by the first call. (With an invalid `ACTIX_OUTBOX_SCHEMA`, the
+/// default; every entry point refuses to run then, see [`check`].)
+pub fn schema() -> &'static str {
+    match resolved() {
+        Ok(name) => name,
+        Err(_) => DEFAULT_SCHEMA,
     }
+}
+
+/// Refuses to go on with an `ACTIX_OUTBOX_SCHEMA` that names no valid schema: `migrate`, the
+/// runtime's start and every enqueue call it, so a mistyped variable never sends a producer's
+/// events to another schema's outbox. A read of a value fixed once.
+pub(crate) fn check() -> Result<()> {
+    resolved()
+        .as_ref()
+        .map(|_| ())
+        .map_err(|why| Error::Config(why.clone()))
 }
 
 fn valid(name: &str) -> Result<()> {
@@ -75,12 +90,14 @@ fn valid(name: &str) -> Result<()> {
         .next()
         .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
     let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if first_ok && rest_ok && name.len() <= 63 && !name.starts_with("pg_") {
+    let reserved = name == "public" || name == "information_schema" || name.starts_with("pg_");
+    if first_ok && rest_ok && name.len() <= MAX_NAME && !reserved {
         Ok(())
     } else {
         Err(Error::Config(format!(
             "invalid schema name {name:?}: use lower-case letters, digits and '_', starting with \
-             a letter or '_', at most 63 bytes, not starting with 'pg_'"
+             a letter or '_', at most {MAX_NAME} bytes, and a schema of the library's own (not \
+             public, information_schema or pg_…)"
         )))
     }
 }

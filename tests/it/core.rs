@@ -734,6 +734,39 @@ async fn start_twice(db: &TestDb) -> Error {
         .expect("duplicate consumer names are rejected")
 }
 
+/// Instances that start together on an empty database migrate it together: they take turns,
+/// and the one waiting holds no snapshot that a `CREATE INDEX CONCURRENTLY` of the one
+/// migrating would wait for (which deadlocked when the waiter waited inside one statement).
+#[actix_rt::test]
+async fn three_instances_migrate_an_empty_database_at_once() {
+    let db = TestDb::empty().await;
+    let (a, b, c) = futures_util::future::join3(
+        actix_outbox::db::migrate_with(&db.url, &Default::default()),
+        actix_outbox::db::migrate_with(&db.url, &Default::default()),
+        actix_outbox::db::migrate_with(&db.url, &Default::default()),
+    )
+    .await;
+    let reports = [a.unwrap(), b.unwrap(), c.unwrap()];
+    let applied: usize = reports.iter().map(|r| r.applied.len()).sum();
+    assert_eq!(applied, actix_outbox::db::MIGRATIONS.len(), "{reports:?}");
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.schema_migrations")
+            .await,
+        actix_outbox::db::MIGRATIONS.len() as i64
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = 'actix_outbox' AND NOT i.indisvalid"
+        )
+        .await,
+        0,
+        "no index left invalid"
+    );
+    db.finish(&[]).await;
+}
+
 #[actix_rt::test]
 async fn migrations_run_concurrently_and_twice_without_harm() {
     let db = TestDb::new().await;

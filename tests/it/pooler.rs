@@ -112,25 +112,42 @@ fn write_readable(path: &Path, text: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
 }
 
+/// A new folder for one pgbouncer: under `target/`, or under the system's temporary folder when
+/// we are root and pgbouncer's user could not reach `target/` (a checkout in a private home).
+fn bouncer_dir() -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let reachable = target.ancestors().all(|d| {
+        d.metadata()
+            .is_ok_and(|m| m.permissions().mode() & 0o001 != 0)
+    });
+    let parent = if is_root() && !reachable {
+        std::env::temp_dir()
+    } else {
+        target.to_path_buf()
+    };
+    let dir = parent.join(format!("pgbouncer-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
 impl PgBouncer {
     /// A pgbouncer in `pool_mode` with `default_pool_size` server connections, whose database
-    /// `db.name` is `db.name` on `db`'s server. The client side is `trust`: any password the
-    /// URL has is for the server only.
+    /// `db.name` is `db.name` on `db`'s server. The client side is `trust`: a password in the
+    /// URL is for the server only.
     fn start(bin: &Path, db: &TestDb, pool_mode: &str, default_pool_size: u32) -> PgBouncer {
-        use std::os::unix::fs::PermissionsExt;
         let s = server(&db.url);
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("pgbouncer-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        // `trust` still needs the user in the auth file.
-        write_readable(&dir.join("userlist.txt"), &format!("\"{}\" \"\"\n", s.user));
         let password = s
             .password
             .as_deref()
             .map(|p| format!(" password={p}"))
             .unwrap_or_default();
         for _ in 0..5 {
+            let dir = bouncer_dir();
+            // `trust` still needs the user in the auth file.
+            let auth = dir.join("userlist.txt");
+            write_readable(&auth, &format!("\"{}\" \"\"\n", s.user));
             let port = free_port();
             // No unix socket and no log file: nothing to write but its stderr, which is ours.
             let ini = format!(
@@ -150,48 +167,43 @@ impl PgBouncer {
                 host = s.host,
                 server_port = s.port,
                 user = s.user,
-                auth = dir.join("userlist.txt").display(),
+                auth = auth.display(),
             );
             let config = dir.join("pgbouncer.ini");
             write_readable(&config, &ini);
-            let log = dir.join("pgbouncer.log");
             let mut cmd = Command::new(bin);
             if is_root() {
+                // pgbouncer refuses to run as root.
                 cmd.args(["-u", unprivileged_user()]);
             }
             let child = cmd
                 .arg(&config)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).unwrap())
+                .stderr(std::fs::File::create(dir.join("pgbouncer.log")).unwrap())
                 .spawn()
                 .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
-            let mut bouncer = PgBouncer {
-                port,
-                dir: dir.clone(),
-                child,
-            };
+            // From here on, a panic stops it and prints its log.
+            let mut bouncer = PgBouncer { port, dir, child };
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
                 if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                     return bouncer;
                 }
                 if let Some(status) = bouncer.child.try_wait().unwrap() {
-                    let log = bouncer.log();
-                    if log.contains("Address already in use") {
-                        break;
-                    }
-                    panic!("pgbouncer exited ({status}) at start:\n{log}");
+                    assert!(
+                        bouncer.log().contains("Address already in use"),
+                        "pgbouncer exited at start ({status})"
+                    );
+                    // Its port was taken since we found it free: another port.
+                    break;
                 }
                 assert!(
                     Instant::now() < deadline,
-                    "pgbouncer did not listen on port {port} within 10 s:\n{}",
-                    bouncer.log()
+                    "pgbouncer did not listen on port {port} within 10 s"
                 );
                 std::thread::sleep(Duration::from_millis(20));
             }
-            // Its port was taken: the drop stops nothing, but it must not remove the folder.
-            std::mem::forget(bouncer);
         }
         panic!("pgbouncer found no free port in 5 tries");
     }
