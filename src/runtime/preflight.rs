@@ -56,6 +56,10 @@ async fn pid(conn: &mut AsyncPgConnection) -> Result<i32> {
 /// then passes unseen.
 async fn pooler(pool: &PgPool, conn: &mut AsyncPgConnection) -> Result<()> {
     let first = pid(conn).await?;
+    // The statement's Close goes out after its answer, unawaited: wait for it to be done, or
+    // the second client may arrive while the pooler still holds `conn`'s server connection,
+    // get a new one, and leave `conn` on the same server as before.
+    conn.batch_execute("SELECT 1").await?;
     // Outside the pool: a pool of one connection must not wait for itself.
     let mut other = pool.dedicated_connection().await.map_err(|e| match e {
         diesel_async::pooled_connection::PoolError::ConnectionError(e) => Error::from(e),
