@@ -237,7 +237,7 @@ impl Runner {
             ),
         )
         .await?;
-        let applied: Vec<String> = self
+        let mut applied: Vec<String> = self
             .client
             .query(&format!("SELECT version FROM {s}.schema_migrations"), &[])
             .await
@@ -245,7 +245,6 @@ impl Runner {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        let mut applied = applied;
         if applied.is_empty() {
             applied = self.move_from_public().await?;
         }

@@ -584,3 +584,14 @@ pub fn spawn_entry(url: &str, entry: &str, env: &[(&str, &str)]) -> std::process
         .spawn()
         .expect("spawn child runtime")
 }
+
+/// Calls an actix-web test service and returns (status, body as text).
+macro_rules! call {
+    ($app:expr, $req:expr) => {{
+        let res = actix_web::test::call_service(&$app, $req.to_request()).await;
+        let status = res.status().as_u16();
+        let body = actix_web::test::read_body(res).await;
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }};
+}
+pub(crate) use call;

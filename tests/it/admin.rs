@@ -7,7 +7,7 @@ use crate::common;
 use std::time::Duration;
 
 use actix_outbox::{admin::admin_scope, admin::AdminConfig};
-use actix_web::test::{call_service, init_service, read_body, TestRequest};
+use actix_web::test::{init_service, TestRequest};
 use actix_web::App;
 use common::*;
 use diesel::sql_types::{BigInt, Text};
@@ -17,16 +17,6 @@ use serde_json::{json, Value};
 
 const TOKEN: &str = "alice-secret-token-0001";
 const MARKER: &str = "SECRET-PAYLOAD-MARKER";
-
-/// Calls the service and returns (status, body as text).
-macro_rules! call {
-    ($app:expr, $req:expr) => {{
-        let res = call_service(&$app, $req.to_request()).await;
-        let status = res.status().as_u16();
-        let body = read_body(res).await;
-        (status, String::from_utf8(body.to_vec()).unwrap())
-    }};
-}
 
 fn config(db: &TestDb) -> AdminConfig {
     AdminConfig::new(db.pool.clone())

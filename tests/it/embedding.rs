@@ -17,7 +17,7 @@ use actix_outbox::{
     enqueue, enqueue_many, enqueue_with, ConsumerConfig, Error, ErrorCode, NewEvent, OutboxRuntime,
     PgPool, RetryPolicy,
 };
-use actix_web::test::{call_service, init_service, read_body, TestRequest};
+use actix_web::test::{init_service, TestRequest};
 use actix_web::App;
 use common::*;
 use diesel::sql_types::{BigInt, Text};
@@ -318,16 +318,6 @@ fn distinct_effects(consumer: &str, ids: &[uuid::Uuid]) -> String {
         "SELECT count(DISTINCT event_id) AS n FROM public.effects \
          WHERE consumer = '{consumer}' AND event_id = ANY ('{{{list}}}'::uuid[])"
     )
-}
-
-/// Calls the service and returns (status, body as text).
-macro_rules! call {
-    ($app:expr, $req:expr) => {{
-        let res = call_service(&$app, $req.to_request()).await;
-        let status = res.status().as_u16();
-        let body = read_body(res).await;
-        (status, String::from_utf8(body.to_vec()).unwrap())
-    }};
 }
 
 /// An application database that already has tables named like the library's (with rows) and

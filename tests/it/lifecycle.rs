@@ -118,8 +118,8 @@ fn a_start_that_fails_after_another_runtime_started_returns_the_error_and_panics
     assert_eq!(panicked, Vec::<String>::new(), "nothing panics");
 }
 
-/// The same when the failing step is the subscription write: the second database was never
-/// migrated, so `start` cannot record its consumers.
+/// The same when the failing step is the subscription write: the second database refuses
+/// every write of a consumer's state (a trigger), so `start` cannot record its consumers.
 #[test]
 fn a_start_that_cannot_register_its_consumers_returns_the_error_and_panics_nowhere() {
     let ((result, names), panicked) = run_app(async {
@@ -132,6 +132,18 @@ fn a_start_that_cannot_register_its_consumers_returns_the_error_and_panics_nowhe
             .batch_execute(&format!("CREATE DATABASE {bare}"))
             .await
             .unwrap();
+        let url = common::with_database(&common::base_url(), &bare);
+        actix_outbox::migrate(&url).await.unwrap();
+        let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+        conn.batch_execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN RAISE EXCEPTION 'no consumer may register here'; END $$; \
+             CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON actix_outbox.consumer_states \
+                 FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .await
+        .unwrap();
+        drop(conn);
         let names = vec![orders.name.clone(), bare.clone()];
         let app = async {
             let _orders = builder(orders.pool.clone(), "orders").start().await?;
@@ -148,6 +160,35 @@ fn a_start_that_cannot_register_its_consumers_returns_the_error_and_panics_nowhe
     assert!(
         matches!(result, Err(Error::Database(_))),
         "start returns the database error, got {result:?}"
+    );
+    assert_eq!(panicked, Vec::<String>::new(), "nothing panics");
+}
+
+/// A start on a database that was never migrated is refused before anything runs, with the
+/// error that says so.
+#[test]
+fn a_start_on_a_database_never_migrated_says_so_and_panics_nowhere() {
+    let ((result, name), panicked) = run_app(async {
+        let bare = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = AsyncPgConnection::establish(&common::base_url())
+            .await
+            .unwrap();
+        admin
+            .batch_execute(&format!("CREATE DATABASE {bare}"))
+            .await
+            .unwrap();
+        let app = async {
+            let pool = actix_outbox::connect(&common::with_database(&common::base_url(), &bare), 4)
+                .await?;
+            let _billing = builder(pool, "billing").start().await?;
+            Ok::<(), Error>(())
+        };
+        (app.await, bare)
+    });
+    drop_database(&name);
+    assert_eq!(
+        result.map_err(|e| e.code().as_str().to_owned()),
+        Err("SCHEMA_NOT_MIGRATED".to_owned())
     );
     assert_eq!(panicked, Vec::<String>::new(), "nothing panics");
 }
