@@ -66,6 +66,10 @@ impl ErrorCode {
     /// The library's schema is missing, or older than this build: run
     /// [`migrate`](crate::migrate) as its owner first.
     pub const SCHEMA_NOT_MIGRATED: ErrorCode = ErrorCode::from_static("SCHEMA_NOT_MIGRATED");
+    /// A reconcile rule's search ran past its time bound
+    /// ([`ReconcileRule::time_bound`](crate::reconcile::ReconcileRule::time_bound)) and was
+    /// stopped by the server; the rule runs again at its next interval.
+    pub const RECONCILE_TIMEOUT: ErrorCode = ErrorCode::from_static("RECONCILE_TIMEOUT");
     /// The pool's connections go through a pooler in transaction or statement mode, which the
     /// runtime cannot run behind (it relies on sessions: leases, advisory locks, `LISTEN`,
     /// prepared statements).
@@ -157,6 +161,9 @@ pub enum Error {
     /// The pool goes through a transaction- or statement-mode pooler. Nothing was started.
     #[error("{0}")]
     PoolerUnsupported(String),
+    /// A reconcile rule's search ran past its time bound and was stopped by the server.
+    #[error("the reconcile rule's search ran past its time bound of {0:?} and was stopped")]
+    ReconcileTimeout(std::time::Duration),
 }
 
 impl Error {
@@ -179,6 +186,7 @@ impl Error {
             Error::PrivilegeMissing { .. } => ErrorCode::PRIVILEGE_MISSING,
             Error::NotMigrated(_) => ErrorCode::SCHEMA_NOT_MIGRATED,
             Error::PoolerUnsupported(_) => ErrorCode::POOLER_UNSUPPORTED,
+            Error::ReconcileTimeout(_) => ErrorCode::RECONCILE_TIMEOUT,
         }
     }
 

@@ -42,6 +42,15 @@ pub trait ReconcileRule: 'static {
     fn name(&self) -> &str;
     /// How often the rule runs.
     fn interval(&self) -> Duration;
+    /// How long each statement of [`find_drift`](Self::find_drift) may run: it runs under this
+    /// `statement_timeout`, so a search that grew slow (an anti-join over a backlog) is
+    /// stopped by the server instead of holding a snapshot, and with it every table's
+    /// vacuum, for minutes. A run stopped there is recorded with the code
+    /// `RECONCILE_TIMEOUT` and runs again at the next interval. Default 30 s; page a search
+    /// through an index (a bounded `LIMIT` from a key) rather than raise it.
+    fn time_bound(&self) -> Duration {
+        Duration::from_secs(30)
+    }
     /// Returns the keys of items whose desired state lacks its actual state. The query itself
     /// should skip items younger than the rule's consistency window (normal processing may
     /// still be on its way).
@@ -246,8 +255,9 @@ async fn record_run(
     redact: &Redactor,
 ) {
     let recorded = crate::store::sql(
-        "INSERT INTO actix_outbox.reconcile_runs (rule, dry_run, started_at, finished_at, found, repaired, error) \
-         VALUES ($1, $2, $3, now(), $4, $5, $6)",
+        "INSERT INTO actix_outbox.reconcile_runs (rule, dry_run, started_at, finished_at, found, repaired, error, \
+             error_code) \
+         VALUES ($1, $2, $3, now(), $4, $5, $6, $7)",
     )
     .bind::<Text, _>(rule)
     .bind::<Bool, _>(dry_run)
@@ -257,11 +267,46 @@ async fn record_run(
     .bind::<diesel::sql_types::Nullable<Text>, _>(
         error.map(|e| crate::store::inbox::error_text(redact, &e.to_string())),
     )
+    .bind::<diesel::sql_types::Nullable<Text>, _>(error.map(|e| e.code().as_str().to_owned()))
     .execute(conn)
     .await;
     if let Err(e) = recorded {
         tracing::warn!(rule, error = %e, "could not record the reconcile run");
     }
+}
+
+#[derive(QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    previous: String,
+}
+
+/// The rule's search under its `statement_timeout` (set on the session for the search only,
+/// then put back as it was). A database error once the bound has passed is the bound's doing:
+/// [`Error::ReconcileTimeout`](crate::Error::ReconcileTimeout).
+async fn find_bounded(
+    conn: &mut AsyncPgConnection,
+    rule: &dyn ReconcileRule,
+) -> Result<Vec<String>> {
+    let bound = rule.time_bound().max(Duration::from_millis(1));
+    let setting: Setting = crate::store::sql(
+        "SELECT current_setting('statement_timeout') AS previous, \
+                set_config('statement_timeout', $1, false) AS now",
+    )
+    .bind::<Text, _>(format!("{}ms", bound.as_millis()))
+    .get_result(conn)
+    .await?;
+    let started = std::time::Instant::now();
+    let found = rule.find_drift(conn).await;
+    let timed_out = matches!(found, Err(crate::Error::Database(_))) && started.elapsed() >= bound;
+    crate::store::sql("SELECT set_config('statement_timeout', $1, false)")
+        .bind::<Text, _>(&setting.previous)
+        .execute(conn)
+        .await?;
+    if timed_out {
+        return Err(crate::Error::ReconcileTimeout(bound));
+    }
+    found
 }
 
 async fn repair_all(
@@ -270,7 +315,7 @@ async fn repair_all(
     dry_run: bool,
     report: &mut ReconcileReport,
 ) -> Result<()> {
-    let keys = rule.find_drift(conn).await?;
+    let keys = find_bounded(conn, rule).await?;
     report.found = keys.len();
     if !dry_run {
         for key in keys.iter().take(MAX_REPAIRS_PER_RUN) {

@@ -356,11 +356,96 @@ async fn a_failed_run_is_recorded_with_its_error() {
     assert_eq!(
         db.count(
             "SELECT count(*) AS n FROM actix_outbox.reconcile_runs WHERE rule = 'slow' \
-             AND error LIKE '%no_such_table%' AND started_at < finished_at"
+             AND error LIKE '%no_such_table%' AND error_code = 'DATABASE_ERROR' \
+             AND started_at < finished_at"
         )
         .await,
         1
     );
     assert_eq!(db.count(ADVISORY_LOCKS).await, 0);
     db.finish(&[&rt]).await;
+}
+
+/// A rule whose search would run for a minute inside the database.
+struct Stuck;
+
+impl ReconcileRule for Stuck {
+    fn name(&self) -> &str {
+        "stuck"
+    }
+    fn interval(&self) -> Duration {
+        Duration::from_millis(200)
+    }
+    fn time_bound(&self) -> Duration {
+        Duration::from_millis(300)
+    }
+    fn find_drift<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+    ) -> BoxFuture<'a, actix_outbox::Result<Vec<String>>> {
+        Box::pin(async move {
+            conn.batch_execute("SELECT pg_sleep(60) /* stuck rule */")
+                .await?;
+            Ok(Vec::new())
+        })
+    }
+    fn repair<'a>(
+        &'a self,
+        _: &'a mut AsyncPgConnection,
+        _: &'a str,
+    ) -> BoxFuture<'a, actix_outbox::Result<bool>> {
+        Box::pin(async { Ok(false) })
+    }
+}
+
+/// A search that runs too long is stopped by the server at the rule's bound, so it holds no
+/// snapshot (nor the vacuum horizon) past it; the run is recorded with `RECONCILE_TIMEOUT`,
+/// the rule runs again at its next interval, and the session's own `statement_timeout` is put
+/// back for the pool's next user.
+#[actix_rt::test]
+async fn a_search_past_its_time_bound_is_stopped_recorded_and_run_again() {
+    let db = TestDb::new().await;
+    // One connection, so the runtime's reconciler and this test's checks share it.
+    let pool = actix_outbox::connect(&db.url, 1).await.unwrap();
+    let rt = OutboxRuntime::builder(pool.clone())
+        .config(fast_runtime())
+        .reconcile(Stuck)
+        .start()
+        .await
+        .unwrap();
+    let timed_out = "SELECT least(count(*), 2) AS n FROM actix_outbox.reconcile_runs \
+                     WHERE rule = 'stuck' AND error_code = 'RECONCILE_TIMEOUT' \
+                     AND finished_at - started_at < interval '5 seconds'";
+    assert_eq!(
+        db.wait_for(timed_out, 2, WAIT).await,
+        2,
+        "stopped and run again"
+    );
+    let held = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' \
+         AND query LIKE '%stuck rule%' AND state = 'active' \
+         AND query_start < now() - interval '3 seconds'",
+        db.name
+    );
+    for _ in 0..5 {
+        assert_eq!(db.count(&held).await, 0, "a search ran past its bound");
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+    }
+    rt.shutdown().await;
+    let mut conn = pool.get().await.unwrap();
+    #[derive(QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = Text)]
+        statement_timeout: String,
+    }
+    let setting: Setting = diesel::sql_query("SHOW statement_timeout")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        setting.statement_timeout, "0",
+        "the session's setting is put back"
+    );
+    drop(conn);
+    db.finish(&[]).await;
 }
