@@ -66,7 +66,7 @@ fn resolved() -> &'static std::result::Result<String, String> {
 
 /// The schema this process uses: [`use_schema`]'s, else `ACTIX_OUTBOX_SCHEMA`'s, else
 /// `actix_outbox`. Fixed by the first call. (With an invalid `ACTIX_OUTBOX_SCHEMA`, the
-/// default; every entry point refuses to run then, see [`check`].)
+/// default; `migrate`, the runtime's start and every enqueue then refuse to run.)
 pub fn schema() -> &'static str {
     match resolved() {
         Ok(name) => name,

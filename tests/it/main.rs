@@ -16,6 +16,7 @@ mod embedding;
 mod failure;
 mod fanout;
 mod harness;
+mod hung;
 mod isolation;
 mod lifecycle;
 mod logs;

@@ -1,0 +1,193 @@
+//! Handlers hung past their timeout are bounded in the database too, not only in the process:
+//! within `handler_timeout` and a grace (`HUNG_GRACE`, 5 s) their sessions give back the row
+//! locks they hold or wait for, and their hold on the vacuum horizon. Each test counts what it
+//! checks in `pg_locks` and `pg_stat_activity`.
+
+use crate::common;
+
+use std::time::Duration;
+
+use actix_outbox::{Delivery, HandlerError, OutboxRuntime, RetryPolicy};
+use common::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+/// The handler's timeout in these tests: the grace is 5 s more.
+const TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Sessions of this database, other than `except`, that wait for a lock.
+fn waiting(db: &TestDb, except: i32) -> String {
+    format!(
+        "SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE NOT l.granted AND a.datname = '{}' AND a.pid <> {except}",
+        db.name
+    )
+}
+
+/// Sessions of this database, other than `except`, in a transaction that began over `secs`
+/// seconds ago, or holding the vacuum horizon (a snapshot) that long.
+fn holding(db: &TestDb, except: i32, secs: u32) -> String {
+    format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = '{}' AND pid <> {except} \
+         AND xact_start < now() - interval '{secs} seconds'",
+        db.name
+    )
+}
+
+async fn start(db: &TestDb, name: &str, work: &'static str, hang: bool) -> OutboxRuntime {
+    let cfg = consumer(name, 5)
+        .batch_size(1)
+        .handler_timeout(TIMEOUT)
+        // Not again within the test: one stuck attempt is what it watches.
+        .retry(RetryPolicy::fixed(5, Duration::from_secs(600)));
+    // No `idle_in_transaction_session_timeout` (its default ends a session idle in a
+    // transaction after 60 s): what ends it here must be the engine.
+    let mut settings = actix_outbox::db::ConnectionConfig::default();
+    settings.idle_in_transaction_timeout = None;
+    let pool = actix_outbox::db::connect_with(&db.url, 16, &settings)
+        .await
+        .unwrap();
+    OutboxRuntime::builder(pool)
+        .config(fast_runtime())
+        .consumer_fn(cfg, move |d: Delivery| async move {
+            let mut conn = d.conn().await?;
+            conn.batch_execute(work)
+                .await
+                .map_err(|e| HandlerError::retry(e.to_string()))?;
+            if hang {
+                // Stuck outside the database, keeping its connection and its transaction.
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        })
+        .start()
+        .await
+        .unwrap()
+}
+
+async fn backend(conn: &mut AsyncPgConnection) -> i32 {
+    #[derive(diesel::QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let p: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+        .get_result(conn)
+        .await
+        .unwrap();
+    p.pid
+}
+
+/// A handler's statement waits for a row lock another session holds for as long as the test
+/// runs: PostgreSQL cancels it at `handler_timeout` + the grace (or the engine ends its session
+/// then), so its lock request and its transaction are gone while the other session still holds
+/// the row, and its attempt is counted.
+#[actix_rt::test]
+async fn a_handler_stuck_on_a_row_lock_lets_go_of_the_database_within_its_timeout_and_grace() {
+    let db = TestDb::new().await;
+    let mut blocker = AsyncPgConnection::establish(&db.url).await.unwrap();
+    let me = backend(&mut blocker).await;
+    blocker
+        .batch_execute("INSERT INTO orders (id, status) VALUES ('locked', 'PLACED')")
+        .await
+        .unwrap();
+    blocker
+        .batch_execute("BEGIN; SELECT 1 FROM orders WHERE id = 'locked' FOR UPDATE")
+        .await
+        .unwrap();
+    let rt = start(
+        &db,
+        "stuck",
+        "UPDATE orders SET status = 'SEEN' WHERE id = 'locked'",
+        false,
+    )
+    .await;
+    db.enqueue_one("o-1").await;
+    rt.handle().wake();
+    assert_eq!(
+        db.wait_for(&waiting(&db, me), 1, WAIT).await,
+        1,
+        "the handler waits"
+    );
+    assert_eq!(
+        db.wait_for(&waiting(&db, me), 0, WAIT).await,
+        0,
+        "the handler's lock request outlived its timeout and grace"
+    );
+    assert_eq!(
+        db.count(&holding(&db, me, 8)).await,
+        0,
+        "a transaction held on"
+    );
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'stuck' AND status = 'RETRY_PENDING' AND attempt_count = 1";
+    assert_eq!(
+        db.wait_for(charged, 1, WAIT).await,
+        1,
+        "its attempt counted once"
+    );
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    db.finish(&[&rt]).await;
+}
+
+/// A handler takes a row lock and then hangs outside the database, keeping its connection and
+/// its transaction open: the engine ends its session after the grace, so the row can be
+/// written by others and no transaction of it holds the vacuum horizon, while the handler
+/// itself still runs.
+#[actix_rt::test]
+async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace() {
+    let db = TestDb::new().await;
+    let mut other = AsyncPgConnection::establish(&db.url).await.unwrap();
+    let me = backend(&mut other).await;
+    other
+        .batch_execute("INSERT INTO orders (id, status) VALUES ('held', 'PLACED')")
+        .await
+        .unwrap();
+    let rt = start(
+        &db,
+        "hung",
+        "UPDATE orders SET status = 'TAKEN' WHERE id = 'held'",
+        true,
+    )
+    .await;
+    db.enqueue_one("o-1").await;
+    rt.handle().wake();
+    let took =
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' \
+                AND query LIKE 'UPDATE orders SET status = ''TAKEN''%'";
+    assert_eq!(
+        db.wait_for(took, 1, WAIT).await,
+        1,
+        "the handler holds the row"
+    );
+    assert_eq!(
+        db.wait_for(took, 0, WAIT).await,
+        0,
+        "the hung handler's session outlived its timeout and grace"
+    );
+    assert_eq!(
+        db.count(&holding(&db, me, 8)).await,
+        0,
+        "a transaction held on"
+    );
+    // The row is free: another session writes it at once.
+    other
+        .batch_execute(
+            "SET lock_timeout = '2s'; UPDATE orders SET status = 'FREE' WHERE id = 'held'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM orders WHERE id = 'held' AND status = 'FREE'")
+            .await,
+        1,
+        "the hung attempt's write rolled back"
+    );
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'hung' AND status = 'RETRY_PENDING' AND attempt_count = 1";
+    assert_eq!(
+        db.wait_for(charged, 1, WAIT).await,
+        1,
+        "its attempt counted once"
+    );
+    db.finish(&[&rt]).await;
+}
