@@ -212,10 +212,6 @@ impl Hung {
         let (consumer, pool, redact) = (cfg.name.clone(), pool.clone(), cfg.redact.clone());
         let lease = cfg.lease_period();
         let token = outcomes.first().map(|o| o.token);
-        let handler_ms = store::millis(cfg.handler_timeout);
-        let parked_at = tokio::time::Instant::now();
-        let mut ended = false;
-        let mut look_now = false;
         actix_rt::spawn(async move {
             // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile its
             // rows stay leased, renewed: the process lives, and should the handler kill it,
@@ -227,27 +223,9 @@ impl Hung {
             let mut outcomes = Some(outcomes);
             while Arc::strong_count(&slot) > 1 {
                 tokio::time::sleep(LET_GO_POLL).await;
-                if !ended && parked_at.elapsed() >= HUNG_GRACE {
-                    // Still holding its transaction open past the grace: end its session, so
-                    // that its locks and the vacuum horizon are released although the handler
-                    // runs on. The check below then finds the session gone and settles.
-                    if let Ok(mut conn) = pool.get().await {
-                        let end = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                            inbox::end_hung_session(c, backend, handler_ms).await
-                        });
-                        ended = true;
-                        if let Ok(true) = end.await {
-                            tracing::warn!(consumer = %consumer, backend,
-                                "ended the database session of a handler hung past its timeout \
-                                 and grace, releasing its locks");
-                        }
-                        look_now = true;
-                    }
-                }
-                if outcomes.is_none() || !(look_now || renewed.elapsed() >= lease / 3) {
+                if outcomes.is_none() || renewed.elapsed() < lease / 3 {
                     continue;
                 }
-                look_now = false;
                 renewed = tokio::time::Instant::now();
                 let Ok(mut conn) = pool.get().await else {
                     continue;
@@ -301,14 +279,6 @@ async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outco
         tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
     }
 }
-
-/// How long past its timeout a hung handler keeps its database session. Its statements run
-/// under `statement_timeout` = `handler_timeout` + this (`pass::begin_bounded`), so one stuck in
-/// PostgreSQL (a lock wait, a slow query) is cancelled by the server; one stuck outside it,
-/// holding its transaction open, has its session ended by the parking task this long after it
-/// was parked. Either way its locks and its hold on the vacuum horizon are gone within
-/// `handler_timeout` + `HUNG_GRACE` (and a poll).
-pub(crate) const HUNG_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How often a parked call looks whether its handler has let go.
 const LET_GO_POLL: std::time::Duration = std::time::Duration::from_millis(50);

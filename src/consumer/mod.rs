@@ -62,14 +62,6 @@
 //! past that its loops wait, with a warning, the `outbox_consumer_stalled` gauge at 1 and
 //! `outbox_consumer_hung_handlers` at its count. So a consumer holds at most
 //! `2 × concurrency` connections however its handlers hang, and nothing else waits for it.
-//!
-//! A hang is bounded in the database too. Every statement of the handlers' transaction runs
-//! under `statement_timeout` = `handler_timeout` + `HUNG_GRACE` (5 s), so one stuck on a lock
-//! or running long is cancelled by PostgreSQL itself, even when this process cannot act; and a
-//! handler still holding its transaction open when the grace has passed since it was parked
-//! has its session ended (`pg_terminate_backend`, of a session of the runtime's own role). Its
-//! row locks and its hold on the vacuum horizon go with it (`tests/it/hung.rs`); its row is
-//! settled as the session ends.
 
 pub(crate) mod actor;
 mod batch;

@@ -4,9 +4,7 @@
 
 use std::time::Instant;
 
-use diesel_async::{
-    AnsiTransactionManager as Tm, RunQueryDsl, SimpleAsyncConnection, TransactionManager,
-};
+use diesel_async::{AnsiTransactionManager as Tm, RunQueryDsl, TransactionManager};
 
 use super::actor::HandlerRef;
 use super::batch::BatchOutcome;
@@ -46,7 +44,7 @@ impl Pass<'_> {
         out: &mut BatchOutcome,
     ) -> Result<PassEnd> {
         let cfg = self.cfg;
-        begin_bounded(&mut conn, cfg).await?;
+        tm(&mut conn, Step::Begin).await?;
         // Rows handed over in one call: a batch handler gets all of the fast pass's; a
         // handler of one delivery, up to `pipeline` of them at once; a careful pass, one.
         let limit = match self.handler {
@@ -297,22 +295,6 @@ pub(super) enum Step {
     Commit,
     /// `ROLLBACK`, or `ROLLBACK TO SAVEPOINT`.
     Rollback,
-}
-
-/// `BEGIN` for the handlers' transaction, each of its statements bounded on the server by
-/// `handler_timeout` + [`HUNG_GRACE`](lend::HUNG_GRACE): a handler's statement stuck on a lock
-/// or running long is cancelled by PostgreSQL itself, which releases its locks and the vacuum
-/// horizon even when this process cannot act (its thread blocked). One round trip, as a plain
-/// `BEGIN`.
-pub(super) async fn begin_bounded(conn: &mut OwnedConn, cfg: &ConsumerConfig) -> Result<()> {
-    let ms = store::millis(cfg.handler_timeout + lend::HUNG_GRACE).min(i64::from(i32::MAX));
-    let sql = format!("BEGIN; SET LOCAL statement_timeout = {ms}");
-    store::bounded(conn, DB_TIMEOUT, async |c| {
-        store::entered_transaction(c)?;
-        c.batch_execute(&sql).await?;
-        Ok(())
-    })
-    .await
 }
 
 /// Takes `step` within [`DB_TIMEOUT`], as every statement of the engine.

@@ -66,7 +66,7 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
     if wait != Some(Duration::ZERO) {
         return Ok(StepEnd::Wait(wait));
     }
-    super::pass::begin_bounded(&mut conn, cfg).await?;
+    tm(&mut conn, Step::Begin).await?;
     let locked = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
         stmt::lock_due(c, name).await
     });

@@ -282,13 +282,17 @@ struct Setting {
 }
 
 /// The rule's search under its `statement_timeout` (set on the session for the search only,
-/// then put back as it was). A database error once the bound has passed is the bound's doing:
-/// [`Error::ReconcileTimeout`](crate::Error::ReconcileTimeout).
+/// then put back as it was). A statement the server cancelled for it is
+/// [`Error::ReconcileTimeout`](crate::Error::ReconcileTimeout); any other error is the rule's
+/// own, as it was.
 async fn find_bounded(
     conn: &mut AsyncPgConnection,
     rule: &dyn ReconcileRule,
 ) -> Result<Vec<String>> {
-    let bound = rule.time_bound().max(Duration::from_millis(1));
+    // At most what `statement_timeout` holds (about 24 days); zero is refused at start.
+    let bound = rule
+        .time_bound()
+        .min(Duration::from_millis(i32::MAX as u64));
     let setting: Setting = crate::store::sql(
         "SELECT current_setting('statement_timeout') AS previous, \
                 set_config('statement_timeout', $1, false) AS now",
@@ -298,7 +302,14 @@ async fn find_bounded(
     .await?;
     let started = std::time::Instant::now();
     let found = rule.find_drift(conn).await;
-    let timed_out = matches!(found, Err(crate::Error::Database(_))) && started.elapsed() >= bound;
+    // diesel keeps no SQLSTATE (57014): the server's words, and the bound having passed. A
+    // server that speaks another language records its own message under DATABASE_ERROR.
+    let timed_out = match &found {
+        Err(crate::Error::Database(e)) => {
+            started.elapsed() >= bound && e.to_string().contains("statement timeout")
+        }
+        _ => false,
+    };
     crate::store::sql("SELECT set_config('statement_timeout', $1, false)")
         .bind::<Text, _>(&setting.previous)
         .execute(conn)

@@ -384,11 +384,13 @@ impl OutboxBuilder {
         }
         let mut rules = std::collections::HashSet::new();
         for rule in &self.rules {
-            // A zero interval would run the rule in a loop that starves every other actor; two
-            // rules of one name would share one advisory lock and one history.
-            if rule.interval().is_zero() || !rules.insert(rule.name().to_owned()) {
+            // A zero interval would run the rule in a loop that starves every other actor, and a
+            // zero time bound means none to PostgreSQL; two rules of one name would share one
+            // advisory lock and one history.
+            let zero = rule.interval().is_zero() || rule.time_bound().is_zero();
+            if zero || !rules.insert(rule.name().to_owned()) {
                 return Err(Error::Config(format!(
-                    "reconcile rule {}: a zero interval, or a name used twice",
+                    "reconcile rule {}: a zero interval or time bound, or a name used twice",
                     rule.name()
                 )));
             }

@@ -449,3 +449,60 @@ async fn a_search_past_its_time_bound_is_stopped_recorded_and_run_again() {
     drop(conn);
     db.finish(&[]).await;
 }
+
+/// A search whose statements each end within the bound, but which fails on its own error after
+/// the bound has passed in all: that is the rule's error, not a timeout.
+struct SlowThenWrong;
+
+impl ReconcileRule for SlowThenWrong {
+    fn name(&self) -> &str {
+        "slow_then_wrong"
+    }
+    fn interval(&self) -> Duration {
+        Duration::from_secs(3600)
+    }
+    fn time_bound(&self) -> Duration {
+        Duration::from_millis(300)
+    }
+    fn find_drift<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+    ) -> BoxFuture<'a, actix_outbox::Result<Vec<String>>> {
+        Box::pin(async move {
+            conn.batch_execute("SELECT pg_sleep(0.2)").await?;
+            conn.batch_execute("SELECT pg_sleep(0.2)").await?;
+            conn.batch_execute("SELECT 1 FROM no_such_table").await?;
+            Ok(Vec::new())
+        })
+    }
+    fn repair<'a>(
+        &'a self,
+        _: &'a mut AsyncPgConnection,
+        _: &'a str,
+    ) -> BoxFuture<'a, actix_outbox::Result<bool>> {
+        Box::pin(async { Ok(false) })
+    }
+}
+
+#[actix_rt::test]
+async fn a_search_that_fails_on_its_own_after_the_bound_is_not_called_a_timeout() {
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .reconcile(SlowThenWrong)
+        .start()
+        .await
+        .unwrap();
+    let report = within(Duration::from_secs(20), rt.reconcile_now()).await;
+    let err = report.unwrap().remove(0).unwrap_err();
+    assert_eq!(err.code().as_str(), "DATABASE_ERROR", "{err}");
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.reconcile_runs WHERE rule = 'slow_then_wrong' \
+             AND error_code = 'DATABASE_ERROR' AND error LIKE '%no_such_table%'"
+        )
+        .await,
+        1
+    );
+    db.finish(&[&rt]).await;
+}

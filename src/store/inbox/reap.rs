@@ -126,32 +126,6 @@ pub(crate) async fn session_alive(conn: &mut AsyncPgConnection, backend: i32) ->
     Ok(r.alive)
 }
 
-/// Ends the database session `backend` of a handler hung past its timeout, if its transaction
-/// began at least `older_than_ms` ago (so a session that took over a reused pid is never
-/// touched): its transaction rolls back, and its locks and its hold on the vacuum horizon go
-/// with it. Whether a session was ended.
-pub(crate) async fn end_hung_session(
-    conn: &mut AsyncPgConnection,
-    backend: i32,
-    older_than_ms: i64,
-) -> Result<bool> {
-    #[derive(QueryableByName)]
-    struct Ended {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        ended: bool,
-    }
-    let r: Ended = crate::store::sql(
-        "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) AS ended \
-         FROM pg_stat_activity WHERE pid = $1 \
-           AND xact_start < now() - $2 * interval '1 millisecond'",
-    )
-    .bind::<Integer, _>(backend)
-    .bind::<diesel::sql_types::BigInt, _>(older_than_ms)
-    .get_result(conn)
-    .await?;
-    Ok(r.ended)
-}
-
 /// The rows of `consumer` that a judged process held, up to `limit`.
 pub(crate) async fn judged(
     conn: &mut AsyncPgConnection,
