@@ -228,15 +228,27 @@ impl Runner {
             )
             .await?;
         }
-        self.retried(
-            "creating schema_migrations",
-            &format!(
-                "CREATE TABLE IF NOT EXISTS {s}.schema_migrations (\
+        // Only when missing: CREATE … IF NOT EXISTS needs the right to create even when the
+        // table exists, and a role without DDL rights may call `migrate` at every start.
+        let recorded = self
+            .client
+            .query_one(
+                "SELECT to_regclass($1 || '.schema_migrations') IS NOT NULL",
+                &[&s],
+            )
+            .await
+            .map_err(fail("looking for schema_migrations"))?;
+        if !recorded.get::<_, bool>(0) {
+            self.retried(
+                "creating schema_migrations",
+                &format!(
+                    "CREATE TABLE IF NOT EXISTS {s}.schema_migrations (\
                      version text PRIMARY KEY, name text NOT NULL, \
                      applied_at timestamptz NOT NULL DEFAULT now())"
-            ),
-        )
-        .await?;
+                ),
+            )
+            .await?;
+        }
         let mut applied: Vec<String> = self
             .client
             .query(&format!("SELECT version FROM {s}.schema_migrations"), &[])

@@ -767,6 +767,65 @@ async fn three_instances_migrate_an_empty_database_at_once() {
     db.finish(&[]).await;
 }
 
+/// A migration that cannot take its table's lock (a session holds the table locked) times out
+/// after `lock_timeout`, so it queues nobody's writes for longer, and is tried again until the
+/// lock is free: it then applies, once.
+#[actix_rt::test]
+async fn a_migration_behind_a_held_lock_is_tried_again_until_it_applies() {
+    let db = TestDb::empty().await;
+    let until = actix_outbox::db::MigrateConfig {
+        until: Some("20261202000018".into()),
+        ..Default::default()
+    };
+    actix_outbox::db::migrate_with(&db.url, &until)
+        .await
+        .unwrap();
+    let mut holder = diesel_async::AsyncPgConnection::establish(&db.url)
+        .await
+        .unwrap();
+    holder
+        .batch_execute("BEGIN; LOCK TABLE actix_outbox.outbox_events IN SHARE MODE")
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let migrating =
+        actix_rt::spawn(
+            async move { actix_outbox::db::migrate_with(&url, &Default::default()).await },
+        );
+    // 000019 sets the outbox's fillfactor, which waits for the lock: let it time out a few
+    // times (500 ms each), then let go.
+    let waiting = "SELECT count(*) AS n FROM pg_locks WHERE NOT granted \
+                   AND relation = 'actix_outbox.outbox_events'::regclass";
+    assert_eq!(
+        db.wait_for(waiting, 1, WAIT).await,
+        1,
+        "the migration waits"
+    );
+    actix_rt::time::sleep(Duration::from_millis(1500)).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let report = migrating.await.unwrap().unwrap();
+    assert!(report.lock_retries >= 1, "{report:?}");
+    assert!(
+        report.applied.contains(&"20261202000019".to_owned()),
+        "{report:?}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.schema_migrations")
+            .await,
+        actix_outbox::db::MIGRATIONS.len() as i64,
+        "every version applied once"
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM pg_class WHERE oid = 'actix_outbox.outbox_events'::regclass \
+             AND reloptions @> ARRAY['fillfactor=50']"
+        )
+        .await,
+        1
+    );
+    db.finish(&[]).await;
+}
+
 #[actix_rt::test]
 async fn migrations_run_concurrently_and_twice_without_harm() {
     let db = TestDb::new().await;

@@ -124,15 +124,7 @@ fn a_start_that_fails_after_another_runtime_started_returns_the_error_and_panics
 fn a_start_that_cannot_register_its_consumers_returns_the_error_and_panics_nowhere() {
     let ((result, names), panicked) = run_app(async {
         let orders = TestDb::new().await;
-        let bare = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = AsyncPgConnection::establish(&common::base_url())
-            .await
-            .unwrap();
-        admin
-            .batch_execute(&format!("CREATE DATABASE {bare}"))
-            .await
-            .unwrap();
-        let url = common::with_database(&common::base_url(), &bare);
+        let (bare, url) = bare_database().await;
         actix_outbox::migrate(&url).await.unwrap();
         let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
         conn.batch_execute(
@@ -169,17 +161,9 @@ fn a_start_that_cannot_register_its_consumers_returns_the_error_and_panics_nowhe
 #[test]
 fn a_start_on_a_database_never_migrated_says_so_and_panics_nowhere() {
     let ((result, name), panicked) = run_app(async {
-        let bare = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = AsyncPgConnection::establish(&common::base_url())
-            .await
-            .unwrap();
-        admin
-            .batch_execute(&format!("CREATE DATABASE {bare}"))
-            .await
-            .unwrap();
+        let (bare, url) = bare_database().await;
         let app = async {
-            let pool = actix_outbox::connect(&common::with_database(&common::base_url(), &bare), 4)
-                .await?;
+            let pool = actix_outbox::connect(&url, 4).await?;
             let _billing = builder(pool, "billing").start().await?;
             Ok::<(), Error>(())
         };
@@ -433,4 +417,18 @@ fn shutdown_drains_the_consumers_while_the_publisher_hangs_on_its_broker() {
     });
     drop_database(&name);
     assert_eq!(panicked, Vec::<String>::new(), "nothing panics");
+}
+
+/// `ao_test_<random>` with nothing in it, and its URL.
+async fn bare_database() -> (String, String) {
+    let bare = format!("ao_test_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = AsyncPgConnection::establish(&common::base_url())
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {bare}"))
+        .await
+        .unwrap();
+    let url = common::with_database(&common::base_url(), &bare);
+    (bare, url)
 }

@@ -366,15 +366,19 @@ async fn a_failed_run_is_recorded_with_its_error() {
     db.finish(&[&rt]).await;
 }
 
-/// A rule whose search would run for a minute inside the database.
-struct Stuck;
+/// A rule whose search runs `statements` one after another, under a 300 ms time bound.
+struct Searching {
+    name: &'static str,
+    interval: Duration,
+    statements: &'static [&'static str],
+}
 
-impl ReconcileRule for Stuck {
+impl ReconcileRule for Searching {
     fn name(&self) -> &str {
-        "stuck"
+        self.name
     }
     fn interval(&self) -> Duration {
-        Duration::from_millis(200)
+        self.interval
     }
     fn time_bound(&self) -> Duration {
         Duration::from_millis(300)
@@ -384,8 +388,9 @@ impl ReconcileRule for Stuck {
         conn: &'a mut AsyncPgConnection,
     ) -> BoxFuture<'a, actix_outbox::Result<Vec<String>>> {
         Box::pin(async move {
-            conn.batch_execute("SELECT pg_sleep(60) /* stuck rule */")
-                .await?;
+            for st in self.statements {
+                conn.batch_execute(st).await?;
+            }
             Ok(Vec::new())
         })
     }
@@ -409,7 +414,12 @@ async fn a_search_past_its_time_bound_is_stopped_recorded_and_run_again() {
     let pool = actix_outbox::connect(&db.url, 1).await.unwrap();
     let rt = OutboxRuntime::builder(pool.clone())
         .config(fast_runtime())
-        .reconcile(Stuck)
+        .reconcile(Searching {
+            name: "stuck",
+            interval: Duration::from_millis(200),
+            // It would run for a minute inside the database.
+            statements: &["SELECT pg_sleep(60) /* stuck rule */"],
+        })
         .start()
         .await
         .unwrap();
@@ -452,44 +462,20 @@ async fn a_search_past_its_time_bound_is_stopped_recorded_and_run_again() {
 
 /// A search whose statements each end within the bound, but which fails on its own error after
 /// the bound has passed in all: that is the rule's error, not a timeout.
-struct SlowThenWrong;
-
-impl ReconcileRule for SlowThenWrong {
-    fn name(&self) -> &str {
-        "slow_then_wrong"
-    }
-    fn interval(&self) -> Duration {
-        Duration::from_secs(3600)
-    }
-    fn time_bound(&self) -> Duration {
-        Duration::from_millis(300)
-    }
-    fn find_drift<'a>(
-        &'a self,
-        conn: &'a mut AsyncPgConnection,
-    ) -> BoxFuture<'a, actix_outbox::Result<Vec<String>>> {
-        Box::pin(async move {
-            conn.batch_execute("SELECT pg_sleep(0.2)").await?;
-            conn.batch_execute("SELECT pg_sleep(0.2)").await?;
-            conn.batch_execute("SELECT 1 FROM no_such_table").await?;
-            Ok(Vec::new())
-        })
-    }
-    fn repair<'a>(
-        &'a self,
-        _: &'a mut AsyncPgConnection,
-        _: &'a str,
-    ) -> BoxFuture<'a, actix_outbox::Result<bool>> {
-        Box::pin(async { Ok(false) })
-    }
-}
-
 #[actix_rt::test]
 async fn a_search_that_fails_on_its_own_after_the_bound_is_not_called_a_timeout() {
     let db = TestDb::new().await;
     let rt = OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
-        .reconcile(SlowThenWrong)
+        .reconcile(Searching {
+            name: "slow_then_wrong",
+            interval: Duration::from_secs(3600),
+            statements: &[
+                "SELECT pg_sleep(0.2)",
+                "SELECT pg_sleep(0.2)",
+                "SELECT 1 FROM no_such_table",
+            ],
+        })
         .start()
         .await
         .unwrap();

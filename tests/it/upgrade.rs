@@ -15,6 +15,17 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use uuid::Uuid;
 
+/// What `public` holds of the application: all that is left there once the library moved.
+const APP_IN_PUBLIC: [&str; 7] = [
+    "__diesel_schema_migrations",
+    "__diesel_schema_migrations_pkey",
+    "effects",
+    "effects_id_seq",
+    "effects_pkey",
+    "orders",
+    "orders_pkey",
+];
+
 /// The application's own diesel migration, older than the library's.
 const APP_VERSION: &str = "20250101000000";
 
@@ -478,18 +489,7 @@ async fn an_install_in_public_moves_into_the_schema_whole_and_goes_on_delivering
         }
     );
     // Nothing of the library is left in `public`; the application's objects are all there.
-    assert_eq!(
-        in_public(&db).await,
-        [
-            "__diesel_schema_migrations",
-            "__diesel_schema_migrations_pkey",
-            "effects",
-            "effects_id_seq",
-            "effects_pkey",
-            "orders",
-            "orders_pkey",
-        ]
-    );
+    assert_eq!(in_public(&db).await, APP_IN_PUBLIC);
     assert_eq!(db.count("SELECT count(*) AS n FROM public.orders").await, 2);
     // The application's row, and the library's versions kept there too, so that an earlier
     // build that starts again finds nothing to migrate (and fails on the missing tables)
@@ -762,18 +762,7 @@ async fn an_older_install_in_public_is_moved_then_migrated_in_the_schema() {
             lock_retries: 0,
         }
     );
-    assert_eq!(
-        in_public(&db).await,
-        [
-            "__diesel_schema_migrations",
-            "__diesel_schema_migrations_pkey",
-            "effects",
-            "effects_id_seq",
-            "effects_pkey",
-            "orders",
-            "orders_pkey",
-        ]
-    );
+    assert_eq!(in_public(&db).await, APP_IN_PUBLIC);
     assert_eq!(
         db.count("SELECT count(*) AS n FROM actix_outbox.schema_migrations")
             .await,
