@@ -11,7 +11,7 @@ impl Harness {
     /// their state. Publishing and the other consumers carry on.
     ///
     /// # Errors
-    /// [`Error::UnknownConsumer`] when no such consumer is registered.
+    /// [`Error::UnknownConsumer`](crate::Error::UnknownConsumer) when no such consumer is registered.
     pub fn pause(&mut self, consumer: &str) -> Result<()> {
         self.set_paused(consumer, true)
     }
