@@ -2,7 +2,6 @@
 //! rows are always claimed from the database, so a wake-up lost to a full mailbox or a restart
 //! costs latency (until the next poll), never an event.
 
-use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,14 +11,10 @@ use tokio::sync::oneshot;
 
 use super::batch::{self, BatchOutcome};
 use super::lend::Hung;
+use super::threads::{HandlerFactory, Handlers};
 use super::{reap, replay, ConsumerConfig, Delivery, DeliveryBatch};
 use crate::messages::{Drain, Wake};
 use crate::store::PgPool;
-
-/// Builds the user's handler actor. Called again whenever that actor has died (a panic in its
-/// `handle` stops it, and so does the actor stopping itself; the next delivery goes to a fresh
-/// one).
-pub(crate) type HandlerFactory = Rc<dyn Fn() -> HandlerRef>;
 
 /// The user's handler actor, by the message it handles.
 #[derive(Clone)]
@@ -43,13 +38,8 @@ pub(crate) struct ConsumerActor {
     /// Shared with the batch futures, which outlive a borrow of the actor.
     cfg: Arc<ConsumerConfig>,
     pool: PgPool,
-    factory: HandlerFactory,
-    /// The live handler; made (again) through `factory` when missing or found disconnected.
-    handler: Option<HandlerRef>,
-    /// Set while waiting to try the factory again after it panicked.
-    factory_backoff: Option<Duration>,
-    /// The wait after the factory's next panic.
-    factory_next: Duration,
+    /// The handler actors, on the consumer's threads; made (again) when missing or dead.
+    handlers: Handlers,
     /// This consumer's handlers parked past their timeout (see `lend.rs`).
     hung: Hung,
     /// Batch loops running now; at most `cfg.concurrency`.
@@ -77,16 +67,18 @@ pub(crate) struct ConsumerActor {
 }
 
 impl ConsumerActor {
-    pub(crate) fn new(cfg: Arc<ConsumerConfig>, pool: PgPool, factory: HandlerFactory) -> Self {
+    pub(crate) fn new(
+        cfg: Arc<ConsumerConfig>,
+        pool: PgPool,
+        factory: HandlerFactory,
+        threads: Vec<actix_rt::ArbiterHandle>,
+    ) -> Self {
         let hung = Hung::new(cfg.concurrency);
         ConsumerActor {
             cfg,
             pool,
-            factory,
-            handler: None,
-            factory_backoff: None,
+            handlers: Handlers::new(factory, threads),
             resting: false,
-            factory_next: Duration::from_millis(100),
             hung,
             in_flight: 0,
             reaping: false,
@@ -99,41 +91,30 @@ impl ConsumerActor {
         }
     }
 
-    /// The live handler, made through the factory if need be. A factory that panics is
-    /// contained here and tried again with a growing wait (up to 30 s), so that it costs this
-    /// consumer only, never the supervisor.
+    /// A live handler, the consumer's threads taken in turn. Handlers missing or dead are made
+    /// on their threads meanwhile; each one made pumps again. A factory that panics is
+    /// contained on its thread and tried again with a growing wait (up to 30 s), so that it
+    /// costs this consumer only, never the supervisor.
     fn handler(&mut self, ctx: &mut Context<Self>) -> Option<HandlerRef> {
-        if let Some(h) = self.handler.as_ref().filter(|h| h.connected()) {
-            return Some(h.clone());
-        }
-        if self.handler.is_some() {
-            tracing::warn!(consumer = %self.cfg.name, "handler actor stopped; starting a new one");
-        }
-        if self.factory_backoff.is_some() {
-            return None; // waiting for the next try
-        }
-        let factory = self.factory.clone();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory())) {
-            Ok(h) => {
-                self.handler = Some(h.clone());
-                self.factory_next = Duration::from_millis(100);
-                Some(h)
-            }
-            Err(_) => {
-                let wait = self.factory_next.min(Duration::from_secs(30));
-                self.factory_next = (wait * 2).max(Duration::from_millis(100));
-                tracing::error!(consumer = %self.cfg.name, retry_in = ?wait,
-                    "the handler factory panicked; the consumer tries it again later");
-                self.handler = None;
-                self.factory_backoff = Some(wait);
-                ctx.run_later(wait, |act, ctx| {
-                    act.factory_backoff = None;
+        let mut make = Vec::new();
+        let found = self.handlers.pick(self.cfg.name.as_str(), &mut make);
+        for i in make {
+            let making = self.handlers.make(i);
+            ctx.spawn(making.into_actor(self).map(|made, act, ctx| {
+                if let Some((slot, wait)) = act.handlers.made(made, act.cfg.name.as_str()) {
+                    ctx.run_later(wait, move |act, ctx| {
+                        act.handlers.rested(slot);
+                        act.want = true;
+                        act.pump(ctx);
+                    });
+                } else {
                     act.want = true;
                     act.pump(ctx);
-                });
-                None
-            }
+                    act.replay(ctx);
+                }
+            }));
         }
+        found
     }
 
     fn pump(&mut self, ctx: &mut Context<Self>) {

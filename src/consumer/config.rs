@@ -26,6 +26,8 @@ pub struct ConsumerConfig {
     pub(crate) replay_safe: bool,
     pub(crate) rate_limit: Option<f64>,
     pub(crate) lease: Option<Duration>,
+    pub(crate) threads: u32,
+    pub(crate) thread_group: Option<String>,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
     pub(crate) events: Option<Arc<EventRegistry>>,
     /// Set by the builder from [`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors):
@@ -58,6 +60,8 @@ impl ConsumerConfig {
             replay_safe: false,
             rate_limit: None,
             lease: None,
+            threads: 1,
+            thread_group: None,
             events: None,
             redact: Redactor::default(),
         }
@@ -129,6 +133,34 @@ impl ConsumerConfig {
         self.lease.unwrap_or_else(|| {
             (self.handler_timeout.saturating_mul(2)).max(Duration::from_secs(10))
         })
+    }
+    /// How many threads this consumer's handler actors run on: one actor per thread, each made
+    /// by the consumer's factory on its thread. Each batch loop calls one of them (in turn), so
+    /// up to `min(threads, concurrency)` handlers run at the same moment.
+    ///
+    /// Handlers never run on the runtime's own thread: a handler that blocks its thread (a
+    /// synchronous client, a parser, `std::thread::sleep`) delays only the handlers on the
+    /// same thread, never the publisher, the reapers, the other consumers or the operator API.
+    /// Default 1: each consumer has a thread of its own. Give a consumer whose handler blocks
+    /// `threads(n)` and `concurrency(n)` to keep `n` blocking calls going at once.
+    pub fn threads(mut self, n: u32) -> Self {
+        self.threads = n;
+        self
+    }
+    /// Runs this consumer's handlers on the threads of `group`, shared with every consumer that
+    /// names the same group (in this runtime). The group has as many threads as the largest
+    /// [`threads`](ConsumerConfig::threads) among its consumers. For many light consumers that
+    /// need not each have a thread. Default: a group of the consumer's own.
+    pub fn thread_group(mut self, group: &str) -> Self {
+        self.thread_group = Some(group.to_owned());
+        self
+    }
+    /// The thread group the consumer's handlers run in.
+    pub(crate) fn group(&self) -> String {
+        match &self.thread_group {
+            Some(g) => format!("group:{g}"),
+            None => format!("consumer:{}", self.name),
+        }
     }
     /// How often the inbox is polled without a wake-up.
     pub fn poll_interval(mut self, d: Duration) -> Self {
@@ -208,6 +240,16 @@ impl ConsumerConfig {
         }
         if self.pipeline == 0 || self.pipeline > 10_000 {
             return bad("pipeline must be within 1..=10000");
+        }
+        if self.threads == 0 || self.threads > 256 {
+            return bad("threads must be within 1..=256");
+        }
+        if self
+            .thread_group
+            .as_ref()
+            .is_some_and(|g| g.is_empty() || g.len() > 100)
+        {
+            return bad("thread_group must be 1..=100 bytes");
         }
         if self.mailbox_capacity == 0 {
             return bad("mailbox_capacity must be at least 1");

@@ -136,12 +136,30 @@ pub(crate) async fn call(
         // future's task. Either way this call failed; only a dead actor needs replacing.
         Ok(Err(_)) => (
             Err(HandlerError::retry(HANDLER_LOST)),
-            !handler.connected(),
+            gone(handler).await,
             false,
         ),
         Err(_) => (Err(handler_timed_out(cfg)), false, true),
     }
 }
+
+/// Whether the handler actor whose call just failed without an answer is dead. It runs on
+/// another thread: its answer is dropped as the panic unwinds through `handle`, and its
+/// mailbox a few frames later, so it is watched for [`UNWIND`] before being judged alive.
+/// Judged alive too soon, the next row would be sent to a dying actor and charged for it.
+async fn gone(handler: &HandlerRef) -> bool {
+    let deadline = tokio::time::Instant::now() + UNWIND;
+    while handler.connected() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    true
+}
+
+/// How long a handler actor's thread is given to finish unwinding a panic.
+const UNWIND: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn depth_of(conn: &mut OwnedConn) -> Option<u32> {
     Tm::transaction_manager_status_mut(&mut **conn)

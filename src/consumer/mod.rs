@@ -20,6 +20,7 @@
 //! | `decide.rs` | the pure decisions: retry or dead letter, who is charged, whether a call fits in the lease |
 //! | `delivery.rs`, `handler_error.rs`, `config.rs` | the public types |
 //! | `function.rs` | the actor behind a consumer written as an async function |
+//! | `threads.rs` | the threads handlers run on, off the runtime's, and the handler actors on them |
 //!
 //! # One invariant
 //!
@@ -76,6 +77,7 @@ mod pass;
 mod reap;
 pub(crate) mod registry;
 mod replay;
+pub(crate) mod threads;
 
 pub use config::ConsumerConfig;
 pub use delivery::{Delivery, DeliveryBatch, DeliveryMode, SharedConn, TxConn};

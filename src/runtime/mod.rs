@@ -17,8 +17,9 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use crate::consumer::actor::{HandlerFactory, HandlerRef};
+use crate::consumer::actor::HandlerRef;
 use crate::consumer::function::FnConsumer;
+use crate::consumer::threads::{HandlerFactory, HandlerThreads};
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
@@ -90,12 +91,15 @@ impl OutboxBuilder {
     /// It is called once at start and again whenever that actor has died (a panic in its
     /// `handle`, or the actor stopping itself), so it should build a fresh actor from cheap,
     /// cloneable parts.
+    ///
+    /// `make` runs on the consumer's handler threads ([`ConsumerConfig::threads`]), once per
+    /// thread, so it must be `Send + Sync`; the actor it returns need not be `Send`.
     pub fn consumer<A, F>(mut self, config: ConsumerConfig, make: F) -> Self
     where
         A: Actor<Context = Context<A>> + Handler<Delivery>,
-        F: Fn() -> A + 'static,
+        F: Fn() -> A + Send + Sync + 'static,
     {
-        let factory: HandlerFactory = Rc::new(move || HandlerRef::One(make().start().recipient()));
+        let factory: HandlerFactory = Arc::new(move || HandlerRef::One(make().start().recipient()));
         self.consumers.push((config, factory));
         self
     }
@@ -107,10 +111,10 @@ impl OutboxBuilder {
     pub fn batch_consumer<A, F>(mut self, config: ConsumerConfig, make: F) -> Self
     where
         A: Actor<Context = Context<A>> + Handler<DeliveryBatch>,
-        F: Fn() -> A + 'static,
+        F: Fn() -> A + Send + Sync + 'static,
     {
         let factory: HandlerFactory =
-            Rc::new(move || HandlerRef::Batch(make().start().recipient()));
+            Arc::new(move || HandlerRef::Batch(make().start().recipient()));
         self.consumers.push((config, factory));
         self
     }
@@ -135,7 +139,7 @@ impl OutboxBuilder {
     /// ```
     pub fn consumer_fn<F, Fut>(self, config: ConsumerConfig, f: F) -> Self
     where
-        F: Fn(Delivery) -> Fut + Clone + 'static,
+        F: Fn(Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: std::future::Future<Output = std::result::Result<(), HandlerError>> + 'static,
     {
         self.consumer(config, move || FnConsumer(Box::new(f.clone())))
@@ -146,7 +150,7 @@ impl OutboxBuilder {
     /// [`OutboxBuilder::batch_consumer`].
     pub fn batch_consumer_fn<F, Fut>(self, config: ConsumerConfig, f: F) -> Self
     where
-        F: Fn(DeliveryBatch) -> Fut + Clone + 'static,
+        F: Fn(DeliveryBatch) -> Fut + Clone + Send + Sync + 'static,
         Fut: std::future::Future<Output = std::result::Result<(), HandlerError>> + 'static,
     {
         self.batch_consumer(config, move || FnConsumer(Box::new(f.clone())))
@@ -223,15 +227,19 @@ impl OutboxBuilder {
             let events = self.events.as_deref();
             contract::check(&mut conn, mode, window, &registered, events).await?;
         }
+        let cfgs: Vec<&ConsumerConfig> = self.consumers.iter().map(|(c, _)| c).collect();
+        let (threads, shares) = HandlerThreads::start(&cfgs)?;
         let slots = self
             .consumers
             .into_iter()
-            .map(|(mut cfg, factory)| {
+            .zip(shares)
+            .map(|((mut cfg, factory), threads)| {
                 cfg.events = self.events.clone();
                 cfg.redact = self.config.redact.clone();
                 ConsumerSlot {
                     cfg: Arc::new(cfg),
                     factory,
+                    threads,
                     addr: None,
                 }
             })
@@ -244,6 +252,7 @@ impl OutboxBuilder {
             self.rules,
             self.route,
             retention,
+            threads,
         );
         #[cfg(feature = "nats")]
         {

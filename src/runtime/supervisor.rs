@@ -23,8 +23,9 @@ use futures_util::future::{join_all, LocalBoxFuture};
 
 use super::listener::{Heard, ListenerActor};
 use super::{RuntimeConfig, RuntimeStatus, Stop, Wake};
-use crate::consumer::actor::{ConsumerActor, HandlerFactory};
+use crate::consumer::actor::ConsumerActor;
 use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
+use crate::consumer::threads::{HandlerFactory, HandlerThreads};
 use crate::consumer::ConsumerConfig;
 use crate::maintenance::stats::StatsActor;
 use crate::maintenance::Retention;
@@ -53,6 +54,8 @@ pub(crate) const STOP_WAIT: Duration = Duration::from_secs(1);
 pub(crate) struct ConsumerSlot {
     pub cfg: Arc<ConsumerConfig>,
     pub factory: HandlerFactory,
+    /// The threads of the consumer's group.
+    pub threads: Vec<actix_rt::ArbiterHandle>,
     pub addr: Option<Addr<ConsumerActor>>,
 }
 
@@ -84,6 +87,8 @@ pub(crate) struct SupervisorActor {
     /// The NATS receivers (feature `nats`).
     #[cfg(feature = "nats")]
     pub(super) receivers: Vec<ReceiverSlot>,
+    /// The consumers' handler threads, stopped with this actor.
+    _threads: HandlerThreads,
 }
 
 /// The pause between retention runs while a backlog of expired rows lasts, instead of a whole
@@ -99,6 +104,7 @@ impl SupervisorActor {
         rules: Vec<Rc<dyn ReconcileRule>>,
         route: Route,
         retention: Option<Rc<Retention>>,
+        threads: HandlerThreads,
     ) -> Self {
         SupervisorActor {
             pool,
@@ -119,6 +125,7 @@ impl SupervisorActor {
             retaining: false,
             #[cfg(feature = "nats")]
             receivers: Vec::new(),
+            _threads: threads,
         }
     }
 
@@ -189,9 +196,13 @@ impl SupervisorActor {
             if slot.addr.is_some() {
                 restarted.push(format!("consumer:{}", slot.cfg.name));
             }
-            let addr =
-                ConsumerActor::new(slot.cfg.clone(), self.pool.clone(), slot.factory.clone())
-                    .start();
+            let addr = ConsumerActor::new(
+                slot.cfg.clone(),
+                self.pool.clone(),
+                slot.factory.clone(),
+                slot.threads.clone(),
+            )
+            .start();
             registry.do_send(SetMailbox {
                 consumer: slot.cfg.name.to_string(),
                 addr: addr.clone(),

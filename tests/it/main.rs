@@ -10,6 +10,7 @@ mod common;
 
 mod admin;
 mod batch;
+mod blocking;
 mod contracts;
 mod core;
 mod embedding;

@@ -1,0 +1,190 @@
+//! The threads handlers run on, and a consumer's handler actors on them.
+//!
+//! The engine (consumer actors, the publisher, the reapers, maintenance) runs on the runtime's
+//! thread and never waits for a handler's: each consumer's handler actors live on threads of
+//! their own ([`ConsumerConfig::threads`](super::ConsumerConfig::threads)), one actor per
+//! thread, each made on its thread by the consumer's factory. A handler that blocks its
+//! thread delays the handlers on that thread only; the engine sees a call that takes long,
+//! bounded by the handler's timeout as any other.
+//!
+//! The connection lent to a handler stays driven by the runtime's thread, where the pool
+//! opened it: a blocked handler cannot stall the statements of any other.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_rt::ArbiterHandle;
+use tokio::sync::oneshot;
+
+use super::actor::HandlerRef;
+use super::ConsumerConfig;
+use crate::error::{Error, Result};
+
+/// Builds the user's handler actor on the thread it is called on. Called again whenever that
+/// actor has died (a panic in its `handle` stops it, and so does the actor stopping itself).
+pub(crate) type HandlerFactory = Arc<dyn Fn() -> HandlerRef + Send + Sync>;
+
+/// The handler threads of one runtime, by group. Stopped when dropped (with the supervisor
+/// that owns them): a thread stops once the handler running on it returns.
+pub(crate) struct HandlerThreads(Vec<Arbiter>);
+
+impl HandlerThreads {
+    /// Starts the threads of every group `consumers` name, and returns each consumer's share.
+    pub(crate) fn start(consumers: &[&ConsumerConfig]) -> Result<(Self, Vec<Vec<ArbiterHandle>>)> {
+        let mut sizes: BTreeMap<String, u32> = BTreeMap::new();
+        for cfg in consumers {
+            let n = sizes.entry(cfg.group()).or_default();
+            *n = (*n).max(cfg.threads);
+        }
+        let mut threads = HandlerThreads(Vec::new());
+        let mut groups: BTreeMap<String, Vec<ArbiterHandle>> = BTreeMap::new();
+        for (group, n) in sizes {
+            let mut handles = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                let arbiter = Arbiter::try_new().map_err(|e| {
+                    Error::Config(format!("could not start a handler thread for {group}: {e}"))
+                })?;
+                handles.push(arbiter.handle());
+                threads.0.push(arbiter);
+            }
+            groups.insert(group, handles);
+        }
+        let shares = consumers
+            .iter()
+            .map(|c| groups[&c.group()].clone())
+            .collect();
+        Ok((threads, shares))
+    }
+}
+
+impl Drop for HandlerThreads {
+    fn drop(&mut self) {
+        for arbiter in &self.0 {
+            arbiter.stop();
+        }
+    }
+}
+
+/// One consumer's handler actors, one per thread of its share, used in turn.
+pub(crate) struct Handlers {
+    factory: HandlerFactory,
+    slots: Vec<Slot>,
+    /// The slot the next loop is given first.
+    next: usize,
+}
+
+struct Slot {
+    thread: ArbiterHandle,
+    state: State,
+    /// The wait after the factory's next panic on this slot.
+    backoff: Duration,
+}
+
+enum State {
+    /// No actor: make one when asked.
+    Empty,
+    /// The factory runs on the thread.
+    Making,
+    /// The factory panicked: waiting to try it again.
+    Resting,
+    Ready(HandlerRef),
+}
+
+/// What a slot's making came to, for the consumer actor to apply ([`Handlers::made`]).
+pub(crate) struct Made {
+    slot: usize,
+    handler: Option<HandlerRef>,
+}
+
+impl Handlers {
+    pub(crate) fn new(factory: HandlerFactory, threads: Vec<ArbiterHandle>) -> Self {
+        let slots = threads
+            .into_iter()
+            .map(|thread| Slot {
+                thread,
+                state: State::Empty,
+                backoff: FIRST_BACKOFF,
+            })
+            .collect();
+        Handlers {
+            factory,
+            slots,
+            next: 0,
+        }
+    }
+
+    /// A live handler, the slots taken in turn. Slots whose actor is missing or died are
+    /// returned in `make`, to be made on their threads ([`Handlers::make`]).
+    pub(crate) fn pick(&mut self, consumer: &str, make: &mut Vec<usize>) -> Option<HandlerRef> {
+        let n = self.slots.len();
+        let mut found = None;
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            let slot = &mut self.slots[i];
+            match &slot.state {
+                State::Ready(h) if h.connected() => {
+                    if found.is_none() {
+                        found = Some(h.clone());
+                        self.next = (i + 1) % n;
+                    }
+                }
+                State::Ready(_) => {
+                    tracing::warn!(consumer, "handler actor stopped; starting a new one");
+                    slot.state = State::Making;
+                    make.push(i);
+                }
+                State::Empty => {
+                    slot.state = State::Making;
+                    make.push(i);
+                }
+                State::Making | State::Resting => {}
+            }
+        }
+        found
+    }
+
+    /// Runs the factory on slot `i`'s thread. A factory that panics is contained there; the
+    /// answer says so.
+    pub(crate) fn make(&self, i: usize) -> impl std::future::Future<Output = Made> + 'static {
+        let (tx, rx) = oneshot::channel();
+        let factory = self.factory.clone();
+        let sent = self.slots[i].thread.spawn_fn(move || {
+            let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory()));
+            let _ = tx.send(made.ok());
+        });
+        async move {
+            let handler = if sent { rx.await.ok().flatten() } else { None };
+            Made { slot: i, handler }
+        }
+    }
+
+    /// Applies a making's answer. Returns the wait before slot `made.slot` may be tried again
+    /// when the factory panicked (up to 30 s, growing), after which [`Handlers::rested`].
+    pub(crate) fn made(&mut self, made: Made, consumer: &str) -> Option<(usize, Duration)> {
+        let slot = &mut self.slots[made.slot];
+        match made.handler {
+            Some(h) => {
+                slot.state = State::Ready(h);
+                slot.backoff = FIRST_BACKOFF;
+                None
+            }
+            None => {
+                let wait = slot.backoff.min(Duration::from_secs(30));
+                slot.backoff = (wait * 2).max(FIRST_BACKOFF);
+                slot.state = State::Resting;
+                tracing::error!(consumer, retry_in = ?wait,
+                    "the handler factory panicked; the consumer tries it again later");
+                Some((made.slot, wait))
+            }
+        }
+    }
+
+    /// Slot `i` may be made again.
+    pub(crate) fn rested(&mut self, i: usize) {
+        self.slots[i].state = State::Empty;
+    }
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);

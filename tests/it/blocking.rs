@@ -1,0 +1,228 @@
+//! Handlers that block their thread (issue 30, item 1): a synchronous client, a parser,
+//! `std::thread::sleep`. Handlers run on threads of their own, never the runtime's, so such a
+//! handler delays only the handlers on its thread. Every assertion counts rows of a real
+//! PostgreSQL database; nothing here asserts a duration (the figures are the benchmark's).
+
+use crate::common;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use actix_outbox::{ConsumerConfig, Delivery, HandlerError, OutboxRuntime};
+use common::*;
+
+/// The longest a blocked handler blocks when the test never lets it go (it failed before).
+const MAX_BLOCK: Duration = Duration::from_secs(30);
+
+/// A handler that blocks its thread, outside any future, until released: it holds its thread
+/// the way a synchronous call does. It records, per call, the thread it ran on and how many
+/// calls were blocking at once.
+#[derive(Clone, Default)]
+struct Blocker {
+    released: Arc<AtomicBool>,
+    /// Calls blocking now, and the most at once.
+    blocking: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+    /// Calls that started blocking, and those that ended (released, or past `MAX_BLOCK`).
+    started: Arc<AtomicUsize>,
+    ended: Arc<AtomicUsize>,
+    /// Release once this many calls block at the same time (0: only `release`).
+    release_at: usize,
+    /// How long a call blocks at most (`MAX_BLOCK` when zero).
+    patience: Duration,
+}
+
+impl Actor for Blocker {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Blocker {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let _ = d.event_id();
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let now = self.blocking.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        if self.release_at > 0 && now >= self.release_at {
+            self.released.store(true, Ordering::SeqCst);
+        }
+        let most = if self.patience.is_zero() {
+            MAX_BLOCK
+        } else {
+            self.patience
+        };
+        let deadline = Instant::now() + most;
+        while !self.released.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.blocking.fetch_sub(1, Ordering::SeqCst);
+        self.ended.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A consumer blocks its thread on its first event and stays blocked, beside a healthy
+/// consumer of the same events. While it blocks, the publisher publishes every event and the
+/// healthy consumer applies every one, exactly once; once released, the blocked consumer
+/// applies every event too. On a runtime whose handlers share its thread, nothing moves until
+/// the block ends, and the first assertion fails.
+#[actix_rt::test]
+async fn a_handler_blocking_its_thread_costs_only_its_consumer() {
+    const N: i64 = 200;
+    let db = TestDb::new().await;
+    let blocker = Blocker::default();
+    let b = blocker.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("blocks", 3).handler_timeout(Duration::from_secs(60)),
+            move || b.clone(),
+        )
+        .consumer(consumer("beside-block", 3).batch_size(50), || Recorder {
+            name: "beside-block".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .expect("start runtime");
+    db.produce_batched(N as usize, 10, "o").await;
+    rt.handle().wake();
+
+    let healthy = "SELECT count(*) AS n FROM effects WHERE consumer = 'beside-block'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
+    let deadline = Instant::now() + WAIT;
+    let (mut healthy_n, mut published_n) = (0, 0);
+    while Instant::now() < deadline && (healthy_n < N || published_n < N) {
+        healthy_n = db.count(healthy).await;
+        published_n = db.count(published).await;
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        blocker.ended.load(Ordering::SeqCst),
+        0,
+        "the first blocked call had ended before the healthy consumer was done"
+    );
+    assert!(
+        blocker.started.load(Ordering::SeqCst) >= 1,
+        "nothing blocked"
+    );
+    assert_eq!(published_n, N, "the publisher published every event");
+    assert_eq!(healthy_n, N, "the healthy consumer applied every event");
+
+    blocker.released.store(true, Ordering::SeqCst);
+    let blocked_done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                        WHERE consumer = 'blocks' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(blocked_done, N, WAIT).await, N);
+    let doubled = "SELECT count(*) AS n FROM (SELECT event_id FROM effects \
+                   GROUP BY consumer, event_id HAVING count(*) > 1) x";
+    assert_eq!(db.count(doubled).await, 0, "an effect happened twice");
+    let retried = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE attempt_count <> 1 OR error_code IS NOT NULL";
+    assert_eq!(db.count(retried).await, 0, "an attempt failed");
+    rt.shutdown().await;
+}
+
+/// `threads(n)` with `concurrency(n)` keeps `n` blocking calls going at once: each call below
+/// blocks until another is blocking too, or for 300 ms. The second batch loop starts once the
+/// first batch came back full; from then on the two loops' calls block side by side, which
+/// one thread could never do (each call would then wait out its 300 ms alone).
+#[actix_rt::test]
+async fn threads_run_blocking_handlers_side_by_side() {
+    let db = TestDb::new().await;
+    let blocker = Blocker {
+        release_at: 2,
+        patience: Duration::from_millis(300),
+        ..Blocker::default()
+    };
+    let b = blocker.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("two-threads", 3)
+                .threads(2)
+                .concurrency(2)
+                .batch_size(1)
+                .handler_timeout(Duration::from_secs(60)),
+            move || b.clone(),
+        )
+        .start()
+        .await
+        .expect("start runtime");
+    db.produce_batched(8, 8, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'two-threads' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 8, WAIT).await, 8);
+    assert_eq!(
+        blocker.most.load(Ordering::SeqCst),
+        2,
+        "two calls blocked at once"
+    );
+    rt.shutdown().await;
+}
+
+/// Records the thread each call ran on.
+#[derive(Clone, Default)]
+struct Where(Arc<Mutex<HashSet<ThreadId>>>);
+
+impl Actor for Where {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Where {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, _: Delivery, _: &mut Context<Self>) -> Self::Result {
+        self.0.lock().unwrap().insert(std::thread::current().id());
+        Ok(())
+    }
+}
+
+/// Each consumer's handlers run on a thread of its own by default, never the runtime's; the
+/// consumers of one `thread_group` share its threads.
+#[actix_rt::test]
+async fn handlers_run_on_their_group_threads_never_the_runtimes() {
+    let db = TestDb::new().await;
+    let names = ["own-a", "own-b", "grouped-a", "grouped-b"];
+    let seen: Vec<Where> = names.iter().map(|_| Where::default()).collect();
+    let mut builder = OutboxRuntime::builder(db.pool.clone()).config(fast_runtime());
+    for (name, w) in names.iter().zip(&seen) {
+        let mut cfg: ConsumerConfig = consumer(name, 3);
+        if name.starts_with("grouped") {
+            cfg = cfg.thread_group("light");
+        }
+        let w = w.clone();
+        builder = builder.consumer(cfg, move || w.clone());
+    }
+    let rt = builder.start().await.expect("start runtime");
+    db.produce_batched(20, 5, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 80, WAIT).await, 80);
+    let threads: Vec<ThreadId> = seen
+        .iter()
+        .map(|w| {
+            let set = w.0.lock().unwrap();
+            assert_eq!(set.len(), 1, "one consumer's calls ran on one thread");
+            *set.iter().next().unwrap()
+        })
+        .collect();
+    let runtime = std::thread::current().id();
+    assert!(
+        !threads.contains(&runtime),
+        "a handler ran on the runtime's thread"
+    );
+    assert_ne!(
+        threads[0], threads[1],
+        "two consumers shared a thread by default"
+    );
+    assert_ne!(threads[0], threads[2]);
+    assert_eq!(threads[2], threads[3], "one thread group, one thread");
+    rt.shutdown().await;
+}
