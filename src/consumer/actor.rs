@@ -263,7 +263,7 @@ async fn batch_loop(
     let mut out = LoopOutcome::default();
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = batch::run_batch(pool, cfg, handler, hung).await;
+        let batch = batch::run_batch(pool, cfg, handler, hung, draining).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.

@@ -22,7 +22,8 @@
 //! look expired) and the reaper judges it (`reap.rs`), which is what makes a handler that
 //! kills its process or its database backend count.
 
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
 
@@ -56,6 +57,7 @@ pub(crate) async fn run_batch(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
     hung: &Hung,
+    draining: &AtomicBool,
 ) -> Result<BatchOutcome> {
     // Before the claim: the lease starts at the claim's `now()`, not after its answer.
     let started = Instant::now();
@@ -88,6 +90,7 @@ pub(crate) async fn run_batch(
         cfg,
         handler,
         started,
+        draining,
     };
     let out = batch
         .run(pool, hung, conn, rows)
@@ -113,7 +116,7 @@ pub(crate) async fn run_batch(
 /// connections that died with the batch's (a server restart, a terminated session): each is
 /// closed as it fails, and the next one tried, up to the pool's size.
 async fn expire(pool: &PgPool, cfg: &ConsumerConfig, token: i64) {
-    let patience = store::millis(cfg.lease_period());
+    let patience = store::millis(decide::patience(cfg));
     for _ in 0..=pool.state().connections {
         let Ok(mut conn) = pool.get().await else {
             return;
@@ -131,12 +134,24 @@ async fn expire(pool: &PgPool, cfg: &ConsumerConfig, token: i64) {
 }
 
 /// A lease whose batch was dropped before it returned (its consumer actor stopped or panicked
-/// mid-batch; the process lives): its rows are given back at once rather than when the lease
-/// expires. A handler still running with one of them writes into a transaction that nobody
-/// will commit.
+/// mid-batch, or a graceful shutdown cut it off; the process lives): its rows are given back
+/// at once, unspent, rather than when the lease expires. A handler still running with one of
+/// them writes into a transaction that nobody will commit. A graceful shutdown waits for these
+/// ([`given_back`]): a process that exits first would leave leases that look like a death.
 struct Unsettled {
     pool: PgPool,
     rows: Vec<(i64, i64)>,
+}
+
+/// Give-backs of cut-off batches not yet written, in this process.
+static GIVING_BACK: AtomicUsize = AtomicUsize::new(0);
+
+/// Waits, for at most `limit`, until the rows of every batch cut off so far are given back.
+pub(crate) async fn given_back(limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while GIVING_BACK.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 impl Drop for Unsettled {
@@ -155,7 +170,8 @@ impl Drop for Unsettled {
             .collect();
         let pool = self.pool.clone();
         if let Some(arbiter) = actix_rt::Arbiter::try_current() {
-            arbiter.spawn(async move {
+            GIVING_BACK.fetch_add(1, Ordering::SeqCst);
+            let spawned = arbiter.spawn(async move {
                 if let Ok(mut conn) = pool.get().await {
                     let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
                         // Rows given back store no message: nothing to redact.
@@ -163,7 +179,11 @@ impl Drop for Unsettled {
                     })
                     .await;
                 }
+                GIVING_BACK.fetch_sub(1, Ordering::SeqCst);
             });
+            if !spawned {
+                GIVING_BACK.fetch_sub(1, Ordering::SeqCst);
+            }
         }
     }
 }
@@ -172,6 +192,7 @@ struct Batch<'a> {
     cfg: &'a ConsumerConfig,
     handler: &'a HandlerRef,
     started: Instant,
+    draining: &'a AtomicBool,
 }
 
 impl Batch<'_> {
@@ -199,6 +220,7 @@ impl Batch<'_> {
                 handler: self.handler,
                 started: self.started,
                 careful,
+                draining: self.draining,
             };
             let again = match pass.run(conn, rows, &mut out).await? {
                 PassEnd::Commit(mut back, outcomes, processed) => {
@@ -228,14 +250,20 @@ impl Batch<'_> {
                 }
                 PassEnd::Kept(slot, backend, outcomes, parked) => {
                     decided.extend(outcomes);
-                    // The place first: a consumer holds at most `concurrency` parked handlers
+                    // The batch's other rows first, given back (or charged) at once: they
+                    // must not wait, leased, for a place to park the handler in.
+                    let settled = async {
+                        let mut conn = pool.get_owned().await?;
+                        store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                            inbox::settle_now(c, &decided, &cfg.redact).await
+                        })
+                        .await
+                    };
+                    let settled = settled.await;
+                    // Then the place: a consumer holds at most `concurrency` parked handlers
                     // beside its loops' own connections.
                     hung.park(cfg, pool, slot, backend, parked).await;
-                    let mut conn = pool.get_owned().await?;
-                    store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                        inbox::settle_now(c, &decided, &cfg.redact).await
-                    })
-                    .await?;
+                    settled?;
                     record(cfg, &[], &decided, &mut out);
                     return Ok(out);
                 }

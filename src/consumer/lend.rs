@@ -185,18 +185,14 @@ impl Hung {
         }
     }
 
-    /// How many handlers hold a parked connection now.
-    pub(crate) fn parked(&self) -> usize {
-        self.parked.load(Ordering::Relaxed)
-    }
-
     /// Parks the call whose handler overran its timeout and still runs (it holds a delivery
     /// or the connection). Its rows stay leased while it runs, so that should it kill the
-    /// process they are counted among what the process held. A task waits for the handler to
-    /// let go, drops the connection if it got it (still inside the batch's transaction: the
-    /// pool closes it, PostgreSQL rolls back), then settles the rows with `outcomes`. Waits for
-    /// a place first when the consumer's are all taken: the consumer then stalls, alone, until
-    /// one of its handlers lets go.
+    /// process they are counted among what the process held. A task watches the handler from
+    /// this moment: it renews the rows' lease (the process lives), and once the handler lets
+    /// go it drops the connection if it got it (still inside the batch's transaction: the pool
+    /// closes it, PostgreSQL rolls back), then settles the rows with `outcomes`. Returns once
+    /// the task holds one of the consumer's places, or the handler let go first: while every
+    /// place is taken the consumer stalls, alone, until one of its handlers lets go.
     pub(crate) async fn park(
         &self,
         cfg: &ConsumerConfig,
@@ -205,79 +201,83 @@ impl Hung {
         backend: i32,
         outcomes: Vec<Outcome>,
     ) {
-        let place = match self.places.clone().try_acquire_owned() {
-            Ok(place) => place,
-            Err(_) => {
-                tracing::warn!(
-                    consumer = %cfg.name, hung = self.parked(),
-                    "every place for a hung handler is taken: the consumer waits until one of \
-                     its handlers lets go"
-                );
-                super::log::waiting_for_hung(cfg, true);
-                let place = self
-                    .places
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("the semaphore is never closed");
-                super::log::waiting_for_hung(cfg, false);
-                place
-            }
-        };
-        let parked = self.parked.clone();
-        parked.fetch_add(1, Ordering::Relaxed);
-        super::log::hung(cfg, self.parked());
-        let (consumer, pool, redact) = (cfg.name.clone(), pool.clone(), cfg.redact.clone());
+        let (placed, wait) = tokio::sync::oneshot::channel::<()>();
+        let (places, parked) = (self.places.clone(), self.parked.clone());
+        let cfg = cfg.clone();
+        let pool = pool.clone();
         let lease = cfg.lease_period();
         let token = outcomes.first().map(|o| o.token);
         actix_rt::spawn(async move {
             // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile its
-            // rows stay leased, renewed: the process lives, and should the handler kill it,
-            // they are counted among what it held. Should the handler's database session end
-            // first (a server-side timeout, on a dead network say), its transaction can never
-            // commit: the rows are settled then, and only the connection and the place stay
-            // with the handler.
-            let mut renewed = tokio::time::Instant::now();
+            // rows stay leased, renewed from the first moment, a wait for a place included.
+            // Should the handler's database session end first (a server-side timeout, on a
+            // dead network say), its transaction can never commit: the rows are settled then,
+            // and only the connection and the place stay with the handler.
+            let (consumer, redact) = (cfg.name.clone(), cfg.redact.clone());
+            let mut placed = Some(placed);
+            let mut place = None;
+            let mut waited = false;
+            let mut renewed: Option<tokio::time::Instant> = None;
             let mut outcomes = Some(outcomes);
             while Arc::strong_count(&slot) > 1 {
+                if place.is_none() {
+                    if let Ok(p) = places.clone().try_acquire_owned() {
+                        place = Some(p);
+                        parked.fetch_add(1, Ordering::Relaxed);
+                        super::log::hung(&cfg, parked.load(Ordering::Relaxed));
+                        if let Some(tx) = placed.take() {
+                            let _ = tx.send(());
+                        }
+                        if waited {
+                            super::log::waiting_for_hung(&cfg, false);
+                        }
+                    } else if !waited {
+                        waited = true;
+                        tracing::warn!(
+                            consumer = %consumer, hung = parked.load(Ordering::Relaxed),
+                            "every place for a hung handler is taken: the consumer waits until \
+                             one of its handlers lets go"
+                        );
+                        super::log::waiting_for_hung(&cfg, true);
+                    }
+                }
+                if outcomes.is_some() && renewed.is_none_or(|at| at.elapsed() >= lease / 3) {
+                    renewed = Some(tokio::time::Instant::now());
+                    if let Ok(mut conn) = pool.get().await {
+                        let alive = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                            inbox::session_alive(c, backend).await
+                        });
+                        if let Ok(false) = alive.await {
+                            drop(conn);
+                            let left = outcomes.take().unwrap_or_default();
+                            settle(&pool, &consumer, &redact, left).await;
+                        } else if let Some(token) = token {
+                            let lease_ms = crate::store::millis(lease);
+                            let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                                inbox::extend(c, token, lease_ms).await
+                            })
+                            .await;
+                        }
+                    }
+                }
                 tokio::time::sleep(LET_GO_POLL).await;
-                if outcomes.is_none() || renewed.elapsed() < lease / 3 {
-                    continue;
-                }
-                renewed = tokio::time::Instant::now();
-                let Ok(mut conn) = pool.get().await else {
-                    continue;
-                };
-                let alive = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                    inbox::session_alive(c, backend).await
-                });
-                if let Ok(false) = alive.await {
-                    drop(conn);
-                    settle(
-                        &pool,
-                        &consumer,
-                        &redact,
-                        outcomes.take().unwrap_or_default(),
-                    )
-                    .await;
-                } else if let Some(token) = token {
-                    let lease_ms = crate::store::millis(lease);
-                    let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                        inbox::extend(c, token, lease_ms).await
-                    })
-                    .await;
-                }
             }
             drop(slot.write().await.take());
             drop(slot);
-            let left = parked.fetch_sub(1, Ordering::Relaxed) - 1;
-            crate::telemetry::metrics::consumer_hung(consumer.as_str(), left);
-            drop(place);
-            tracing::info!(consumer = %consumer, hung = left, "a hung handler let go");
+            if place.take().is_some() {
+                let left = parked.fetch_sub(1, Ordering::Relaxed) - 1;
+                crate::telemetry::metrics::consumer_hung(consumer.as_str(), left);
+                tracing::info!(consumer = %consumer, hung = left, "a hung handler let go");
+            } else if waited {
+                super::log::waiting_for_hung(&cfg, false);
+            }
             if let Some(outcomes) = outcomes {
                 settle(&pool, &consumer, &redact, outcomes).await;
             }
+            // Let the loop go on, if it still waits (its handler let go before a place freed).
+            drop(placed);
         });
+        let _ = wait.await;
     }
 }
 

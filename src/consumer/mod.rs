@@ -38,22 +38,28 @@
 //!
 //! A loop that dies settles nothing: its process was killed, its handler crashed the database
 //! backend (PostgreSQL then restarts every session), or its connection stopped answering. Its
-//! lease is dead once the session that claimed it is gone, or once it expires
-//! ([`ConsumerConfig::lease`]); when every lease of its process is dead, the consumer's
-//! reaper, on any instance, judges the process and settles its rows:
+//! lease is dead once the session that claimed it is gone, or once it has been expired for a
+//! patience (a whole lease, at least one bounded statement: `decide::patience`), so that a
+//! live process whose commit is slow is never taken for dead. When every lease of its
+//! process is dead, or one is dead of expiry, the consumer's reaper, on any instance, judges
+//! the process and settles its rows:
 //! - a process that held **one** row died of it: that row is charged, retried by the policy,
 //!   and dead-lettered (`INBOX_ATTEMPT_INTERRUPTED`) once its attempts are used up;
-//! - a process that held **several** rows charges none of them. Each is suspected,
-//!   and claimed on its own from then on (`alone`), while its process holds nothing else, where
-//!   a death has one cause. An outcome of its own clears the suspicions; a death alone confirms
-//!   them (see `decide::settle_expired`).
+//! - a process that held **several** rows charges none of them. Each is suspected (`alone`)
+//!   and from then on leased on its own, in a lease of one row, with at most one suspect in
+//!   flight per process; other rows are claimed beside it as usual. An outcome of its own
+//!   clears the suspicions; a death while its process held nothing else confirms them, and a
+//!   row suspected in more than `max_attempts` deaths in a row is dead-lettered all the same
+//!   (see `decide::settle_expired`).
 //!
-//! So an event that kills its process or its server every time causes `max_attempts` deaths
-//! before it is dead-lettered when its consumer is the only one busy in its process
-//! (`tests/server_crash.rs` counts them), and the events in flight beside it end with only
-//! the attempts they used themselves. A batch never runs past its lease while its process
-//! lives (it stops handing rows over in time, `decide::fits`), so only the dead are judged.
-//!
+//! So an event that kills its process every time is dead-lettered after `max_attempts` deaths
+//! when nothing else is in flight in its process, and after `max_attempts + 1` at most
+//! otherwise (`tests/server_crash.rs` counts them); the events in flight beside it end with
+//! only the attempts they used themselves. A batch never runs past its lease while its
+//! process lives (it stops handing rows over in time, `decide::fits`), so only the dead are
+//! judged. A graceful shutdown gives the rows of the batches its deadline cuts off back,
+//! unspent, before it returns: a deploy charges nothing.
+
 //! # Hung handlers
 //!
 //! A handler that overruns [`ConsumerConfig::handler_timeout`] and gives the connection back
@@ -65,7 +71,7 @@
 //! `2 × concurrency` connections however its handlers hang, and nothing else waits for it.
 
 pub(crate) mod actor;
-mod batch;
+pub(crate) mod batch;
 mod config;
 pub(crate) mod decide;
 mod delivery;

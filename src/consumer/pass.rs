@@ -2,6 +2,7 @@
 //! batch handler gets every row in one call) or, after a failure in it, the careful pass (one
 //! row per call, each in a savepoint). How a call's end is blamed is `decide::after_call`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use diesel_async::{AnsiTransactionManager as Tm, RunQueryDsl, TransactionManager};
@@ -34,6 +35,8 @@ pub(super) struct Pass<'a> {
     pub handler: &'a HandlerRef,
     pub started: Instant,
     pub careful: bool,
+    /// Set by a graceful shutdown: hand no more rows over.
+    pub draining: &'a AtomicBool,
 }
 
 impl Pass<'_> {
@@ -62,9 +65,12 @@ impl Pass<'_> {
         let mut retried = 0;
         let mut rows = rows.into_iter().peekable();
         while let Some(row) = rows.next() {
-            if !self.handler.connected() || !decide::fits(self.started.elapsed(), cfg) {
-                // Never offered: no attempt is spent. The handler is replaced first, or the
-                // lease is about to run out.
+            if !self.handler.connected()
+                || !decide::fits(self.started.elapsed(), cfg)
+                || self.draining.load(Ordering::Relaxed)
+            {
+                // Never offered: no attempt is spent. The handler is replaced first, the
+                // lease is about to run out, or the runtime shuts down.
                 out.handler_lost |= !self.handler.connected();
                 let left = group
                     .drain(..)

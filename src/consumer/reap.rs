@@ -31,9 +31,9 @@ pub(crate) async fn reap(pool: &PgPool, cfg: &ConsumerConfig) -> Result<usize> {
 }
 
 async fn reap_on(conn: &mut AsyncPgConnection, cfg: &ConsumerConfig) -> Result<usize> {
-    // A live process settles its leases before they expire; one that has not, a lease later,
-    // is stuck and judged too.
-    let patience = crate::store::millis(cfg.lease_period());
+    // A live process settles its leases before they expire; one that has not, a patience
+    // later, is stuck and judged too.
+    let patience = crate::store::millis(super::decide::patience(cfg));
     let name = cfg.name.as_str();
     store::bounded(conn, DB_TIMEOUT, async |c| {
         inbox::judge_dead(c, name, patience).await

@@ -6,17 +6,17 @@
 -- this reads are every lease committed before it. None while the consumer is paused (until its
 -- `paused_until`, if it has one).
 -- A due row marked `alone` (suspected in a death, see the migration `inbox_lease`) is leased on
--- its own, and only while this process holds no other lease of any consumer, so that should it
--- kill the process again it is known to be the cause; the process's claims of alone rows take
--- turns on an advisory lock for that. One that has waited a whole lease for such a moment (a
--- process never idle) is leased all the same. While one is due or in flight in this process,
--- its consumer claims nothing else here.
+-- its own, in a lease of one row, and only while this process has no other suspect in flight
+-- (of any consumer; the process's claims of suspects take turns on an advisory lock for that),
+-- so that a death has at most one suspect among its causes. It never holds up other rows: they
+-- are claimed beside it as usual, by this claim when no suspect is taken, and by every other.
 -- An ordered consumer's row (`ordered`, see the migration `ordered_consumers`) is claimed only
 -- when it is the earliest unfinished event of its aggregate: no row of the aggregate with a
 -- lower `event_seq` is due, leased or ($6) dead-lettered, and no event of the aggregate with a
 -- lower seq waits in the outbox to be fanned out (read along `outbox_events_due`: rows are
--- fanned out in seq order, so few due rows lie below a row already in the inbox). So a claim takes at most one row per aggregate, and the next only
--- after this one's outcome has committed. The same test is written in `one` and in `due`.
+-- fanned out in seq order, so few due rows lie below a row already in the inbox). So a claim
+-- takes at most one row per aggregate, and the next only after this one's outcome has
+-- committed. The same test is written in `one` and in `due`.
 -- The ORDER BY is the partial index `inbox_events_due` column for column, so PostgreSQL reads
 -- it in order and stops at the limit, skipping rows a lease names. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
 -- test runs exactly this text.
@@ -25,20 +25,12 @@ WITH paused AS (
         AND (s.paused_until IS NULL OR s.paused_until > now())
 ), leased AS MATERIALIZED (
     SELECT unnest(l.ids) AS id FROM actix_outbox.inbox_leases l WHERE l.consumer = $1
-), alone AS (
-    -- An `alone` row of the consumer due, or leased alone in this process.
-    SELECT FROM actix_outbox.inbox_events a
-    WHERE a.consumer = $1 AND a.alone AND a.status IN ('RECEIVED', 'RETRY_PENDING')
-      AND a.next_attempt_at <= now() AND a.id NOT IN (SELECT id FROM leased)
-    UNION ALL
-    SELECT FROM actix_outbox.inbox_leases b WHERE b.consumer = $1 AND b.locked_by = $4 AND b.alone
 ), one AS (
     SELECT i.* FROM actix_outbox.inbox_events i
     WHERE i.consumer = $1 AND i.alone AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
       AND NOT EXISTS (SELECT FROM paused)
-      AND (NOT EXISTS (SELECT FROM actix_outbox.inbox_leases b WHERE b.locked_by = $4)
-           OR i.next_attempt_at < now() - $3 * interval '1 millisecond')
+      AND NOT EXISTS (SELECT FROM actix_outbox.inbox_leases b WHERE b.locked_by = $4 AND b.alone)
       AND (NOT i.ordered OR (
           NOT EXISTS (
               SELECT FROM actix_outbox.outbox_events o
@@ -57,7 +49,7 @@ WITH paused AS (
     SELECT i.* FROM actix_outbox.inbox_events i
     WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
-      AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM alone)
+      AND NOT i.alone AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM one)
       AND (NOT i.ordered OR (
           NOT EXISTS (
               SELECT FROM actix_outbox.outbox_events o

@@ -11,6 +11,7 @@ mod common;
 mod admin;
 mod batch;
 mod blocking;
+
 mod contracts;
 mod core;
 mod embedding;
@@ -35,6 +36,7 @@ mod reconcile;
 mod redact;
 mod replay;
 mod server_crash;
+mod stalls;
 mod storage;
 mod transport;
 mod upgrade;

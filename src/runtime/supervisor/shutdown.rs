@@ -126,9 +126,16 @@ impl Handler<Shutdown> for SupervisorActor {
             drained
                 .into_actor(self)
                 .then(|finished, act, _| {
-                    act.stop_children()
-                        .into_actor(act)
-                        .map(move |_, _, _| finished)
+                    let stopped = act.stop_children();
+                    async move {
+                        stopped.await;
+                        // The rows of batches the deadline cut off go back unspent before
+                        // this returns: a process exiting right after would otherwise leave
+                        // their leases to be judged a death.
+                        crate::consumer::batch::given_back(crate::store::DB_TIMEOUT).await;
+                        finished
+                    }
+                    .into_actor(act)
                 })
                 .map(|finished, _, ctx| {
                     ctx.stop();

@@ -30,11 +30,11 @@ pub(crate) struct ExpiredRow {
     pub suspicions: i32,
 }
 
-/// Judges the processes that hold a dead lease of `consumer`. A lease is dead when it has
-/// expired or the database session that claimed it is gone (its process was killed: the server
-/// saw its sockets close). A process is judged once every lease it holds is dead, or once one
-/// has been expired for `patience_ms` more (a live process would have settled it by then: it
-/// is stuck). Every dead lease of a judged process, of any consumer, gets `held`, how many rows
+/// Judges the processes that hold a dead lease of `consumer`. A lease is dead when the
+/// database session that claimed it is gone (its process was killed: the server saw its
+/// sockets close), or when it has been expired for `patience_ms` (a live process would have
+/// settled it by then: it is stuck). A process is judged once every lease it holds is dead,
+/// or once one of them is dead of expiry. Every dead lease of a judged process, of any consumer, gets `held`, how many rows
 /// the process holds: one statement for all of them, so that settling one consumer's rows never
 /// makes another's look held alone.
 pub(crate) async fn judge_dead(
@@ -48,7 +48,7 @@ pub(crate) async fn judge_dead(
              leases AS ( \
                  SELECT l.token, l.consumer, l.locked_by, l.held, l.locked_until, \
                      cardinality(l.ids) AS n, \
-                     (l.locked_until < now() \
+                     (l.locked_until < now() - $2 * interval '1 millisecond' \
                       OR coalesce(NOT l.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
                  FROM actix_outbox.inbox_leases l \
              ), judged AS ( \
