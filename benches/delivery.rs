@@ -60,7 +60,10 @@
 //!   (1.0 = no cost). A third drain, beside a quiet neighbour (subscribed alike, succeeding at
 //!   once, writing nothing), gives the cost of a second subscription alone: the publisher fans
 //!   every event out twice, which a batch handler's drain feels most. The ratio "over the quiet
-//!   neighbour" is the cost of failing. Each of the six drains starts on fresh tables.
+//!   neighbour" is the cost of failing. A fourth drain is beside a neighbour whose handler
+//!   blocks its thread for 200 ms per event (`std::thread::sleep`, as a synchronous client
+//!   would): handlers run on threads of their own, so its ratio should stay near the quiet
+//!   neighbour's. Each of the eight drains starts on fresh tables.
 //! - Peak RSS is this process's `VmHWM`, reset through `/proc/self/clear_refs` before each
 //!   scenario (if the kernel refuses, it is the peak since the start and says so).
 
@@ -1258,6 +1261,36 @@ enum Neighbour {
     None,
     Quiet,
     Failing,
+    Blocking,
+}
+
+/// A neighbour whose handler blocks its thread for 200 ms per event (a synchronous client,
+/// a parser), then succeeds; it writes nothing.
+struct Blocking;
+
+/// How long [`Blocking`] blocks its thread per event.
+const BLOCK: Duration = Duration::from_millis(200);
+
+impl Actor for Blocking {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Blocking {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, _: Delivery, _: &mut Context<Self>) -> Self::Result {
+        std::thread::sleep(BLOCK);
+        Ok(())
+    }
+}
+
+impl Handler<DeliveryBatch> for Blocking {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, b: DeliveryBatch, _: &mut Context<Self>) -> Self::Result {
+        std::thread::sleep(BLOCK * b.deliveries().len() as u32);
+        Ok(())
+    }
 }
 
 impl Actor for Failing {
@@ -1312,6 +1345,8 @@ async fn start_noisy_runtime(
         (Neighbour::Quiet, false) => b.consumer(cfg, || Quiet),
         (Neighbour::Failing, true) => b.batch_consumer(cfg, || Failing),
         (Neighbour::Failing, false) => b.consumer(cfg, || Failing),
+        (Neighbour::Blocking, true) => b.batch_consumer(cfg, || Blocking),
+        (Neighbour::Blocking, false) => b.consumer(cfg, || Blocking),
     };
     Ok(b.start().await?)
 }
@@ -1414,18 +1449,28 @@ async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
     let mut ratios = Vec::new();
     for runtimes in [1usize, 2] {
         let mut drains = Vec::new();
-        for neighbour in [Neighbour::None, Neighbour::Quiet, Neighbour::Failing] {
+        let all = [
+            Neighbour::None,
+            Neighbour::Quiet,
+            Neighbour::Failing,
+            Neighbour::Blocking,
+        ];
+        for neighbour in all {
             drains.push(noisy_drain(ctx, runtimes, neighbour).await?);
             // Let the server settle, as between scenarios.
             actix_rt::time::sleep(Duration::from_millis(200)).await;
         }
-        let [alone, quiet, beside] = [&drains[0], &drains[1], &drains[2]];
+        let [alone, quiet, beside, blocked] = [&drains[0], &drains[1], &drains[2], &drains[3]];
         let ratio = |base: &NoisyDrain| {
             base.seconds
                 .zip(beside.seconds)
                 .map(|(base, beside)| beside / base)
         };
         let (ratio, over_quiet) = (ratio(alone), ratio(quiet));
+        let blocked_ratio = alone
+            .seconds
+            .zip(blocked.seconds)
+            .map(|(base, beside)| beside / base);
         let drain = |d: &NoisyDrain| {
             d.seconds.map_or("INCOMPLETE".to_owned(), |s| {
                 format!("{s:.2} s = {:.0}/s", events / s)
@@ -1435,7 +1480,7 @@ async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
         let mut part = format!(
             "{runtimes} runtime{}: alone {}, beside a quiet neighbour {}, beside the failing \
              neighbour {} (neighbour's attempts {:.0}, dead {:.0}), ratio {} (over the quiet \
-             neighbour {})",
+             neighbour {}), beside a neighbour blocking its thread 200 ms per event {}, ratio {}",
             if runtimes == 1 { "" } else { "s" },
             drain(alone),
             drain(quiet),
@@ -1444,12 +1489,14 @@ async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
             beside.neighbour_dead,
             r(ratio),
             r(over_quiet),
+            drain(blocked),
+            r(blocked_ratio),
         );
         for c in drains.iter().filter_map(|d| d.check.as_ref()) {
             part.push_str(&format!(" {c}"));
         }
         parts.push(part);
-        for (d, neighbour) in drains.iter().zip(["none", "quiet", "failing"]) {
+        for (d, neighbour) in drains.iter().zip(["none", "quiet", "failing", "blocking"]) {
             cases.push(json!({
                 "runtimes": runtimes,
                 "neighbour": neighbour,
@@ -1460,7 +1507,10 @@ async fn run_noisy(ctx: &Ctx) -> Res<(String, Value)> {
                 "check": d.check,
             }));
         }
-        ratios.push(json!({"runtimes": runtimes, "ratio": ratio, "over_quiet": over_quiet}));
+        ratios.push(
+            json!({"runtimes": runtimes, "ratio": ratio, "over_quiet": over_quiet,
+            "blocking": blocked_ratio}),
+        );
     }
     let line = format!(
         "noisy-neighbour | {} events, drain time with / alone | {}",

@@ -170,8 +170,17 @@ impl Drop for Unsettled {
             .collect();
         let pool = self.pool.clone();
         if let Some(arbiter) = actix_rt::Arbiter::try_current() {
+            // Counted until the task ends or is dropped unrun (its arbiter stopped).
+            struct Counted;
+            impl Drop for Counted {
+                fn drop(&mut self) {
+                    GIVING_BACK.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
             GIVING_BACK.fetch_add(1, Ordering::SeqCst);
-            let spawned = arbiter.spawn(async move {
+            let counted = Counted;
+            arbiter.spawn(async move {
+                let _counted = counted;
                 if let Ok(mut conn) = pool.get().await {
                     let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
                         // Rows given back store no message: nothing to redact.
@@ -179,11 +188,7 @@ impl Drop for Unsettled {
                     })
                     .await;
                 }
-                GIVING_BACK.fetch_sub(1, Ordering::SeqCst);
             });
-            if !spawned {
-                GIVING_BACK.fetch_sub(1, Ordering::SeqCst);
-            }
         }
     }
 }

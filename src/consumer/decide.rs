@@ -202,11 +202,12 @@ pub(crate) fn fits(elapsed: Duration, cfg: &ConsumerConfig) -> bool {
     elapsed + cfg.handler_timeout + settle_slack(lease) <= lease
 }
 
-/// How long past its expiry a lease whose database session still lives is given before it
-/// counts as dead: a whole lease, and never less than one bounded statement
-/// ([`DB_TIMEOUT`](crate::store::DB_TIMEOUT)). So a live process whose commit is slow, or
-/// whose thread was blocked, settles its batch itself instead of being judged dead; a process
-/// that died is judged without waiting, as its sessions end with it.
+/// How long past its expiry a lease of a process whose other leases live is given before the
+/// process counts as stuck and is judged: a whole lease, and never less than one bounded
+/// statement ([`DB_TIMEOUT`](crate::store::DB_TIMEOUT)), which is how long any lease whose
+/// session lives is given before it counts as dead (`inbox::judge_dead`). So a live process
+/// whose commit is slow settles its batch itself instead of being judged dead; a process that
+/// died is judged without waiting, as its sessions end with it.
 pub(crate) fn patience(cfg: &ConsumerConfig) -> Duration {
     cfg.lease_period().max(crate::store::DB_TIMEOUT)
 }

@@ -46,8 +46,9 @@
 //! - a process that held **one** row died of it: that row is charged, retried by the policy,
 //!   and dead-lettered (`INBOX_ATTEMPT_INTERRUPTED`) once its attempts are used up;
 //! - a process that held **several** rows charges none of them. Each is suspected (`alone`)
-//!   and from then on leased on its own, in a lease of one row, with at most one suspect in
-//!   flight per process; other rows are claimed beside it as usual. An outcome of its own
+//!   and from then on leased on its own, in a lease of one row, with at most one suspect under
+//!   test per process (one whose handler hung past its timeout is charged that, and tested no
+//!   more); other rows are claimed beside it as usual. An outcome of its own
 //!   clears the suspicions; a death while its process held nothing else confirms them, and a
 //!   row suspected in more than `max_attempts` deaths in a row is dead-lettered all the same
 //!   (see `decide::settle_expired`).

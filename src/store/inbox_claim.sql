@@ -6,10 +6,12 @@
 -- this reads are every lease committed before it. None while the consumer is paused (until its
 -- `paused_until`, if it has one).
 -- A due row marked `alone` (suspected in a death, see the migration `inbox_lease`) is leased on
--- its own, in a lease of one row, and only while this process has no other suspect in flight
+-- its own, in a lease of one row, and only while this process has no other suspect under test
 -- (of any consumer; the process's claims of suspects take turns on an advisory lock for that),
--- so that a death has at most one suspect among its causes. It never holds up other rows: they
--- are claimed beside it as usual, by this claim when no suspect is taken, and by every other.
+-- so that a death has at most one suspect among its causes. A suspect whose handler hung past
+-- its timeout is under test no more: it was charged the timeout, and its lease is marked so
+-- (`inbox::extend`). It never holds up other rows: they are claimed beside it as usual, by
+-- this claim when no suspect is taken, and by every other.
 -- An ordered consumer's row (`ordered`, see the migration `ordered_consumers`) is claimed only
 -- when it is the earliest unfinished event of its aggregate: no row of the aggregate with a
 -- lower `event_seq` is due, leased or ($6) dead-lettered, and no event of the aggregate with a

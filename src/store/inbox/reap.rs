@@ -32,9 +32,12 @@ pub(crate) struct ExpiredRow {
 
 /// Judges the processes that hold a dead lease of `consumer`. A lease is dead when the
 /// database session that claimed it is gone (its process was killed: the server saw its
-/// sockets close), or when it has been expired for `patience_ms` (a live process would have
-/// settled it by then: it is stuck). A process is judged once every lease it holds is dead,
-/// or once one of them is dead of expiry. Every dead lease of a judged process, of any consumer, gets `held`, how many rows
+/// sockets close), or when it has been expired for longer than one bounded statement
+/// ([`DB_TIMEOUT`](crate::store::DB_TIMEOUT), the same for every consumer's leases, so that
+/// one judgement counts every consumer's alike): a live process settles its batch within
+/// that, however slow its commit. A process is judged once every lease it holds is dead, or
+/// once one has been expired for `patience_ms` (a live process would have settled it by then:
+/// it is stuck). Every dead lease of a judged process, of any consumer, gets `held`, how many rows
 /// the process holds: one statement for all of them, so that settling one consumer's rows never
 /// makes another's look held alone.
 pub(crate) async fn judge_dead(
@@ -48,7 +51,7 @@ pub(crate) async fn judge_dead(
              leases AS ( \
                  SELECT l.token, l.consumer, l.locked_by, l.held, l.locked_until, \
                      cardinality(l.ids) AS n, \
-                     (l.locked_until < now() - $2 * interval '1 millisecond' \
+                     (l.locked_until < now() - $3 * interval '1 millisecond' \
                       OR coalesce(NOT l.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
                  FROM actix_outbox.inbox_leases l \
              ), judged AS ( \
@@ -64,7 +67,8 @@ pub(crate) async fn judge_dead(
              WHERE l.token = x.token AND x.dead AND l.held IS NULL",
         )
         .bind::<Text, _>(consumer)
-        .bind::<BigInt, _>(patience_ms),
+        .bind::<BigInt, _>(patience_ms)
+        .bind::<BigInt, _>(crate::store::millis(crate::store::DB_TIMEOUT)),
     );
     guarded(conn, async |mut c| {
         judge.execute(&mut c).await.map_err(Into::into)
@@ -94,11 +98,14 @@ pub(crate) async fn expire(
 }
 
 /// Extends lease `token` to `lease_ms` from now: its rows' handler still runs past its
-/// timeout, in a process that lives.
+/// timeout, in a process that lives. Such a lease tests no suspect any more (the hung call was
+/// charged its timeout), so it no longer keeps the process's next suspect waiting
+/// (`inbox_claim.sql`).
 pub(crate) async fn extend(conn: &mut AsyncPgConnection, token: i64, lease_ms: i64) -> Result<()> {
     Prepared(
         crate::store::sql(
-            "UPDATE actix_outbox.inbox_leases SET locked_until = now() + $2 * interval '1 millisecond' \
+            "UPDATE actix_outbox.inbox_leases SET locked_until = now() + $2 * interval '1 millisecond', \
+                 alone = false \
              WHERE token = $1",
         )
         .bind::<BigInt, _>(token)
