@@ -91,11 +91,12 @@ impl ConsumerActor {
         }
     }
 
-    /// A live handler, the consumer's threads taken in turn. Handlers missing or dead are made
+    /// A live handler, on the thread the fewest loops use, and its slot, to be released when
+    /// the loop ends. Handlers missing or dead are made
     /// on their threads meanwhile; each one made pumps again. A factory that panics is
     /// contained on its thread and tried again with a growing wait (up to 30 s), so that it
     /// costs this consumer only, never the supervisor.
-    fn handler(&mut self, ctx: &mut Context<Self>) -> Option<HandlerRef> {
+    fn handler(&mut self, ctx: &mut Context<Self>) -> Option<(usize, HandlerRef)> {
         let mut make = Vec::new();
         let found = self.handlers.pick(self.cfg.name.as_str(), &mut make);
         for i in make {
@@ -131,7 +132,7 @@ impl ConsumerActor {
         if self.in_flight > 0 && !self.backlog {
             return;
         }
-        let Some(handler) = self.handler(ctx) else {
+        let Some((slot, handler)) = self.handler(ctx) else {
             return;
         };
         self.want = false;
@@ -142,8 +143,9 @@ impl ConsumerActor {
         let draining = self.draining.clone();
         let me = ctx.address().recipient();
         let run = async move { batch_loop(&pool, &cfg, &handler, &hung, &draining, &me).await };
-        ctx.spawn(run.into_actor(self).map(|outcome, act, ctx| {
+        ctx.spawn(run.into_actor(self).map(move |outcome, act, ctx| {
             act.in_flight -= 1;
+            act.handlers.release(slot);
             act.after_loop(outcome, ctx);
         }));
     }
@@ -178,14 +180,15 @@ impl ConsumerActor {
         if !self.cfg.replay_safe || self.replaying || self.draining.load(Ordering::Relaxed) {
             return;
         }
-        let Some(handler) = self.handler(ctx) else {
+        let Some((slot, handler)) = self.handler(ctx) else {
             return;
         };
         self.replaying = true;
         let (pool, cfg, draining) = (self.pool.clone(), self.cfg.clone(), self.draining.clone());
         let run = async move { replay::run(&pool, &cfg, &handler, &draining).await };
-        ctx.spawn(run.into_actor(self).map(|lost, act, ctx| {
+        ctx.spawn(run.into_actor(self).map(move |lost, act, ctx| {
             act.replaying = false;
+            act.handlers.release(slot);
             if lost {
                 act.want = true;
                 act.pump(ctx);

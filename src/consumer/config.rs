@@ -26,7 +26,7 @@ pub struct ConsumerConfig {
     pub(crate) replay_safe: bool,
     pub(crate) rate_limit: Option<f64>,
     pub(crate) lease: Option<Duration>,
-    pub(crate) threads: u32,
+    pub(crate) threads: Option<u32>,
     pub(crate) thread_group: Option<String>,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
     pub(crate) events: Option<Arc<EventRegistry>>,
@@ -60,7 +60,7 @@ impl ConsumerConfig {
             replay_safe: false,
             rate_limit: None,
             lease: None,
-            threads: 1,
+            threads: None,
             thread_group: None,
             events: None,
             redact: Redactor::default(),
@@ -135,21 +135,28 @@ impl ConsumerConfig {
         })
     }
     /// How many threads this consumer's handler actors run on: one actor per thread, each made
-    /// by the consumer's factory on its thread. Each batch loop calls one of them (in turn), so
-    /// up to `min(threads, concurrency)` handlers run at the same moment.
+    /// by the consumer's factory on its thread. Each batch loop is given the actor whose
+    /// thread the fewest loops use, so with `threads ≥ concurrency` every loop has a thread of
+    /// its own.
     ///
     /// Handlers never run on the runtime's own thread: a handler that blocks its thread (a
-    /// synchronous client, a parser, `std::thread::sleep`) delays only the handlers on the
-    /// same thread, never the publisher, the reapers, the other consumers or the operator API.
-    /// Default 1: each consumer has a thread of its own. Give a consumer whose handler blocks
-    /// `threads(n)` and `concurrency(n)` to keep `n` blocking calls going at once.
+    /// synchronous client, a parser, `std::thread::sleep`) delays only the calls on the same
+    /// thread, never the publisher, the reapers, the other consumers or the operator API.
+    /// Default: [`concurrency`](ConsumerConfig::concurrency), a thread per batch loop. Fewer
+    /// suit handlers that never block (they interleave on one thread); with a blocking handler,
+    /// a call that waits behind another loop's on the same thread spends its
+    /// `handler_timeout` waiting.
     pub fn threads(mut self, n: u32) -> Self {
-        self.threads = n;
+        self.threads = Some(n);
         self
+    }
+    /// The handler threads in force: [`ConsumerConfig::threads`] or its default.
+    pub(crate) fn thread_count(&self) -> u32 {
+        self.threads.unwrap_or(self.concurrency)
     }
     /// Runs this consumer's handlers on the threads of `group`, shared with every consumer that
     /// names the same group (in this runtime). The group has as many threads as the largest
-    /// [`threads`](ConsumerConfig::threads) among its consumers. For many light consumers that
+    /// [`threads`](ConsumerConfig::threads) (or default) among its consumers. For many light consumers that
     /// need not each have a thread. Default: a group of the consumer's own.
     pub fn thread_group(mut self, group: &str) -> Self {
         self.thread_group = Some(group.to_owned());
@@ -241,7 +248,7 @@ impl ConsumerConfig {
         if self.pipeline == 0 || self.pipeline > 10_000 {
             return bad("pipeline must be within 1..=10000");
         }
-        if self.threads == 0 || self.threads > 256 {
+        if self.threads.is_some_and(|n| n == 0 || n > 256) {
             return bad("threads must be within 1..=256");
         }
         if self

@@ -36,7 +36,7 @@ impl HandlerThreads {
         let mut sizes: BTreeMap<String, u32> = BTreeMap::new();
         for cfg in consumers {
             let n = sizes.entry(cfg.group()).or_default();
-            *n = (*n).max(cfg.threads);
+            *n = (*n).max(cfg.thread_count());
         }
         let mut threads = HandlerThreads(Vec::new());
         let mut groups: BTreeMap<String, Vec<ArbiterHandle>> = BTreeMap::new();
@@ -67,11 +67,14 @@ impl Drop for HandlerThreads {
     }
 }
 
-/// One consumer's handler actors, one per thread of its share, used in turn.
+/// One consumer's handler actors, one per thread of its share. Each batch loop (and a replay)
+/// is given the live actor whose thread the fewest loops use, so that with as many threads
+/// as loops each loop has a thread of its own: a call never queues behind another loop's call
+/// that blocks its thread, where its timeout would run out before the handler even began.
 pub(crate) struct Handlers {
     factory: HandlerFactory,
     slots: Vec<Slot>,
-    /// The slot the next loop is given first.
+    /// Where the search for the least used slot starts, so that ties are taken in turn.
     next: usize,
 }
 
@@ -80,6 +83,8 @@ struct Slot {
     state: State,
     /// The wait after the factory's next panic on this slot.
     backoff: Duration,
+    /// Loops (and replays) using this slot's actor now.
+    users: u32,
 }
 
 enum State {
@@ -106,6 +111,7 @@ impl Handlers {
                 thread,
                 state: State::Empty,
                 backoff: FIRST_BACKOFF,
+                users: 0,
             })
             .collect();
         Handlers {
@@ -115,19 +121,23 @@ impl Handlers {
         }
     }
 
-    /// A live handler, the slots taken in turn. Slots whose actor is missing or died are
-    /// returned in `make`, to be made on their threads ([`Handlers::make`]).
-    pub(crate) fn pick(&mut self, consumer: &str, make: &mut Vec<usize>) -> Option<HandlerRef> {
+    /// The live handler whose thread the fewest loops use, and its slot, now counted as used
+    /// until [`Handlers::release`]. Slots whose actor is missing or died are returned in
+    /// `make`, to be made on their threads ([`Handlers::make`]).
+    pub(crate) fn pick(
+        &mut self,
+        consumer: &str,
+        make: &mut Vec<usize>,
+    ) -> Option<(usize, HandlerRef)> {
         let n = self.slots.len();
-        let mut found = None;
+        let mut best: Option<(usize, u32)> = None;
         for k in 0..n {
             let i = (self.next + k) % n;
             let slot = &mut self.slots[i];
             match &slot.state {
                 State::Ready(h) if h.connected() => {
-                    if found.is_none() {
-                        found = Some(h.clone());
-                        self.next = (i + 1) % n;
+                    if best.is_none_or(|(_, users)| slot.users < users) {
+                        best = Some((i, slot.users));
                     }
                 }
                 State::Ready(_) => {
@@ -142,7 +152,20 @@ impl Handlers {
                 State::Making | State::Resting => {}
             }
         }
-        found
+        let (i, _) = best?;
+        self.next = (i + 1) % n;
+        let slot = &mut self.slots[i];
+        slot.users += 1;
+        match &slot.state {
+            State::Ready(h) => Some((i, h.clone())),
+            _ => unreachable!("picked a live handler"),
+        }
+    }
+
+    /// A loop given slot `i` by [`Handlers::pick`] has ended.
+    pub(crate) fn release(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        slot.users = slot.users.saturating_sub(1);
     }
 
     /// Runs the factory on slot `i`'s thread. A factory that panics is contained there; the

@@ -66,6 +66,8 @@ pub struct HealthConfig {
     pub(crate) duplicate_rate_factor: f64,
     pub(crate) duplicate_rate_floor: f64,
     pub(crate) duplicate_min_count: u64,
+    pub(crate) snapshot_warn_after: Duration,
+    pub(crate) snapshot_critical_after: Duration,
 }
 
 /// Setters, one per setting: start from the default and chain them; the runtime checks the
@@ -116,6 +118,23 @@ impl HealthConfig {
         self
     }
 
+    /// A session of the database (any role's, any application's) whose transaction has held a
+    /// snapshot this long is a WARNING (`LONG_SNAPSHOT`, naming its pid, application, age and
+    /// statement): vacuum removes nothing that died after it began, so every table bloats and
+    /// each claim walks more dead entries. `pg_dump`, a long report and a stuck migration are
+    /// the usual ones. Default 5 min. The role sees other roles' sessions only with
+    /// `pg_read_all_stats` (or `pg_monitor`).
+    pub fn snapshot_warn_after(mut self, after: Duration) -> Self {
+        self.snapshot_warn_after = after;
+        self
+    }
+
+    /// … and this long CRITICAL. Default 30 min.
+    pub fn snapshot_critical_after(mut self, after: Duration) -> Self {
+        self.snapshot_critical_after = after;
+        self
+    }
+
     /// … and at least this many duplicates in the recent samples. Default 20.
     pub fn duplicate_min_count(mut self, duplicate_min_count: u64) -> Self {
         self.duplicate_min_count = duplicate_min_count;
@@ -134,6 +153,8 @@ impl Default for HealthConfig {
             duplicate_rate_factor: 10.0,
             duplicate_rate_floor: 0.05,
             duplicate_min_count: 20,
+            snapshot_warn_after: Duration::from_secs(300),
+            snapshot_critical_after: Duration::from_secs(1800),
         }
     }
 }
@@ -143,6 +164,7 @@ impl HealthConfig {
         let bad = |why: &str| Err(crate::Error::Config(format!("health: {why}")));
         if self.outbox_warn_after > self.outbox_critical_after
             || self.inbox_warn_after > self.inbox_critical_after
+            || self.snapshot_warn_after > self.snapshot_critical_after
         {
             return bad("a warning age must not exceed its critical age");
         }
@@ -323,6 +345,36 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
             ),
         ),
         _ => {}
+    }
+    for h in &current.snapshots {
+        let after = |d: Duration| h.age_seconds >= d.as_secs_f64();
+        if !after(cfg.snapshot_warn_after) {
+            continue;
+        }
+        let state = if after(cfg.snapshot_critical_after) {
+            HealthState::Critical
+        } else {
+            HealthState::Warning
+        };
+        report.push(
+            state,
+            "LONG_SNAPSHOT",
+            None,
+            format!(
+                "session {} ({}, {}) has held a snapshot for {}: vacuum removes no row that \
+                 died since, in any table, and each claim walks more dead entries; its \
+                 statement: {}",
+                h.pid,
+                if h.application.is_empty() {
+                    "no application name"
+                } else {
+                    &h.application
+                },
+                h.state,
+                human(h.age_seconds),
+                h.query
+            ),
+        );
     }
     for f in &current.contract {
         let consumer = (!f.consumer.is_empty()).then_some(f.consumer.as_str());
@@ -617,6 +669,7 @@ mod tests {
             consumers,
             instance: None,
             contract: Vec::new(),
+            snapshots: Vec::new(),
         }
     }
 
@@ -629,6 +682,34 @@ mod tests {
 
     fn codes(r: &HealthReport) -> Vec<&str> {
         r.reasons.iter().map(|r| r.code.as_str()).collect()
+    }
+
+    #[test]
+    fn a_snapshot_held_past_its_thresholds_is_named_with_its_session() {
+        let cfg = HealthConfig::default();
+        let held = |age: f64| crate::store::stats::HeldSnapshot {
+            pid: 4242,
+            application: "pg_dump".into(),
+            state: "active".into(),
+            age_seconds: age,
+            query: "COPY public.orders TO stdout".into(),
+        };
+        let mut now = sample(0, outbox(0, None, 0.0), vec![]);
+        now.snapshots = vec![held(60.0)];
+        assert_eq!(assess(&cfg, &now, &[]).state, HealthState::Ok);
+        now.snapshots = vec![held(400.0)];
+        let r = assess(&cfg, &now, &[]);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["LONG_SNAPSHOT"])
+        );
+        let m = &r.reasons[0].message;
+        assert!(
+            m.contains("4242") && m.contains("pg_dump") && m.contains("COPY"),
+            "{m}"
+        );
+        now.snapshots = vec![held(2000.0)];
+        assert_eq!(assess(&cfg, &now, &[]).state, HealthState::Critical);
     }
 
     #[test]

@@ -138,7 +138,7 @@ impl StatsSampler {
         // Each round trip is bounded, so that a connection cut mid-run cannot keep the sampler
         // busy (and skipping every tick) for ever.
         let mut sample = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
-            store::stats::snapshot(c).await
+            store::stats::snapshot(c, self.config.health.snapshot_warn_after).await
         })
         .await?;
         sample.instance = Some(self.instance.clone());

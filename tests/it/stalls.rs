@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actix_outbox::event::ConsumerName;
+use actix_outbox::health::{HealthConfig, StatsConfig, StatsSampler};
 use actix_outbox::ops::{pause_consumer, resume_consumer};
 use actix_outbox::{ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime};
 use common::*;
@@ -465,5 +466,60 @@ async fn graceful_restarts_mid_handler_spend_no_attempt() {
         db.count(effects).await,
         n,
         "every effect once (the cut-off ones rolled back)"
+    );
+}
+
+/// Item 11. A session of the database holding a snapshot open, whoever owns it, is reported
+/// by health past its threshold with its pid, application and statement: it stops vacuum for
+/// every table, and each claim then walks the dead entries of the rows already processed.
+#[actix_rt::test]
+async fn health_names_a_session_holding_a_snapshot_open() {
+    let db = TestDb::new().await;
+    let mut holder = AsyncPgConnection::establish(&db.url).await.unwrap();
+    diesel::sql_query("SET application_name = 'nightly-report'")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    diesel::sql_query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    diesel::sql_query("SELECT count(*) FROM pg_class")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let health = HealthConfig::default()
+        .snapshot_warn_after(Duration::from_millis(500))
+        .snapshot_critical_after(Duration::from_secs(3600));
+    let sampler =
+        StatsSampler::new(db.pool.clone(), StatsConfig::default().health(health)).unwrap();
+    let deadline = Instant::now() + WAIT;
+    let found = loop {
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        let report = sampler.run_once().await.unwrap();
+        let found: Vec<_> = report
+            .reasons
+            .into_iter()
+            .filter(|r| r.code == "LONG_SNAPSHOT")
+            .collect();
+        if !found.is_empty() || Instant::now() > deadline {
+            break found;
+        }
+    };
+    assert_eq!(found.len(), 1, "{found:?}");
+    let m = &found[0].message;
+    assert!(
+        m.contains("nightly-report") && m.contains("pg_class"),
+        "{m}"
+    );
+    // Once the snapshot is let go, the finding is gone.
+    diesel::sql_query("COMMIT")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let report = sampler.run_once().await.unwrap();
+    assert!(
+        report.reasons.iter().all(|r| r.code != "LONG_SNAPSHOT"),
+        "{report:?}"
     );
 }

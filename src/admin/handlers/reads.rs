@@ -50,7 +50,8 @@ pub(super) async fn current_health(
             Ok(report)
         }
         None => {
-            let sample = store::stats::snapshot(conn).await?;
+            let floor = HealthConfig::default().snapshot_warn_after;
+            let sample = store::stats::snapshot(conn, floor).await?;
             let mut report = health::assess(&HealthConfig::default(), &sample, &[]);
             report.push(
                 HealthState::Warning,
@@ -71,7 +72,8 @@ pub(super) async fn current_health(
 pub(super) async fn overview(_: Operator, st: web::Data<State>) -> Reply {
     let mut conn = st.pool.get().await?;
     let health = current_health(&mut conn).await?;
-    let live = store::stats::snapshot(&mut conn).await?;
+    let live =
+        store::stats::snapshot(&mut conn, HealthConfig::default().snapshot_warn_after).await?;
     let states = stmt::consumer_states(&mut conn).await?;
     let sums = store::stats::consumer_sums(&mut conn, RECENT).await?;
     let consumers: Vec<_> = live

@@ -16,7 +16,8 @@ use super::{guarded, InboxRow};
 /// that it knows it even when the answer is lost.
 ///
 /// The consumer's claims take turns on an advisory lock, taken in a statement of its own so
-/// that the claim's snapshot, taken after it, holds every lease committed before: the claim
+/// that the claim's snapshot, taken after it, holds every lease committed before (the
+/// process's turn to take a suspect is tried the same way): the claim
 /// writes no row it leases, so nothing else would keep two claims from leasing the same row.
 /// A claim is one short statement; only claims of the same consumer wait for each other.
 pub(crate) async fn claim(
@@ -43,11 +44,24 @@ pub(crate) async fn claim(
         )
         .bind::<Text, _>(consumer),
     );
+    // The process's turn to take a suspect, if no other claim of it has it now: tried, never
+    // waited for, so that it is a turn and not a lock shared by the process.
+    let suspect_turn = Prepared(
+        crate::store::sql(
+            "SELECT pg_try_advisory_xact_lock(hashtextextended('actix_outbox.alone:' || $1, 0))",
+        )
+        .bind::<Text, _>(process),
+    );
     guarded(conn, async |c| {
-        let (mut a, mut b) = (c, c);
-        let (turn, rows) =
-            futures_util::future::join(turn.execute(&mut a), claim.load(&mut b)).await;
+        let (mut a, mut b, mut d) = (c, c, c);
+        let (turn, suspect_turn, rows) = futures_util::future::join3(
+            turn.execute(&mut a),
+            suspect_turn.execute(&mut b),
+            claim.load(&mut d),
+        )
+        .await;
         turn?;
+        suspect_turn?;
         rows.map_err(Into::into)
     })
     .await
