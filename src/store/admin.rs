@@ -238,9 +238,27 @@ pub(crate) async fn lock_inbox(
     conn: &mut AsyncPgConnection,
     ids: &[i64],
 ) -> Result<(Vec<LockedRow>, i64)> {
+    // The rows' consumers' claim turns first (a claim holds one for milliseconds), so that no
+    // claim leases a row between the check below and this transaction's commit, and the
+    // check's snapshot, taken after, holds every lease committed before. A row a lease names
+    // is in flight: its batch would fail to settle beside an operator's change, and roll back
+    // the effects of every other row in it. It counts as held, like a row a commit locks.
+    crate::store::sql(
+        "SELECT count(pg_advisory_xact_lock(hashtextextended('actix_outbox.claim:' || c, 0))) \
+             AS n \
+         FROM (SELECT DISTINCT consumer AS c FROM actix_outbox.inbox_events \
+               WHERE id = ANY($1) ORDER BY 1) x",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .execute(conn)
+    .await?;
     let rows = crate::store::sql(
-        "SELECT id::text AS id, status, attempt_count, error_code, event_type, consumer \
-         FROM actix_outbox.inbox_events WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
+        "SELECT i.id::text AS id, i.status, i.attempt_count, i.error_code, i.event_type, \
+             i.consumer \
+         FROM actix_outbox.inbox_events i WHERE i.id = ANY($1) \
+           AND NOT EXISTS (SELECT FROM actix_outbox.inbox_leases l \
+                           WHERE l.consumer = i.consumer AND i.id = ANY (l.ids)) \
+         ORDER BY i.id FOR UPDATE OF i SKIP LOCKED",
     )
     .bind::<Array<BigInt>, _>(ids)
     .load(conn)

@@ -523,3 +523,79 @@ async fn health_names_a_session_holding_a_snapshot_open() {
         "{report:?}"
     );
 }
+
+/// Item 8. An operator's `ignore` of a row in flight (a retry its batch is handling) is
+/// refused (`409 ROW_BUSY`, nothing changed), and the batch settles every row: before, the
+/// ignore went through, the batch's commit found a row it no longer held and rolled back the
+/// effects of every other row, whose handlers were then called again.
+#[actix_rt::test]
+async fn an_operators_ignore_of_a_row_in_flight_is_refused_and_its_batch_settles() {
+    use actix_outbox::admin::{admin_scope, AdminConfig};
+    use actix_web::test::{init_service, TestRequest};
+    const TOKEN: &str = "ops-token-0123456789";
+    let db = TestDb::new().await;
+    let holder = Holder::default();
+    let h = holder.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("held", 3)
+                .batch_size(3)
+                .handler_timeout(Duration::from_secs(60)),
+            move || h.clone(),
+        )
+        .start()
+        .await
+        .expect("start runtime");
+    pause(&db, "held").await;
+    enqueue(&db, &[order("a"), order("b"), order("c")]).await;
+    rt.handle().wake();
+    let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'held'";
+    assert_eq!(db.wait_for(rows, 3, WAIT).await, 3);
+    // `a` waits for its second attempt, due now: an operator may ignore it, but not in flight.
+    exec(
+        &db,
+        "UPDATE actix_outbox.inbox_events SET status = 'RETRY_PENDING', attempt_count = 1, \
+             next_attempt_at = now() - interval '1 second' \
+         WHERE consumer = 'held' AND aggregate_id = 'a'",
+    )
+    .await;
+    resume(&db, "held").await;
+    rt.handle().wake();
+    let leased = "SELECT count(*) AS n FROM actix_outbox.inbox_leases l \
+                  JOIN actix_outbox.inbox_events i ON i.id = ANY (l.ids) \
+                  WHERE l.consumer = 'held' AND i.aggregate_id = 'a'";
+    assert_eq!(
+        db.wait_for(leased, 1, WAIT).await,
+        1,
+        "`a` was never in flight"
+    );
+
+    let admin = AdminConfig::new(db.pool.clone())
+        .bearer_token("ops", TOKEN)
+        .unwrap();
+    let app = init_service(actix_web::App::new().service(admin_scope("/ops", admin))).await;
+    let id = db
+        .count("SELECT id AS n FROM actix_outbox.inbox_events WHERE consumer = 'held' AND aggregate_id = 'a'")
+        .await;
+    let req = TestRequest::post()
+        .uri(&format!("/ops/inbox/{id}/ignore"))
+        .insert_header(("Authorization", format!("Bearer {TOKEN}")))
+        .insert_header(("Content-Type", "application/json"))
+        .set_payload(serde_json::json!({"reason": "in flight"}).to_string());
+    let (status, body) = call!(app, req);
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("ROW_BUSY"), "{body}");
+
+    holder.released.store(true, Ordering::SeqCst);
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'held' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 3, WAIT).await, 3);
+    // One call per row: the batch committed once, nothing was handed over again.
+    assert_eq!(AtomicUsize::load(&holder.ended, Ordering::SeqCst), 3);
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'held' \
+                   AND (suspicions > 0 OR error_code IS NOT NULL \
+                        OR attempt_count <> CASE WHEN aggregate_id = 'a' THEN 2 ELSE 1 END)";
+    assert_eq!(db.count(charged).await, 0);
+    rt.shutdown().await;
+}
