@@ -528,7 +528,8 @@ pub(crate) async fn delete_expired(
         // `external` (no outbox row here), which puts them in the inbox's own correlation index
         // and keeps them in the timeline. An event one of whose inbox rows is locked (a batch
         // holds it; a hung handler may hold it for long) is left for a later run: waiting
-        // for it would stall retention behind that handler.
+        // for it would stall retention behind that handler. The unrouted record of an event
+        // received from a broker (no outbox row here) goes once it is as old.
         Expired::PublishedOutbox => {
             "WITH expired AS ( \
                  SELECT id, published_at FROM actix_outbox.outbox_events \
@@ -549,6 +550,11 @@ pub(crate) async fn delete_expired(
                  WHERE id IN (SELECT id FROM locked WHERE event_id IN (SELECT id FROM gone))), \
              deleted AS (DELETE FROM actix_outbox.outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1), \
              unrouted AS (DELETE FROM actix_outbox.unrouted_events WHERE event_id IN (SELECT id FROM gone)), \
+             received AS (DELETE FROM actix_outbox.unrouted_events WHERE event_id IN ( \
+                 SELECT u.event_id FROM actix_outbox.unrouted_events u \
+                 WHERE u.published_at < now() - $1 * interval '1 millisecond' \
+                   AND NOT EXISTS (SELECT FROM actix_outbox.outbox_events o WHERE o.id = u.event_id) \
+                 ORDER BY u.published_at LIMIT $2)), \
              last AS (SELECT published_at, id FROM expired ORDER BY published_at DESC, id DESC LIMIT 1) \
              SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
                     (SELECT published_at FROM last) AS last_at, (SELECT id FROM last) AS last_id"

@@ -562,3 +562,63 @@ async fn messages_that_cannot_be_recorded_do_not_hold_up_the_others() {
     dst.finish(&[&rx]).await;
     delete_stream(&url, &s).await;
 }
+
+/// Item 10 of issue 30. An event the receiving service has no consumer for is recorded as
+/// unrouted, as the in-process route records one, and health raises the same alarm
+/// (`EVENTS_UNROUTED`, naming the type). Before, the receiver acknowledged it and it was gone
+/// without a trace.
+#[actix_rt::test]
+async fn an_event_no_consumer_here_subscribes_to_is_recorded_and_raises_the_alarm() {
+    use actix_outbox::health::{StatsConfig, StatsSampler};
+    let url = nats_url();
+    let dst = TestDb::new().await;
+    let s = stream(StorageType::Memory);
+    let js = async_nats::jetstream::new(client(&url).await);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: s.name().to_owned(),
+        subjects: vec![format!("{}.>", s.name().to_lowercase())],
+        storage: StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let routed = uuid::Uuid::now_v7();
+    publish_raw(&url, &s, routed, raw_event(routed, "o-1", serde_json::json!({}))).await;
+    let unrouted = uuid::Uuid::now_v7();
+    let mut body: serde_json::Value =
+        serde_json::from_slice(&raw_event(unrouted, "o-2", serde_json::json!({}))).unwrap();
+    body["event_type"] = "INVOICE_ISSUED".into();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", unrouted.to_string().as_str());
+    js.publish_with_headers(
+        format!("{}.INVOICE_ISSUED", s.name().to_lowercase()),
+        headers,
+        serde_json::to_vec(&body).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    let receiver = NatsReceiver::new(client(&url).await, receiver_cfg(&s, "shipping")).unwrap();
+    let health = receiver.health();
+    let rx = receiving(&dst, receiver, Behaviour::default()).await;
+    assert_eq!(dst.wait_for(PROCESSED, 1, WAIT).await, 1);
+    let recorded = format!(
+        "SELECT count(*) AS n FROM actix_outbox.unrouted_events \
+         WHERE event_id = '{unrouted}' AND event_type = 'INVOICE_ISSUED'"
+    );
+    assert_eq!(dst.wait_for(&recorded, 1, WAIT).await, 1, "the unrouted event left no trace");
+    assert_eq!(health.status().acked, 2);
+    let sampler = StatsSampler::new(dst.pool.clone(), StatsConfig::default()).unwrap();
+    let report = sampler.run_once().await.unwrap();
+    let alarm: Vec<_> = report
+        .reasons
+        .iter()
+        .filter(|r| r.code == "EVENTS_UNROUTED")
+        .collect();
+    assert_eq!(alarm.len(), 1, "{report:?}");
+    assert!(alarm[0].message.contains("INVOICE_ISSUED"), "{report:?}");
+    rx.shutdown().await;
+    delete_stream(&url, &s).await;
+}

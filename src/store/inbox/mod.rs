@@ -277,13 +277,20 @@ pub(crate) struct ReceiveRow {
 }
 
 /// The receiving side of an external transport: one inbox row per consumer subscribed to the
-/// event's type. Returns each subscribed consumer and whether its row is new.
+/// event's type. Returns each subscribed consumer and whether its row is new. An event no
+/// consumer here subscribes to is recorded in `unrouted_events`, as the in-process fan-out
+/// records one, so that health says so (`EVENTS_UNROUTED`) instead of the event being
+/// acknowledged and gone without a trace.
 pub(crate) async fn receive(
     conn: &mut AsyncPgConnection,
     e: &crate::event::OutboxEvent,
 ) -> Result<Vec<ReceiveRow>> {
     let rows = Prepared(crate::store::sql(
         "WITH subs AS (SELECT consumer FROM actix_outbox.consumer_subscriptions WHERE event_type = $2), \
+         unrouted AS ( \
+             INSERT INTO actix_outbox.unrouted_events (event_id, event_type) \
+             SELECT $1, $2 WHERE NOT EXISTS (SELECT FROM subs) ON CONFLICT DO NOTHING \
+         ), \
          ins AS ( \
              INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type, \
                  aggregate_id, aggregate_version, payload, metadata, correlation_id, causation_id, \
