@@ -9,7 +9,7 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history`, `noisy-neighbour`
 //! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
 //! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
-//! N`, `--pipeline N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
+//! N`, `--pipeline N`, `--threads N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
 //! registers the consumers as batch consumers (`OutboxBuilder::batch_consumer`), which write a
 //! whole batch's effect rows in one statement; the default, `--handler each`, writes one
 //! effect row per handler call.
@@ -127,6 +127,8 @@ struct Opts {
     batch_handler: bool,
     /// `ConsumerConfig::pipeline` (`--pipeline N`): deliveries a one-event handler gets at once.
     pipeline: u32,
+    /// `--threads N`: the consumers' handler threads (default: theirs, `concurrency`).
+    threads: Option<u32>,
     /// `ConsumerConfig::ordered` (`--ordered`): each aggregate's events in enqueue order.
     ordered: bool,
     /// One-event business transactions as one `enqueue_with` statement (`--producer
@@ -156,6 +158,7 @@ impl Opts {
             publish_gap: None,
             batch_handler: false,
             pipeline: 1,
+            threads: None,
             ordered: false,
             one_statement: true,
             payload_bytes: 0,
@@ -189,6 +192,7 @@ impl Opts {
                 "--consumer-batch" => o.consumer_batch = value()?.parse()?,
                 "--concurrency" => o.concurrency = value()?.parse()?,
                 "--pipeline" => o.pipeline = value()?.parse()?,
+                "--threads" => o.threads = Some(value()?.parse()?),
                 "--ordered" => o.ordered = true,
                 "--listen" => o.listen = Some(value()? != "off"),
                 "--publish-gap-us" => {
@@ -261,14 +265,18 @@ impl Opts {
     }
 
     fn consumer_config(&self, name: &str) -> ConsumerConfig {
-        ConsumerConfig::new(name)
+        let cfg = ConsumerConfig::new(name)
             .subscribe(EVENT_TYPE)
             .batch_size(self.consumer_batch)
             .concurrency(self.concurrency)
             .pipeline(self.pipeline)
             .ordered(self.ordered)
             .mailbox_capacity(64)
-            .poll_interval(Duration::from_millis(100))
+            .poll_interval(Duration::from_millis(100));
+        match self.threads {
+            Some(n) => cfg.threads(n),
+            None => cfg,
+        }
     }
 
     /// Room for every runtime connection of the largest scenario (fan-out: three consumers),

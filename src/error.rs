@@ -74,6 +74,10 @@ impl ErrorCode {
     /// runtime cannot run behind (it relies on sessions: leases, advisory locks, `LISTEN`,
     /// prepared statements).
     pub const POOLER_UNSUPPORTED: ErrorCode = ErrorCode::from_static("POOLER_UNSUPPORTED");
+    /// A NATS receiver's durable consumer, which this database bound before, is gone: the
+    /// receiver does not recreate it from the stream's start (that would apply again every
+    /// event whose processed inbox row retention deleted) and waits for an operator.
+    pub const NATS_CONSUMER_LOST: ErrorCode = ErrorCode::from_static("NATS_CONSUMER_LOST");
 
     /// A code known at compile time.
     pub const fn from_static(code: &'static str) -> Self {
@@ -164,6 +168,9 @@ pub enum Error {
     /// A reconcile rule's search ran past its time bound and was stopped by the server.
     #[error("the reconcile rule's search ran past its time bound of {0:?} and was stopped")]
     ReconcileTimeout(std::time::Duration),
+    /// A NATS receiver's durable consumer, bound by this database before, is gone.
+    #[error("{0}")]
+    NatsConsumerLost(String),
 }
 
 impl Error {
@@ -187,6 +194,7 @@ impl Error {
             Error::NotMigrated(_) => ErrorCode::SCHEMA_NOT_MIGRATED,
             Error::PoolerUnsupported(_) => ErrorCode::POOLER_UNSUPPORTED,
             Error::ReconcileTimeout(_) => ErrorCode::RECONCILE_TIMEOUT,
+            Error::NatsConsumerLost(_) => ErrorCode::NATS_CONSUMER_LOST,
         }
     }
 

@@ -71,7 +71,7 @@ impl ConsumerActor {
         cfg: Arc<ConsumerConfig>,
         pool: PgPool,
         factory: HandlerFactory,
-        threads: Vec<actix_rt::ArbiterHandle>,
+        threads: Vec<Option<actix_rt::ArbiterHandle>>,
     ) -> Self {
         let hung = Hung::new(cfg.concurrency);
         ConsumerActor {

@@ -31,10 +31,14 @@ pub(crate) type HandlerFactory = Arc<dyn Fn() -> HandlerRef + Send + Sync>;
 pub(crate) struct HandlerThreads(Vec<Arbiter>);
 
 impl HandlerThreads {
-    /// Starts the threads of every group `consumers` name, and returns each consumer's share.
-    pub(crate) fn start(consumers: &[&ConsumerConfig]) -> Result<(Self, Vec<Vec<ArbiterHandle>>)> {
+    /// Starts the threads of every group `consumers` name, and returns each consumer's share:
+    /// its group's threads, or for a consumer of `threads(0)` one place on the runtime's own
+    /// thread (`None`).
+    pub(crate) fn start(
+        consumers: &[&ConsumerConfig],
+    ) -> Result<(Self, Vec<Vec<Option<ArbiterHandle>>>)> {
         let mut sizes: BTreeMap<String, u32> = BTreeMap::new();
-        for cfg in consumers {
+        for cfg in consumers.iter().filter(|c| c.thread_count() > 0) {
             let n = sizes.entry(cfg.group()).or_default();
             *n = (*n).max(cfg.thread_count());
         }
@@ -53,7 +57,12 @@ impl HandlerThreads {
         }
         let shares = consumers
             .iter()
-            .map(|c| groups[&c.group()].clone())
+            .map(|c| match groups.get(&c.group()) {
+                Some(threads) if c.thread_count() > 0 => {
+                    threads.iter().cloned().map(Some).collect()
+                }
+                _ => vec![None],
+            })
             .collect();
         Ok((threads, shares))
     }
@@ -79,7 +88,8 @@ pub(crate) struct Handlers {
 }
 
 struct Slot {
-    thread: ArbiterHandle,
+    /// `None`: the runtime's own thread (`threads(0)`).
+    thread: Option<ArbiterHandle>,
     state: State,
     /// The wait after the factory's next panic on this slot.
     backoff: Duration,
@@ -104,7 +114,7 @@ pub(crate) struct Made {
 }
 
 impl Handlers {
-    pub(crate) fn new(factory: HandlerFactory, threads: Vec<ArbiterHandle>) -> Self {
+    pub(crate) fn new(factory: HandlerFactory, threads: Vec<Option<ArbiterHandle>>) -> Self {
         let slots = threads
             .into_iter()
             .map(|thread| Slot {
@@ -173,10 +183,17 @@ impl Handlers {
     pub(crate) fn make(&self, i: usize) -> impl std::future::Future<Output = Made> + 'static {
         let (tx, rx) = oneshot::channel();
         let factory = self.factory.clone();
-        let sent = self.slots[i].thread.spawn_fn(move || {
+        let make = move || {
             let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory()));
             let _ = tx.send(made.ok());
-        });
+        };
+        let sent = match &self.slots[i].thread {
+            Some(thread) => thread.spawn_fn(make),
+            None => {
+                make();
+                true
+            }
+        };
         async move {
             let handler = if sent { rx.await.ok().flatten() } else { None };
             Made { slot: i, handler }

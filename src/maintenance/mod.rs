@@ -5,6 +5,7 @@
 //! - `retention` — bounded deletes of delivered history.
 
 pub(crate) mod health;
+mod health_config;
 pub(crate) mod retention;
 pub(crate) mod stats;
 

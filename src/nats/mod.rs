@@ -50,6 +50,7 @@ use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 
+mod bindings;
 mod receiver;
 mod transport;
 

@@ -332,7 +332,7 @@ impl Loop {
             let mut messages = match self.bind().await {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(receiver = %self.receiver.name(), error = %e,
+                    tracing::warn!(receiver = %self.receiver.name(), error = %e, code = %e.code(),
                         "NATS receiver cannot bind its consumer; retrying");
                     health.unbound(&e.to_string());
                     self.pause(backoff).await;
@@ -388,6 +388,17 @@ impl Loop {
             .get_stream(&cfg.stream.name)
             .await
             .map_err(|e| fail(&e))?;
+        // A durable consumer this database bound before is never made anew: made anew, it
+        // would deliver the whole stream again, and the events whose processed rows
+        // retention deleted would be applied a second time.
+        let pool = &self.deps.pool;
+        if let Some(first) =
+            super::bindings::bound_before(pool, &cfg.stream.name, &cfg.durable).await?
+        {
+            if let Err(e) = stream.get_consumer::<pull::Config>(&cfg.durable).await {
+                return Err(super::bindings::lost(&self.receiver, first, &e));
+            }
+        }
         let consumer: async_nats::jetstream::consumer::PullConsumer = stream
             .get_or_create_consumer(
                 &cfg.durable,
@@ -403,6 +414,7 @@ impl Loop {
             )
             .await
             .map_err(|e| fail(&e))?;
+        super::bindings::record(pool, &cfg.stream.name, &cfg.durable).await?;
         consumer
             .stream()
             .max_messages_per_batch(cfg.batch_size)

@@ -197,6 +197,15 @@ impl OutboxBuilder {
             Some(cfg) => Some(Rc::new(Retention::new(self.pool.clone(), cfg.clone())?)),
             None => None,
         };
+        #[cfg(feature = "nats")]
+        for r in &self.receivers {
+            r.check_retention(
+                self.config
+                    .retention
+                    .as_ref()
+                    .map(|c| c.processed_inbox_after),
+            )?;
+        }
         let mut names = std::collections::HashSet::new();
         for (cfg, _) in &self.consumers {
             cfg.validate()?;

@@ -55,7 +55,7 @@ pub(crate) struct ConsumerSlot {
     pub cfg: Arc<ConsumerConfig>,
     pub factory: HandlerFactory,
     /// The threads of the consumer's group.
-    pub threads: Vec<actix_rt::ArbiterHandle>,
+    pub threads: Vec<Option<actix_rt::ArbiterHandle>>,
     pub addr: Option<Addr<ConsumerActor>>,
 }
 

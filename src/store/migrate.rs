@@ -81,6 +81,7 @@ const LEGACY: &[(&str, &str, &str, Option<&str>)] = &[
     ("TABLE", "unrouted_events", "20261202000014", None),
     ("TABLE", "contract_findings", "20261202000015", None),
     ("TABLE", "replays", "20261202000016", None),
+    ("TABLE", "nats_bindings", "20261203000021", None),
 ];
 
 /// How [`migrate_with`] treats a live database.

@@ -14,6 +14,7 @@ pub(crate) mod migrate;
 pub(crate) mod outbox;
 pub(crate) mod replay;
 pub(crate) mod schema;
+pub(crate) mod snapshots;
 pub(crate) mod stats;
 pub(crate) mod status;
 pub(crate) mod timeline;

@@ -165,6 +165,7 @@ mod tests {
             "aggregate_versions",
             "inbox_leases",
             "unrouted_events",
+            "nats_bindings",
             "contract_findings",
             "replays",
             "outbox_lease_token_seq",

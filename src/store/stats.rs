@@ -70,50 +70,7 @@ pub(crate) struct Sample {
     pub contract: Vec<crate::store::contract::Finding>,
     /// Sessions of this database holding a snapshot open past the floor, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub snapshots: Vec<HeldSnapshot>,
-}
-
-/// A session of the database holding a snapshot open (`backend_xmin` set), whoever owns it:
-/// while it does, vacuum removes no row of any table that died after it began, and every
-/// claim walks the dead index entries the backlog leaves (issue 30 measured a drain falling
-/// from 1,124 to 99 events/s behind one). Without `pg_read_all_stats` (or `pg_monitor`), the
-/// role sees only its own sessions' details.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, QueryableByName)]
-pub(crate) struct HeldSnapshot {
-    #[diesel(sql_type = diesel::sql_types::Integer)]
-    pub pid: i32,
-    #[diesel(sql_type = Text)]
-    pub application: String,
-    #[diesel(sql_type = Text)]
-    pub state: String,
-    /// Since its transaction began: a snapshot is at most that old.
-    #[diesel(sql_type = Double)]
-    pub age_seconds: f64,
-    /// The head of its current (or last) statement.
-    #[diesel(sql_type = Text)]
-    pub query: String,
-}
-
-/// The sessions of this database (this one aside) whose transaction holding a snapshot began
-/// more than `floor` ago, oldest first, at most five.
-async fn held_snapshots(
-    conn: &mut AsyncPgConnection,
-    floor: Duration,
-) -> Result<Vec<HeldSnapshot>> {
-    let rows = crate::store::sql(
-        "SELECT pid, coalesce(application_name, '') AS application, coalesce(state, '') AS state, \
-             extract(epoch FROM now() - xact_start)::float8 AS age_seconds, \
-             left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), 120) AS query \
-         FROM pg_stat_activity \
-         WHERE backend_xmin IS NOT NULL AND datname = current_database() \
-           AND pid <> pg_backend_pid() \
-           AND xact_start < now() - $1 * interval '1 millisecond' \
-         ORDER BY xact_start LIMIT 5",
-    )
-    .bind::<BigInt, _>(store::millis(floor))
-    .load(conn)
-    .await?;
-    Ok(rows)
+    pub snapshots: Vec<super::snapshots::HeldSnapshot>,
 }
 
 #[derive(QueryableByName)]
@@ -144,7 +101,7 @@ pub(crate) async fn snapshot(conn: &mut AsyncPgConnection, hold_floor: Duration)
     let (at, outbox) = outbox_gauges(conn).await?;
     let consumers = consumer_gauges(conn).await?;
     let contract = crate::store::contract::all(conn).await?;
-    let snapshots = held_snapshots(conn, hold_floor).await?;
+    let snapshots = super::snapshots::held(conn, hold_floor).await?;
     Ok(Sample {
         at,
         outbox,

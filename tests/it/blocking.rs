@@ -185,17 +185,20 @@ impl Handler<Delivery> for Where {
 }
 
 /// Each consumer's handlers run on a thread of its own by default, never the runtime's; the
-/// consumers of one `thread_group` share its threads.
+/// consumers of one `thread_group` share its threads; `threads(0)` asks for the runtime's.
 #[actix_rt::test]
 async fn handlers_run_on_their_group_threads_never_the_runtimes() {
     let db = TestDb::new().await;
-    let names = ["own-a", "own-b", "grouped-a", "grouped-b"];
+    let names = ["own-a", "own-b", "grouped-a", "grouped-b", "inline"];
     let seen: Vec<Where> = names.iter().map(|_| Where::default()).collect();
     let mut builder = OutboxRuntime::builder(db.pool.clone()).config(fast_runtime());
     for (name, w) in names.iter().zip(&seen) {
         let mut cfg: ConsumerConfig = consumer(name, 3);
         if name.starts_with("grouped") {
             cfg = cfg.thread_group("light");
+        }
+        if *name == "inline" {
+            cfg = cfg.threads(0);
         }
         let w = w.clone();
         builder = builder.consumer(cfg, move || w.clone());
@@ -204,7 +207,7 @@ async fn handlers_run_on_their_group_threads_never_the_runtimes() {
     db.produce_batched(20, 5, "o").await;
     rt.handle().wake();
     let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
-    assert_eq!(db.wait_for(done, 80, WAIT).await, 80);
+    assert_eq!(db.wait_for(done, 100, WAIT).await, 100);
     let threads: Vec<ThreadId> = seen
         .iter()
         .map(|w| {
@@ -215,8 +218,12 @@ async fn handlers_run_on_their_group_threads_never_the_runtimes() {
         .collect();
     let runtime = std::thread::current().id();
     assert!(
-        !threads.contains(&runtime),
+        !threads[..4].contains(&runtime),
         "a handler ran on the runtime's thread"
+    );
+    assert_eq!(
+        threads[4], runtime,
+        "`threads(0)` runs on the runtime's thread"
     );
     assert_ne!(
         threads[0], threads[1],

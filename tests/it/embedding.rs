@@ -36,6 +36,7 @@ const LIBRARY_TABLES: &[&str] = &[
     "idempotency_keys",
     "inbox_events",
     "inbox_leases",
+    "nats_bindings",
     "outbox_events",
     "outbox_stats_samples",
     "reconcile_runs",

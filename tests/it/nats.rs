@@ -583,7 +583,13 @@ async fn an_event_no_consumer_here_subscribes_to_is_recorded_and_raises_the_alar
     .await
     .unwrap();
     let routed = uuid::Uuid::now_v7();
-    publish_raw(&url, &s, routed, raw_event(routed, "o-1", serde_json::json!({}))).await;
+    publish_raw(
+        &url,
+        &s,
+        routed,
+        raw_event(routed, "o-1", serde_json::json!({})),
+    )
+    .await;
     let unrouted = uuid::Uuid::now_v7();
     let mut body: serde_json::Value =
         serde_json::from_slice(&raw_event(unrouted, "o-2", serde_json::json!({}))).unwrap();
@@ -608,7 +614,11 @@ async fn an_event_no_consumer_here_subscribes_to_is_recorded_and_raises_the_alar
         "SELECT count(*) AS n FROM actix_outbox.unrouted_events \
          WHERE event_id = '{unrouted}' AND event_type = 'INVOICE_ISSUED'"
     );
-    assert_eq!(dst.wait_for(&recorded, 1, WAIT).await, 1, "the unrouted event left no trace");
+    assert_eq!(
+        dst.wait_for(&recorded, 1, WAIT).await,
+        1,
+        "the unrouted event left no trace"
+    );
     assert_eq!(health.status().acked, 2);
     let sampler = StatsSampler::new(dst.pool.clone(), StatsConfig::default()).unwrap();
     let report = sampler.run_once().await.unwrap();
@@ -621,4 +631,118 @@ async fn an_event_no_consumer_here_subscribes_to_is_recorded_and_raises_the_alar
     assert!(alarm[0].message.contains("INVOICE_ISSUED"), "{report:?}");
     rx.shutdown().await;
     delete_stream(&url, &s).await;
+}
+
+/// Item 10 of issue 30. A durable consumer this database bound before and that is gone is not
+/// recreated from the stream's start, which would deliver every event again into an inbox
+/// whose processed rows retention may have deleted: the receiver refuses
+/// (`NATS_CONSUMER_LOST`), records nothing, and binds again once an operator recreated it.
+#[actix_rt::test]
+async fn a_lost_durable_consumer_is_not_recreated_from_the_streams_start() {
+    let url = nats_url();
+    let dst = TestDb::new().await;
+    let s = stream(StorageType::Memory);
+    let js = async_nats::jetstream::new(client(&url).await);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: s.name().to_owned(),
+        subjects: vec![format!("{}.>", s.name().to_lowercase())],
+        storage: StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let first = uuid::Uuid::now_v7();
+    publish_raw(
+        &url,
+        &s,
+        first,
+        raw_event(first, "o-1", serde_json::json!({})),
+    )
+    .await;
+    let receiver = NatsReceiver::new(client(&url).await, receiver_cfg(&s, "lost")).unwrap();
+    let rx = receiving(&dst, receiver, Behaviour::default()).await;
+    assert_eq!(dst.wait_for(PROCESSED, 1, WAIT).await, 1);
+    rx.shutdown().await;
+
+    // The durable consumer is lost, and the processed row is gone too (retention).
+    js.get_stream(s.name())
+        .await
+        .unwrap()
+        .delete_consumer("lost")
+        .await
+        .unwrap();
+    let mut conn = dst.pool.get().await.unwrap();
+    diesel::sql_query("DELETE FROM actix_outbox.inbox_events")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    drop(conn);
+
+    let receiver = NatsReceiver::new(client(&url).await, receiver_cfg(&s, "lost")).unwrap();
+    let health = receiver.health();
+    let rx = receiving(&dst, receiver, Behaviour::default()).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while health.status().last_error.is_none() && std::time::Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = health.status();
+    assert!(!status.bound, "{status:?}");
+    let error = status.last_error.clone().unwrap_or_default();
+    assert!(error.contains("first bound at"), "{error}");
+    // Nothing was delivered again, and the consumer was not recreated.
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events";
+    assert_eq!(dst.count(rows).await, 0, "the stream was delivered again");
+    let stream_ = js.get_stream(s.name()).await.unwrap();
+    assert!(
+        stream_
+            .get_consumer::<async_nats::jetstream::consumer::pull::Config>("lost")
+            .await
+            .is_err(),
+        "the durable consumer was recreated"
+    );
+    rx.shutdown().await;
+    delete_stream(&url, &s).await;
+}
+
+/// Item 10 of issue 30. A receiver whose stream keeps messages longer than retention keeps
+/// processed inbox rows is refused at start (`CONFIG_INVALID`), before anything runs.
+#[actix_rt::test]
+async fn a_stream_outliving_the_inbox_retention_is_refused_at_start() {
+    let url = nats_url();
+    let dst = TestDb::new().await;
+    let retention = actix_outbox::retention::RetentionConfig::default()
+        .processed_inbox_after(Duration::from_secs(3600));
+    for (max_age, refused) in [
+        (Duration::ZERO, true),
+        (Duration::from_secs(7200), true),
+        (Duration::from_secs(1800), false),
+    ] {
+        let s = stream(StorageType::Memory).max_age(max_age);
+        let receiver = NatsReceiver::new(client(&url).await, receiver_cfg(&s, "kept")).unwrap();
+        let started = OutboxRuntime::builder(dst.pool.clone())
+            .config(fast_runtime().retention(retention.clone()))
+            .consumer(consumer("c1", 3), || Recorder {
+                name: "c1".into(),
+                behaviour: Behaviour::default(),
+            })
+            .nats_receiver(receiver)
+            .start()
+            .await;
+        match started {
+            Err(e) => {
+                assert!(refused, "{max_age:?} refused: {e}");
+                assert_eq!(e.code(), ErrorCode::CONFIG_INVALID);
+                assert!(e.to_string().contains("max_age"), "{e}");
+            }
+            Ok(rt) => {
+                assert!(
+                    !refused,
+                    "a stream keeping messages {max_age:?} was accepted"
+                );
+                rt.shutdown().await;
+            }
+        }
+        delete_stream(&url, &s).await;
+    }
 }

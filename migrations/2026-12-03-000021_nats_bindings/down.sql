@@ -1,0 +1,1 @@
+DROP TABLE nats_bindings;
