@@ -392,28 +392,30 @@ impl Loop {
         // would deliver the whole stream again, and the events whose processed rows
         // retention deleted would be applied a second time.
         let pool = &self.deps.pool;
-        if let Some(first) =
-            super::bindings::bound_before(pool, &cfg.stream.name, &cfg.durable).await?
-        {
-            if let Err(e) = stream.get_consumer::<pull::Config>(&cfg.durable).await {
-                return Err(super::bindings::lost(&self.receiver, first, &e));
-            }
-        }
-        let consumer: async_nats::jetstream::consumer::PullConsumer = stream
-            .get_or_create_consumer(
-                &cfg.durable,
-                pull::Config {
-                    durable_name: Some(cfg.durable.clone()),
-                    ack_policy: AckPolicy::Explicit,
-                    deliver_policy: DeliverPolicy::All,
-                    ack_wait: cfg.ack_wait,
-                    max_ack_pending: cfg.max_ack_pending,
-                    filter_subject: cfg.filter_subject.clone().unwrap_or_default(),
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(|e| fail(&e))?;
+        let consumer: async_nats::jetstream::consumer::PullConsumer =
+            match super::bindings::bound_before(pool, &cfg.stream.name, &cfg.durable).await? {
+                // Only found, never made: a deletion between a look and a make would
+                // otherwise make it anew all the same.
+                Some(first) => stream
+                    .get_consumer(&cfg.durable)
+                    .await
+                    .map_err(|e| super::bindings::lost(&self.receiver, first, &e))?,
+                None => stream
+                    .get_or_create_consumer(
+                        &cfg.durable,
+                        pull::Config {
+                            durable_name: Some(cfg.durable.clone()),
+                            ack_policy: AckPolicy::Explicit,
+                            deliver_policy: DeliverPolicy::All,
+                            ack_wait: cfg.ack_wait,
+                            max_ack_pending: cfg.max_ack_pending,
+                            filter_subject: cfg.filter_subject.clone().unwrap_or_default(),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .map_err(|e| fail(&e))?,
+            };
         super::bindings::record(pool, &cfg.stream.name, &cfg.durable).await?;
         consumer
             .stream()

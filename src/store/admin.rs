@@ -237,7 +237,12 @@ struct Count {
 pub(crate) async fn lock_inbox(
     conn: &mut AsyncPgConnection,
     ids: &[i64],
+    in_flight_matters: bool,
 ) -> Result<(Vec<LockedRow>, i64)> {
+    if !in_flight_matters {
+        // A retry changes only dead letters, which no lease names: no claim turn is taken.
+        return lock_inbox_rows(conn, ids, false).await;
+    }
     // The rows' consumers' claim turns first (a claim holds one for milliseconds), so that no
     // claim leases a row between the check below and this transaction's commit, and the
     // check's snapshot, taken after, holds every lease committed before. A row a lease names
@@ -252,15 +257,26 @@ pub(crate) async fn lock_inbox(
     .bind::<Array<BigInt>, _>(ids)
     .execute(conn)
     .await?;
+    lock_inbox_rows(conn, ids, true).await
+}
+
+/// The rows of `ids` this transaction locks (those a lease names left out when `leased_held`),
+/// and how many exist.
+async fn lock_inbox_rows(
+    conn: &mut AsyncPgConnection,
+    ids: &[i64],
+    leased_held: bool,
+) -> Result<(Vec<LockedRow>, i64)> {
     let rows = crate::store::sql(
         "SELECT i.id::text AS id, i.status, i.attempt_count, i.error_code, i.event_type, \
              i.consumer \
          FROM actix_outbox.inbox_events i WHERE i.id = ANY($1) \
-           AND NOT EXISTS (SELECT FROM actix_outbox.inbox_leases l \
-                           WHERE l.consumer = i.consumer AND i.id = ANY (l.ids)) \
+           AND NOT ($2 AND EXISTS (SELECT FROM actix_outbox.inbox_leases l \
+                                   WHERE l.consumer = i.consumer AND i.id = ANY (l.ids))) \
          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED",
     )
     .bind::<Array<BigInt>, _>(ids)
+    .bind::<Bool, _>(leased_held)
     .load(conn)
     .await?;
     if rows.len() == ids.len() {

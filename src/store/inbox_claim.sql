@@ -9,7 +9,8 @@
 -- its own, in a lease of one row, and only while this process has no other suspect under test
 -- (of any consumer; the process's claims take turns on an advisory lock for that: only a claim
 -- whose transaction took it, in a statement before this one so that this one's snapshot holds
--- every suspect lease committed before, may take a suspect; `inbox::claim`),
+-- every suspect lease committed before, may take a suspect; that statement says so in the
+-- transaction's setting `actix_outbox.alone_turn`; `inbox::claim`),
 -- so that a death has at most one suspect among its causes. A suspect whose handler hung past
 -- its timeout is under test no more: it was charged the timeout, and its lease is marked so
 -- (`inbox::extend`). It never holds up other rows: they are claimed beside it as usual, by
@@ -46,11 +47,7 @@ WITH paused AS (
                 AND e.aggregate_id = i.aggregate_id AND e.event_seq < i.event_seq
                 AND e.status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')
                 AND (e.status <> 'DEAD_LETTER' OR $6))))
-      AND EXISTS (SELECT FROM pg_locks k
-                  WHERE k.locktype = 'advisory' AND k.pid = pg_backend_pid() AND k.granted
-                    AND k.objsubid = 1
-                    AND ((k.classid::int8 << 32) | k.objid::int8)
-                        = hashtextextended('actix_outbox.alone:' || $4, 0))
+      AND current_setting('actix_outbox.alone_turn', true) = 'true'
     ORDER BY i.next_attempt_at, i.id
     LIMIT 1
 ), due AS MATERIALIZED (

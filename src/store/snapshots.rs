@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 use crate::store;
 
-/// A session of the database holding a snapshot open (`backend_xmin` set), whoever owns it:
+/// A client session of the database holding a snapshot or a transaction id open
+/// (`backend_xmin` or `backend_xid` set: a session idle in a transaction that wrote holds the
+/// horizon too), whoever owns it; vacuum's own sessions are not counted:
 /// while it does, vacuum removes no row of any table that died after it began, and every
 /// claim walks the dead index entries the backlog leaves (issue 30 measured a drain falling
 /// from 1,124 to 99 events/s behind one). Without `pg_read_all_stats` (or `pg_monitor`), the
@@ -42,7 +44,8 @@ pub(crate) async fn held(
              extract(epoch FROM now() - xact_start)::float8 AS age_seconds, \
              left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), 120) AS query \
          FROM pg_stat_activity \
-         WHERE backend_xmin IS NOT NULL AND datname = current_database() \
+         WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) \
+           AND backend_type = 'client backend' AND datname = current_database() \
            AND pid <> pg_backend_pid() \
            AND xact_start < now() - $1 * interval '1 millisecond' \
          ORDER BY xact_start LIMIT 5",

@@ -199,7 +199,7 @@ pub(super) async fn apply(
     let mut conn = st.pool.get().await?;
     let outcome = conn
         .transaction::<_, AdminError, _>(async |conn| {
-            let rows = lock_rows(conn, &ids).await?;
+            let rows = lock_rows(conn, &ids, matches!(change, Change::Ignore)).await?;
             let missing: Vec<&str> = wanted
                 .iter()
                 .filter(|w| !rows.iter().any(|r| &r.id == *w))
@@ -263,11 +263,12 @@ pub(super) const ROW_WAIT: Duration = Duration::from_secs(2);
 pub(super) async fn lock_rows(
     conn: &mut AsyncPgConnection,
     ids: &Ids,
+    in_flight_matters: bool,
 ) -> Result<Vec<stmt::LockedRow>, AdminError> {
     let deadline = std::time::Instant::now() + ROW_WAIT;
     loop {
         let (rows, existing) = match ids {
-            Ids::Inbox(v) => stmt::lock_inbox(conn, v).await?,
+            Ids::Inbox(v) => stmt::lock_inbox(conn, v, in_flight_matters).await?,
             Ids::Outbox(v) => stmt::lock_outbox(conn, v).await?,
         };
         if rows.len() as i64 >= existing {

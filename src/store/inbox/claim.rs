@@ -44,13 +44,22 @@ pub(crate) async fn claim(
         )
         .bind::<Text, _>(consumer),
     );
-    // The process's turn to take a suspect, if no other claim of it has it now: tried, never
-    // waited for, so that it is a turn and not a lock shared by the process.
+    // The process's turn to take a suspect, when one of this consumer is due and no other
+    // claim of the process has the turn now: tried, never waited for, so that it is a turn and
+    // not a lock shared by the process; recorded in a setting of the transaction, which the
+    // claim reads (reading `pg_locks` instead would cost every claim a scan of the lock table).
     let suspect_turn = Prepared(
         crate::store::sql(
-            "SELECT pg_try_advisory_xact_lock(hashtextextended('actix_outbox.alone:' || $1, 0))",
+            "SELECT set_config('actix_outbox.alone_turn', \
+                 pg_try_advisory_xact_lock(hashtextextended('actix_outbox.alone:' || $1, 0))::text, \
+                 true) \
+             WHERE EXISTS (SELECT FROM actix_outbox.inbox_events a \
+                           WHERE a.consumer = $2 AND a.alone \
+                             AND a.status IN ('RECEIVED', 'RETRY_PENDING') \
+                             AND a.next_attempt_at <= now())",
         )
-        .bind::<Text, _>(process),
+        .bind::<Text, _>(process)
+        .bind::<Text, _>(consumer),
     );
     guarded(conn, async |c| {
         let (mut a, mut b, mut d) = (c, c, c);
