@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 
 use super::batch::{self, BatchOutcome};
 use super::lend::Hung;
-use super::threads::{HandlerFactory, Handlers};
+use super::threads::{HandlerFactory, Handlers, SlotUse};
 use super::{reap, replay, ConsumerConfig, Delivery, DeliveryBatch};
 use crate::messages::{Drain, Wake};
 use crate::store::PgPool;
@@ -96,7 +96,7 @@ impl ConsumerActor {
     /// on their threads meanwhile; each one made pumps again. A factory that panics is
     /// contained on its thread and tried again with a growing wait (up to 30 s), so that it
     /// costs this consumer only, never the supervisor.
-    fn handler(&mut self, ctx: &mut Context<Self>) -> Option<(usize, HandlerRef)> {
+    fn handler(&mut self, ctx: &mut Context<Self>) -> Option<(SlotUse, HandlerRef)> {
         let mut make = Vec::new();
         let found = self.handlers.pick(self.cfg.name.as_str(), &mut make);
         for i in make {
@@ -132,7 +132,7 @@ impl ConsumerActor {
         if self.in_flight > 0 && !self.backlog {
             return;
         }
-        let Some((slot, handler)) = self.handler(ctx) else {
+        let Some((used, handler)) = self.handler(ctx) else {
             return;
         };
         self.want = false;
@@ -142,10 +142,12 @@ impl ConsumerActor {
         let (pool, cfg, hung) = (self.pool.clone(), self.cfg.clone(), self.hung.clone());
         let draining = self.draining.clone();
         let me = ctx.address().recipient();
-        let run = async move { batch_loop(&pool, &cfg, &handler, &hung, &draining, &me).await };
+        let run = async move {
+            let looped = batch_loop(&pool, &cfg, &handler, &hung, &draining, &me, &used);
+            looped.await
+        };
         ctx.spawn(run.into_actor(self).map(move |outcome, act, ctx| {
             act.in_flight -= 1;
-            act.handlers.release(slot);
             act.after_loop(outcome, ctx);
         }));
     }
@@ -180,15 +182,18 @@ impl ConsumerActor {
         if !self.cfg.replay_safe || self.replaying || self.draining.load(Ordering::Relaxed) {
             return;
         }
-        let Some((slot, handler)) = self.handler(ctx) else {
+        let Some((used, handler)) = self.handler(ctx) else {
             return;
         };
         self.replaying = true;
         let (pool, cfg, draining) = (self.pool.clone(), self.cfg.clone(), self.draining.clone());
-        let run = async move { replay::run(&pool, &cfg, &handler, &draining).await };
+        let run = async move {
+            let lost = replay::run(&pool, &cfg, &handler, &draining).await;
+            drop(used);
+            lost
+        };
         ctx.spawn(run.into_actor(self).map(move |lost, act, ctx| {
             act.replaying = false;
-            act.handlers.release(slot);
             if lost {
                 act.want = true;
                 act.pump(ctx);
@@ -262,11 +267,12 @@ async fn batch_loop(
     hung: &Hung,
     draining: &AtomicBool,
     me: &Recipient<Backlog>,
+    used: &SlotUse,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = batch::run_batch(pool, cfg, handler, hung, draining).await;
+        let batch = batch::run_batch(pool, cfg, handler, hung, draining, used).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.
@@ -290,12 +296,14 @@ async fn batch_loop(
                 next_retry,
                 handler_lost,
                 alone,
+                kept,
             }) => {
                 out.next_retry = match (out.next_retry, next_retry) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
-                if handler_lost {
+                if handler_lost || kept {
+                    // A new handler, or a thread not held by a parked call, for the next loop.
                     out.handler_lost = true;
                     return out;
                 }

@@ -30,6 +30,7 @@ use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
 use super::actor::HandlerRef;
 use super::lend::Hung;
 use super::pass::{refused_by_server, Pass, PassEnd};
+use super::threads::SlotUse;
 use super::{decide, log, ConsumerConfig};
 use crate::error::Result;
 use crate::event::redact::Redactor;
@@ -50,6 +51,9 @@ pub(crate) struct BatchOutcome {
     pub handler_lost: bool,
     /// The batch was a row claimed alone: the next may be too, and is claimed at once.
     pub alone: bool,
+    /// A call overran its timeout and was parked: its handler may still hold its thread, so
+    /// the loop ends and the next is given a handler on another thread.
+    pub kept: bool,
 }
 
 pub(crate) async fn run_batch(
@@ -58,6 +62,7 @@ pub(crate) async fn run_batch(
     handler: &HandlerRef,
     hung: &Hung,
     draining: &AtomicBool,
+    used: &SlotUse,
 ) -> Result<BatchOutcome> {
     // Before the claim: the lease starts at the claim's `now()`, not after its answer.
     let started = Instant::now();
@@ -91,6 +96,7 @@ pub(crate) async fn run_batch(
         handler,
         started,
         draining,
+        used,
     };
     let out = batch
         .run(pool, hung, conn, rows)
@@ -198,6 +204,9 @@ struct Batch<'a> {
     handler: &'a HandlerRef,
     started: Instant,
     draining: &'a AtomicBool,
+    /// The handler slot the loop uses; a parked call keeps a use of it until its handler lets
+    /// go.
+    used: &'a SlotUse,
 }
 
 impl Batch<'_> {
@@ -267,9 +276,11 @@ impl Batch<'_> {
                     let settled = settled.await;
                     // Then the place: a consumer holds at most `concurrency` parked handlers
                     // beside its loops' own connections.
-                    hung.park(cfg, pool, slot, backend, parked).await;
+                    hung.park(cfg, pool, slot, backend, parked, self.used.blocked())
+                        .await;
                     settled?;
                     record(cfg, &[], &decided, &mut out);
+                    out.kept = true;
                     return Ok(out);
                 }
             };

@@ -137,7 +137,8 @@ impl ConsumerConfig {
     /// How many threads this consumer's handler actors run on: one actor per thread, each made
     /// by the consumer's factory on its thread. Each batch loop is given the actor whose
     /// thread the fewest loops use, so with `threads ≥ concurrency` every loop has a thread of
-    /// its own.
+    /// its own; a thread whose handler overran its timeout and still runs is given to a loop
+    /// only when every thread is in that state.
     ///
     /// Handlers never run on the runtime's own thread: a handler that blocks its thread (a
     /// synchronous client, a parser, `std::thread::sleep`) delays only the calls on the same

@@ -200,6 +200,7 @@ impl Hung {
         slot: Slot,
         backend: i32,
         outcomes: Vec<Outcome>,
+        used: super::threads::SlotUse,
     ) {
         let (placed, wait) = tokio::sync::oneshot::channel::<()>();
         let (places, parked) = (self.places.clone(), self.parked.clone());
@@ -264,6 +265,8 @@ impl Hung {
             }
             drop(slot.write().await.take());
             drop(slot);
+            // The handler's thread is free again for the consumer's loops.
+            drop(used);
             if place.take().is_some() {
                 let left = parked.fetch_sub(1, Ordering::Relaxed) - 1;
                 crate::telemetry::metrics::consumer_hung(consumer.as_str(), left);

@@ -10,7 +10,9 @@
 //! The connection lent to a handler stays driven by the runtime's thread, where the pool
 //! opened it: a blocked handler cannot stall the statements of any other.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -93,8 +95,9 @@ struct Slot {
     state: State,
     /// The wait after the factory's next panic on this slot.
     backoff: Duration,
-    /// Loops (and replays) using this slot's actor now.
-    users: u32,
+    /// Loops (and replays) using this slot's actor now, and calls of it parked past their
+    /// timeout whose handler has not let go (its thread may be blocked by it).
+    users: Rc<Cell<u32>>,
 }
 
 enum State {
@@ -121,7 +124,7 @@ impl Handlers {
                 thread,
                 state: State::Empty,
                 backoff: FIRST_BACKOFF,
-                users: 0,
+                users: Rc::default(),
             })
             .collect();
         Handlers {
@@ -131,14 +134,14 @@ impl Handlers {
         }
     }
 
-    /// The live handler whose thread the fewest loops use, and its slot, now counted as used
-    /// until [`Handlers::release`]. Slots whose actor is missing or died are returned in
+    /// The live handler whose thread the fewest loops use (a thread a parked call may be
+    /// blocking counts as used by many), and a use of its slot, counted until it is dropped. Slots whose actor is missing or died are returned in
     /// `make`, to be made on their threads ([`Handlers::make`]).
     pub(crate) fn pick(
         &mut self,
         consumer: &str,
         make: &mut Vec<usize>,
-    ) -> Option<(usize, HandlerRef)> {
+    ) -> Option<(SlotUse, HandlerRef)> {
         let n = self.slots.len();
         let mut best: Option<(usize, u32)> = None;
         for k in 0..n {
@@ -146,8 +149,9 @@ impl Handlers {
             let slot = &mut self.slots[i];
             match &slot.state {
                 State::Ready(h) if h.connected() => {
-                    if best.is_none_or(|(_, users)| slot.users < users) {
-                        best = Some((i, slot.users));
+                    let users = slot.users.get();
+                    if best.is_none_or(|(_, fewest)| users < fewest) {
+                        best = Some((i, users));
                     }
                 }
                 State::Ready(_) => {
@@ -164,18 +168,11 @@ impl Handlers {
         }
         let (i, _) = best?;
         self.next = (i + 1) % n;
-        let slot = &mut self.slots[i];
-        slot.users += 1;
+        let slot = &self.slots[i];
         match &slot.state {
-            State::Ready(h) => Some((i, h.clone())),
+            State::Ready(h) => Some((SlotUse::new(&slot.users, 1), h.clone())),
             _ => unreachable!("picked a live handler"),
         }
-    }
-
-    /// A loop given slot `i` by [`Handlers::pick`] has ended.
-    pub(crate) fn release(&mut self, i: usize) {
-        let slot = &mut self.slots[i];
-        slot.users = slot.users.saturating_sub(1);
     }
 
     /// Runs the factory on slot `i`'s thread. A factory that panics is contained there; the
@@ -228,3 +225,37 @@ impl Handlers {
 }
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// One use of a handler slot: by a batch loop (or a replay) while it runs, and by a call
+/// parked past its timeout until its handler lets go (`lend::Hung::park` holds one made by
+/// [`SlotUse::blocked`]). Counted while it lives; a parked call counts as [`BLOCKED`] uses,
+/// since its handler may be blocking the slot's thread, so that a loop is given such a thread
+/// only when every thread is blocked.
+pub(crate) struct SlotUse {
+    users: Rc<Cell<u32>>,
+    weight: u32,
+}
+
+/// What a call parked past its timeout counts for on its slot.
+const BLOCKED: u32 = 1 << 16;
+
+impl SlotUse {
+    fn new(users: &Rc<Cell<u32>>, weight: u32) -> Self {
+        users.set(users.get().saturating_add(weight));
+        SlotUse {
+            users: users.clone(),
+            weight,
+        }
+    }
+
+    /// A use of the same slot by a call parked past its timeout.
+    pub(crate) fn blocked(&self) -> SlotUse {
+        SlotUse::new(&self.users, BLOCKED)
+    }
+}
+
+impl Drop for SlotUse {
+    fn drop(&mut self) {
+        self.users.set(self.users.get().saturating_sub(self.weight));
+    }
+}

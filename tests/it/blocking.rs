@@ -233,3 +233,74 @@ async fn handlers_run_on_their_group_threads_never_the_runtimes() {
     assert_eq!(threads[2], threads[3], "one thread group, one thread");
     rt.shutdown().await;
 }
+
+/// Blocks its thread far past its timeout on the first attempt of aggregate `hang`; returns
+/// at once otherwise.
+#[derive(Clone)]
+struct HangsOnce;
+
+impl Actor for HangsOnce {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for HangsOnce {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        if d.aggregate_id() == "hang" && d.attempt() == 1 {
+            std::thread::sleep(Duration::from_secs(3));
+        }
+        Ok(())
+    }
+}
+
+/// A call parked past its timeout may still block its thread: the consumer's loops are given
+/// its other thread, so no event queues behind the blocked call to be charged a timeout it
+/// never ran into.
+#[actix_rt::test]
+async fn a_thread_a_parked_call_blocks_is_given_to_no_loop() {
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("two-loops", 3)
+                .concurrency(2)
+                .batch_size(1)
+                .handler_timeout(Duration::from_millis(300)),
+            || HangsOnce,
+        )
+        .start()
+        .await
+        .expect("start runtime");
+    let conn = db.pool.get().await.unwrap();
+    let mut events = vec![actix_outbox::NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        "hang",
+        serde_json::json!({}),
+    )];
+    events.extend((0..6).map(|i| {
+        actix_outbox::NewEvent::new(
+            "ORDER_STATUS_CHANGED",
+            "order",
+            format!("o{i}"),
+            serde_json::json!({}),
+        )
+    }));
+    for e in &events {
+        actix_outbox::enqueue(&conn, e).await.unwrap();
+    }
+    drop(conn);
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE aggregate_id <> 'hang' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 6, WAIT).await, 6);
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE aggregate_id <> 'hang' AND (attempt_count <> 1 OR error_code IS NOT NULL)";
+    assert_eq!(
+        db.count(charged).await,
+        0,
+        "an event was charged behind the blocked call"
+    );
+    rt.shutdown().await;
+}
