@@ -87,6 +87,20 @@ async fn stream_messages(url: &str, s: &NatsStream) -> u64 {
     st.info().await.expect("stream info").state.messages
 }
 
+/// Creates stream `s` in memory before any service does, as another producer might have, so
+/// that raw messages can be published to it first.
+async fn create_stream(js: &async_nats::jetstream::Context, s: &NatsStream) {
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: s.name().to_owned(),
+        subjects: vec![format!("{}.>", s.name().to_lowercase())],
+        duplicate_window: Duration::from_secs(120),
+        storage: StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+}
+
 async fn delete_stream(url: &str, s: &NatsStream) {
     let js = async_nats::jetstream::new(client(url).await);
     let _ = js.delete_stream(s.name()).await;
@@ -498,15 +512,7 @@ async fn messages_that_cannot_be_recorded_do_not_hold_up_the_others() {
     let dst = TestDb::new().await;
     let s = stream(StorageType::Memory);
     let js = async_nats::jetstream::new(client(&url).await);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: s.name().to_owned(),
-        subjects: vec![format!("{}.>", s.name().to_lowercase())],
-        duplicate_window: Duration::from_secs(120),
-        storage: StorageType::Memory,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create_stream(&js, &s).await;
     let ids: Vec<uuid::Uuid> = (0..3).map(|_| uuid::Uuid::now_v7()).collect();
     publish_raw(
         &url,
@@ -574,14 +580,7 @@ async fn an_event_no_consumer_here_subscribes_to_is_recorded_and_raises_the_alar
     let dst = TestDb::new().await;
     let s = stream(StorageType::Memory);
     let js = async_nats::jetstream::new(client(&url).await);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: s.name().to_owned(),
-        subjects: vec![format!("{}.>", s.name().to_lowercase())],
-        storage: StorageType::Memory,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create_stream(&js, &s).await;
     let routed = uuid::Uuid::now_v7();
     publish_raw(
         &url,
@@ -643,14 +642,7 @@ async fn a_lost_durable_consumer_is_not_recreated_from_the_streams_start() {
     let dst = TestDb::new().await;
     let s = stream(StorageType::Memory);
     let js = async_nats::jetstream::new(client(&url).await);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: s.name().to_owned(),
-        subjects: vec![format!("{}.>", s.name().to_lowercase())],
-        storage: StorageType::Memory,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create_stream(&js, &s).await;
     let first = uuid::Uuid::now_v7();
     publish_raw(
         &url,

@@ -55,6 +55,20 @@ async fn resume(db: &TestDb, consumer: &str) {
     resume_consumer(&mut conn, &name, "test").await.unwrap();
 }
 
+/// A runtime with the one consumer `cfg`, its handler actors made by `make`.
+async fn start_one<A, F>(db: &TestDb, cfg: ConsumerConfig, make: F) -> OutboxRuntime
+where
+    A: Actor<Context = Context<A>> + Handler<Delivery>,
+    F: Fn() -> A + Send + Sync + 'static,
+{
+    OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(cfg, make)
+        .start()
+        .await
+        .expect("start runtime")
+}
+
 fn recorder(name: &str) -> impl Fn() -> Recorder + Send + Sync + 'static {
     let name = name.to_owned();
     move || Recorder {
@@ -208,19 +222,16 @@ async fn a_consumer_waiting_for_a_place_keeps_its_lease_and_charges_no_innocent_
     let db = TestDb::new().await;
     let holder = Holder::default();
     let h = holder.clone();
-    let rt = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(
-            consumer("stuck", 3)
-                .batch_size(10)
-                .concurrency(1)
-                .handler_timeout(Duration::from_millis(300))
-                .lease(Duration::from_secs(1)),
-            move || h.clone(),
-        )
-        .start()
-        .await
-        .expect("start runtime");
+    let rt = start_one(
+        &db,
+        consumer("stuck", 3)
+            .batch_size(10)
+            .concurrency(1)
+            .handler_timeout(Duration::from_millis(300))
+            .lease(Duration::from_secs(1)),
+        move || h.clone(),
+    )
+    .await;
     let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o{i}"))).collect();
     enqueue(&db, &events).await;
     rt.handle().wake();
@@ -266,17 +277,14 @@ async fn a_consumer_waiting_for_a_place_keeps_its_lease_and_charges_no_innocent_
 #[actix_rt::test]
 async fn a_live_session_past_its_lease_is_given_patience_and_a_dead_one_is_not() {
     let db = TestDb::new().await;
-    let rt = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(
-            consumer("judged", 3)
-                .handler_timeout(Duration::from_millis(400))
-                .lease(Duration::from_secs(1)),
-            recorder("judged"),
-        )
-        .start()
-        .await
-        .expect("start runtime");
+    let rt = start_one(
+        &db,
+        consumer("judged", 3)
+            .handler_timeout(Duration::from_millis(400))
+            .lease(Duration::from_secs(1)),
+        recorder("judged"),
+    )
+    .await;
     pause(&db, "judged").await;
     enqueue(&db, &[order("live"), order("dead")]).await;
     rt.handle().wake();
@@ -413,12 +421,7 @@ async fn deploy_child_entry() {
 #[actix_rt::test]
 async fn graceful_restarts_mid_handler_spend_no_attempt() {
     let db = TestDb::new().await;
-    let setup = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(deploy_consumer(), recorder("deploy"))
-        .start()
-        .await
-        .expect("start runtime");
+    let setup = start_one(&db, deploy_consumer(), recorder("deploy")).await;
     setup.shutdown().await;
     let events: Vec<NewEvent> = (0..DEPLOY_EVENTS)
         .map(|i| order(&format!("o{i}")))
@@ -440,12 +443,7 @@ async fn graceful_restarts_mid_handler_spend_no_attempt() {
     }
     // Whatever the reaper makes of what the children left, it has made by now: a dead
     // process's leases are judged on the next poll.
-    let rt = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(deploy_consumer(), recorder("deploy"))
-        .start()
-        .await
-        .expect("start runtime");
+    let rt = start_one(&db, deploy_consumer(), recorder("deploy")).await;
     rt.handle().wake();
     let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                 WHERE consumer = 'deploy' AND status = 'PROCESSED'";
@@ -536,17 +534,14 @@ async fn an_operators_ignore_of_a_row_in_flight_is_refused_and_its_batch_settles
     let db = TestDb::new().await;
     let holder = Holder::default();
     let h = holder.clone();
-    let rt = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(
-            consumer("held", 3)
-                .batch_size(3)
-                .handler_timeout(Duration::from_secs(60)),
-            move || h.clone(),
-        )
-        .start()
-        .await
-        .expect("start runtime");
+    let rt = start_one(
+        &db,
+        consumer("held", 3)
+            .batch_size(3)
+            .handler_timeout(Duration::from_secs(60)),
+        move || h.clone(),
+    )
+    .await;
     pause(&db, "held").await;
     enqueue(&db, &[order("a"), order("b"), order("c")]).await;
     rt.handle().wake();
