@@ -190,7 +190,9 @@ impl Hung {
     /// process they are counted among what the process held. A task watches the handler from
     /// this moment: it renews the rows' lease (the process lives), and once the handler lets
     /// go it drops the connection if it got it (still inside the batch's transaction: the pool
-    /// closes it, PostgreSQL rolls back), then settles the rows with `outcomes`. Returns once
+    /// closes it, PostgreSQL rolls back), then settles the rows with `outcomes`. A handler
+    /// that still holds on [`GRACE`] after this has its rows settled then and its database
+    /// session ended, so that it holds no lock and no snapshot however long it hangs. Returns once
     /// the task holds one of the consumer's places, or the handler let go first: while every
     /// place is taken the consumer stalls, alone, until one of its handlers lets go.
     pub(crate) async fn park(
@@ -211,15 +213,20 @@ impl Hung {
         actix_rt::spawn(async move {
             // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile its
             // rows stay leased, renewed from the first moment, a wait for a place included.
-            // Should the handler's database session end first (a server-side timeout, on a
-            // dead network say), its transaction can never commit: the rows are settled then,
-            // and only the connection and the place stay with the handler.
+            // Should the handler's database session end (a server-side timeout, on a dead
+            // network say, or the engine ending it past the grace), its transaction can never
+            // commit: the rows are settled then, and only the connection, the thread and the
+            // place stay with the handler.
             let (consumer, redact) = (cfg.name.clone(), cfg.redact.clone());
             let mut placed = Some(placed);
             let mut place = None;
             let mut waited = false;
             let mut renewed: Option<tokio::time::Instant> = None;
             let mut outcomes = Some(outcomes);
+            // When the lease was claimed, learnt at its first renewal: it tells the
+            // handler's session from a later one given the same pid.
+            let mut claimed = None;
+            let end_at = tokio::time::Instant::now() + GRACE;
             while Arc::strong_count(&slot) > 1 {
                 if place.is_none() {
                     if let Ok(p) = places.clone().try_acquire_owned() {
@@ -242,7 +249,10 @@ impl Hung {
                         super::log::waiting_for_hung(&cfg, true);
                     }
                 }
-                if outcomes.is_some() && renewed.is_none_or(|at| at.elapsed() >= lease / 3) {
+                let ending = claimed.is_some() && tokio::time::Instant::now() >= end_at;
+                if outcomes.is_some()
+                    && (ending || renewed.is_none_or(|at| at.elapsed() >= lease / 3))
+                {
                     renewed = Some(tokio::time::Instant::now());
                     if let Ok(mut conn) = pool.get().await {
                         let alive = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -252,12 +262,24 @@ impl Hung {
                             drop(conn);
                             let left = outcomes.take().unwrap_or_default();
                             settle(&pool, &consumer, &redact, left).await;
+                        } else if let (true, Some(since)) = (ending, claimed) {
+                            // Past the grace: the rows are settled first (so the lease never
+                            // names a session that is gone), then the session is ended.
+                            drop(conn);
+                            let left = outcomes.take().unwrap_or_default();
+                            if settle(&pool, &consumer, &redact, left.clone()).await {
+                                end_session(&pool, &cfg, backend, since).await;
+                            } else {
+                                outcomes = Some(left);
+                            }
                         } else if let Some(token) = token {
                             let lease_ms = crate::store::millis(lease);
-                            let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                            let extended = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
                                 inbox::extend(c, token, lease_ms).await
-                            })
-                            .await;
+                            });
+                            if let Ok(Some(at)) = extended.await {
+                                claimed = Some(at);
+                            }
                         }
                     }
                 }
@@ -284,9 +306,14 @@ impl Hung {
     }
 }
 
-/// Settles a parked call's rows. On failure they stay leased, and the reaper settles them
-/// once their lease expires.
-async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outcomes: Vec<Outcome>) {
+/// Settles a parked call's rows; returns whether that went through. On failure they stay
+/// leased, and the reaper settles them once their lease expires.
+async fn settle(
+    pool: &PgPool,
+    consumer: &ConsumerName,
+    redact: &Redactor,
+    outcomes: Vec<Outcome>,
+) -> bool {
     let settled = match pool.get().await {
         Ok(mut conn) => {
             store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -296,9 +323,57 @@ async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outco
         }
         Err(e) => Err(e.into()),
     };
-    if let Err(e) = settled {
+    if let Err(e) = &settled {
         tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
     }
+    settled.is_ok()
+}
+
+/// Ends the database session of a call hung past its timeout and [`GRACE`], whose rows are
+/// settled: its transaction could never commit, and while it lasts it holds its row locks
+/// and the vacuum horizon. The handler keeps its thread and its place until it lets go.
+async fn end_session(pool: &PgPool, cfg: &ConsumerConfig, backend: i32, claimed_at: Since) {
+    let ended = match pool.get().await {
+        Ok(mut conn) => {
+            store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                inbox::end_session(c, backend, claimed_at).await
+            })
+            .await
+        }
+        Err(e) => Err(e.into()),
+    };
+    match ended {
+        Ok(true) => {
+            crate::telemetry::metrics::handler_session_ended(cfg.name.as_str());
+            tracing::warn!(
+                consumer = %cfg.name, backend, timeout = ?cfg.handler_timeout, grace = ?GRACE,
+                code = HANDLER_SESSION_ENDED,
+                "a handler hung past its timeout and the grace: its database session was ended, \
+                 releasing its locks and its snapshot; its attempt is charged"
+            );
+        }
+        Ok(false) => {}
+        Err(e) => tracing::warn!(consumer = %cfg.name, backend, error = %e,
+            "could not end a hung handler's database session"),
+    }
+}
+
+type Since = chrono::DateTime<chrono::Utc>;
+
+/// How long past its timeout a hung call keeps its database session. Then its rows are
+/// settled and its session is ended (see [`Hung::park`]); the server cuts a statement of it
+/// at the same bound ([`statement_timeout`]).
+pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The code of the warning (and of the health reason) for a hung handler's session ended.
+pub(crate) const HANDLER_SESSION_ENDED: &str = "HANDLER_SESSION_ENDED";
+
+/// The `statement_timeout` a handler's transaction runs under: its timeout and the
+/// [`GRACE`], but never less than [`DB_TIMEOUT`], so that the server never cuts one of the
+/// engine's own statements (its settle and commit share the transaction) sooner than the
+/// engine itself would give up on it.
+pub(crate) fn statement_timeout(cfg: &ConsumerConfig) -> std::time::Duration {
+    (cfg.handler_timeout + GRACE).max(DB_TIMEOUT)
 }
 
 /// How often a parked call looks whether its handler has let go.

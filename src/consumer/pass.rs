@@ -47,7 +47,7 @@ impl Pass<'_> {
         out: &mut BatchOutcome,
     ) -> Result<PassEnd> {
         let cfg = self.cfg;
-        tm(&mut conn, Step::Begin).await?;
+        begin(&mut conn, cfg).await?;
         // Rows handed over in one call: a batch handler gets all of the fast pass's; a
         // handler of one delivery, up to `pipeline` of them at once; a careful pass, one.
         let limit = match self.handler {
@@ -311,6 +311,19 @@ pub(super) async fn tm(conn: &mut OwnedConn, step: Step) -> Result<()> {
             Step::Commit => Tm::commit_transaction(c).await?,
             Step::Rollback => Tm::rollback_transaction(c).await?,
         }
+        Ok(())
+    })
+    .await
+}
+
+/// Begins the transaction a handler is lent, under the consumer's
+/// [`statement_timeout`](lend::statement_timeout): a statement of a hung handler (a lock wait,
+/// a runaway query) is cut by the server even when this process can no longer act.
+pub(super) async fn begin(conn: &mut OwnedConn, cfg: &ConsumerConfig) -> Result<()> {
+    let ms = lend::statement_timeout(cfg).as_millis();
+    let sql = format!("BEGIN; SET LOCAL statement_timeout = {ms}");
+    store::bounded(conn, DB_TIMEOUT, async |c| {
+        Tm::begin_transaction_sql(c, &sql).await?;
         Ok(())
     })
     .await

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use super::actor::HandlerRef;
 use super::decide::{decide, handler_timed_out};
-use super::pass::{tm, upcast, Step};
+use super::pass::{begin, tm, upcast, Step};
 use super::{lend, ConsumerConfig, DeliveryMode, HandlerError};
 use crate::error::Result;
 use crate::store::inbox::InboxRow;
@@ -66,7 +66,7 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
     if wait != Some(Duration::ZERO) {
         return Ok(StepEnd::Wait(wait));
     }
-    tm(&mut conn, Step::Begin).await?;
+    begin(&mut conn, cfg).await?;
     let locked = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
         stmt::lock_due(c, name).await
     });

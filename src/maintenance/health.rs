@@ -15,7 +15,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::store::stats::Sample;
+use crate::store::stats::{ConsumerGauges, Sample};
 
 /// Overall state, ordered: the report takes the worst of its reasons.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -338,6 +338,21 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                 ),
             );
         }
+        let ended = recent_sum(cfg, &c.consumer, current, previous, |c| c.sessions_ended);
+        if ended > 0 {
+            report.push(
+                HealthState::Warning,
+                crate::consumer::HANDLER_SESSION_ENDED,
+                name,
+                format!(
+                    "{} had {} a handler hung past its timeout and the grace: the engine ended \
+                     {}, releasing its locks and snapshot, and charged the attempt",
+                    c.consumer,
+                    plural(ended as i64, "database session"),
+                    if ended == 1 { "it" } else { "them" }
+                ),
+            );
+        }
         if c.dead_letter > 0 {
             report.push(
                 HealthState::Warning,
@@ -468,6 +483,26 @@ struct DuplicateCheck {
 /// Duplicates per delivery (new rows + duplicates) in the last `trend_samples` samples of every
 /// instance (each sample holds what its own instance counted), against the same rate over the
 /// older ones.
+/// `field` of `consumer` summed over the recent samples (the current one and those the trend
+/// is judged on).
+fn recent_sum(
+    cfg: &HealthConfig,
+    consumer: &str,
+    current: &Sample,
+    previous: &[Sample],
+    field: impl Fn(&ConsumerGauges) -> u64,
+) -> u64 {
+    let older = previous
+        .len()
+        .saturating_sub(cfg.trend_samples.saturating_sub(1));
+    previous[older..]
+        .iter()
+        .chain(std::iter::once(current))
+        .flat_map(|s| s.consumers.iter().filter(|c| c.consumer == consumer))
+        .map(field)
+        .sum()
+}
+
 fn duplicates(
     cfg: &HealthConfig,
     consumer: &str,
@@ -523,7 +558,7 @@ pub(crate) fn human(seconds: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::stats::{ConsumerGauges, OutboxGauges};
+    use crate::store::stats::OutboxGauges;
 
     fn at(secs: i64) -> DateTime<Utc> {
         DateTime::from_timestamp(1_800_000_000 + secs, 0).unwrap()

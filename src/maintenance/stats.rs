@@ -236,6 +236,7 @@ fn add_deltas(sample: &mut Sample, deltas: &m::Deltas) {
             c.duplicates = d.duplicates;
             c.failed = d.failed;
             c.dead_lettered = d.dead_lettered;
+            c.sessions_ended = d.sessions_ended;
         }
     }
 }

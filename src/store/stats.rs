@@ -54,6 +54,8 @@ pub(crate) struct ConsumerGauges {
     pub duplicates: u64,
     pub failed: u64,
     pub dead_lettered: u64,
+    /// Hung handlers' database sessions the engine ended.
+    pub sessions_ended: u64,
 }
 
 /// What the stats sampler saw at one moment.

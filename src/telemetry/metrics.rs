@@ -44,6 +44,9 @@ pub(crate) const INBOX_DUPLICATE_TOTAL: &str = "inbox_duplicate_total";
 pub(crate) const INBOX_FAILED_TOTAL: &str = "inbox_failed_total";
 /// Rows moved to DEAD_LETTER (counter).
 pub(crate) const INBOX_DEAD_LETTERED_TOTAL: &str = "inbox_dead_lettered_total";
+/// Database sessions of handlers hung past their timeout and the grace, ended by the engine
+/// (counter).
+pub(crate) const HANDLER_SESSIONS_ENDED_TOTAL: &str = "outbox_handler_sessions_ended_total";
 /// Rows not yet processed: RECEIVED + RETRY_PENDING (gauge).
 pub(crate) const INBOX_BACKLOG: &str = "inbox_backlog";
 /// Rows waiting for a retry (gauge).
@@ -200,6 +203,12 @@ pub(crate) const FAMILIES: &[Family] = &[
         "Inbox rows moved to DEAD_LETTER per consumer",
     ),
     family(
+        HANDLER_SESSIONS_ENDED_TOTAL,
+        Kind::Counter,
+        CONSUMER,
+        "Database sessions of handlers hung past their timeout and the grace, ended to release their locks and snapshot",
+    ),
+    family(
         INBOX_BACKLOG,
         Kind::Gauge,
         CONSUMER,
@@ -272,6 +281,7 @@ pub(crate) struct ConsumerDeltas {
     pub duplicates: u64,
     pub failed: u64,
     pub dead_lettered: u64,
+    pub sessions_ended: u64,
 }
 
 static TALLY: Mutex<Deltas> = Mutex::new(Deltas {
@@ -314,6 +324,7 @@ pub(crate) fn give_back(d: Deltas) {
         e.duplicates += d.duplicates;
         e.failed += d.failed;
         e.dead_lettered += d.dead_lettered;
+        e.sessions_ended += d.sessions_ended;
     }
 }
 
@@ -350,6 +361,11 @@ pub(crate) fn inbox_failed(consumer: &str, n: u64) {
 pub(crate) fn inbox_dead_lettered(consumer: &str, n: u64) {
     consumer_counter(INBOX_DEAD_LETTERED_TOTAL, consumer, n);
     bump_consumer(consumer, n, |d| &mut d.dead_lettered);
+}
+/// A hung handler's database session of `consumer` ended by the engine.
+pub(crate) fn handler_session_ended(consumer: &str) {
+    consumer_counter(HANDLER_SESSIONS_ENDED_TOTAL, consumer, 1);
+    bump_consumer(consumer, 1, |d| &mut d.sessions_ended);
 }
 /// Deliveries to `consumer` absorbed by the inbox because the event was already there.
 pub(crate) fn inbox_duplicate(consumer: &str, n: u64) {
@@ -642,6 +658,7 @@ mod tests {
             inbox_duplicate("c", 0);
             inbox_failed("c", 0);
             inbox_dead_lettered("c", 0);
+            consumer_counter(HANDLER_SESSIONS_ENDED_TOTAL, "c", 0);
             delivery_latency("c", 0.5);
             consumer_hung("c", 0);
             consumer_stalled("c", false);

@@ -3,19 +3,14 @@
 //! locks they hold or wait for, and their hold on the vacuum horizon. Each test counts what it
 //! checks in `pg_locks` and `pg_stat_activity`.
 //!
-//! **A known limit, issue 30 item 2: both tests fail today and are ignored.** A design that
-//! passes them (`SET LOCAL statement_timeout` with the batch's `BEGIN`, the parking task
-//! ending the hung session after the grace) was tried and taken back after review: ending the
-//! session made the reaper judge the live process (its lease names that session), the rows
-//! were settled while the handler still ran (so the event could run twice at once), and the
-//! server-side bound also cut the engine's own settle statements. The next design keeps the
-//! rows leased until the handler lets go, takes the lease off the session-liveness rule before
-//! ending the session, and bounds only the handler's statements.
+//! The engine settles such a call's rows and ends its session after the grace (`lend.rs`),
+//! and the server cuts a statement of it at the same bound (`statement_timeout`).
 
 use crate::common;
 
 use std::time::Duration;
 
+use actix_outbox::health::{StatsConfig, StatsSampler};
 use actix_outbox::{Delivery, HandlerError, OutboxRuntime, RetryPolicy};
 use common::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -55,8 +50,12 @@ async fn start(db: &TestDb, name: &str, work: &'static str, hang: bool) -> Outbo
     let pool = actix_outbox::db::connect_with(&db.url, 16, &settings)
         .await
         .unwrap();
+    // The runtime's own sampler takes no sample during the test: the test's does.
+    let quiet = StatsConfig::default()
+        .interval(Duration::from_secs(3600))
+        .history(Duration::from_secs(86_400));
     OutboxRuntime::builder(pool)
-        .config(fast_runtime())
+        .config(fast_runtime().stats(quiet))
         .consumer_fn(cfg, move |d: Delivery| async move {
             let mut conn = d.conn().await?;
             conn.batch_execute(work)
@@ -71,6 +70,23 @@ async fn start(db: &TestDb, name: &str, work: &'static str, hang: bool) -> Outbo
         .start()
         .await
         .unwrap()
+}
+
+/// VACUUMs `churn` and returns how many dead row versions it had to leave.
+async fn dead_after_vacuum(conn: &mut AsyncPgConnection) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct Dead {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    for step in ["CREATE EXTENSION IF NOT EXISTS pgstattuple", "VACUUM churn"] {
+        conn.batch_execute(step).await.unwrap();
+    }
+    let d: Dead = diesel::sql_query("SELECT dead_tuple_count AS n FROM pgstattuple('churn')")
+        .get_result(conn)
+        .await
+        .unwrap();
+    d.n
 }
 
 async fn backend(conn: &mut AsyncPgConnection) -> i32 {
@@ -91,7 +107,6 @@ async fn backend(conn: &mut AsyncPgConnection) -> i32 {
 /// then), so its lock request and its transaction are gone while the other session still holds
 /// the row, and its attempt is counted.
 #[actix_rt::test]
-#[ignore = "issue 30 item 2: a hung handler is not yet bounded in the database"]
 async fn a_handler_stuck_on_a_row_lock_lets_go_of_the_database_within_its_timeout_and_grace() {
     let db = TestDb::new().await;
     let mut blocker = AsyncPgConnection::establish(&db.url).await.unwrap();
@@ -141,10 +156,10 @@ async fn a_handler_stuck_on_a_row_lock_lets_go_of_the_database_within_its_timeou
 
 /// A handler takes a row lock and then hangs outside the database, keeping its connection and
 /// its transaction open: the engine ends its session after the grace, so the row can be
-/// written by others and no transaction of it holds the vacuum horizon, while the handler
-/// itself still runs.
+/// written by others and no transaction of it holds the vacuum horizon (VACUUM then removes
+/// the dead rows it held back), while the handler itself still runs. Health names the
+/// consumer and says why.
 #[actix_rt::test]
-#[ignore = "issue 30 item 2: a hung handler is not yet bounded in the database"]
 async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace() {
     let db = TestDb::new().await;
     let mut other = AsyncPgConnection::establish(&db.url).await.unwrap();
@@ -170,11 +185,35 @@ async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace
         1,
         "the handler holds the row"
     );
+    // Dead rows made while the hung transaction runs: VACUUM may not remove them yet.
+    other
+        .batch_execute(
+            "CREATE TABLE churn (id int PRIMARY KEY, n int) WITH (autovacuum_enabled = off); \
+             INSERT INTO churn VALUES (1, 0); \
+             DO $$ BEGIN FOR i IN 1..100 LOOP UPDATE churn SET n = n + 1; END LOOP; END $$;",
+        )
+        .await
+        .unwrap();
+    assert!(dead_after_vacuum(&mut other).await >= 100, "held back");
     assert_eq!(
         db.wait_for(took, 0, WAIT).await,
         0,
         "the hung handler's session outlived its timeout and grace"
     );
+    assert_eq!(
+        dead_after_vacuum(&mut other).await,
+        0,
+        "VACUUM still could not remove the dead rows"
+    );
+    let sampler = StatsSampler::new(db.pool.clone(), StatsConfig::default()).unwrap();
+    let report = sampler.run_once().await.unwrap();
+    let why: Vec<_> = report
+        .reasons
+        .iter()
+        .filter(|r| r.code == "HANDLER_SESSION_ENDED")
+        .collect();
+    assert_eq!(why.len(), 1, "{report:?}");
+    assert_eq!(why[0].consumer.as_deref(), Some("hung"), "{why:?}");
     assert_eq!(
         db.count(&holding(&db, me, 8)).await,
         0,
@@ -201,4 +240,41 @@ async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace
         "its attempt counted once"
     );
     db.finish(&[&rt]).await;
+}
+
+/// A handler's statements run under a `statement_timeout` of its timeout and the grace, so the
+/// server cuts a hung statement even when the process can no longer act; never under the
+/// engine's own bound for a statement (20 s), so the engine's statements in the same
+/// transaction are not cut sooner than it would give up on them itself.
+#[actix_rt::test]
+async fn a_handlers_statements_run_under_a_statement_timeout_that_follows_its_timeout() {
+    let db = TestDb::new().await;
+    let mut rts = Vec::new();
+    for (name, timeout) in [("slow", 30), ("quick", 1)] {
+        let cfg = consumer(name, 1).handler_timeout(Duration::from_secs(timeout));
+        let rt = OutboxRuntime::builder(db.pool.clone())
+            .config(fast_runtime())
+            .consumer_fn(cfg, move |d: Delivery| async move {
+                let mut conn = d.conn().await?;
+                let sql = format!(
+                    "INSERT INTO orders (id, status) \
+                     VALUES ('{name}', current_setting('statement_timeout'))"
+                );
+                conn.batch_execute(&sql)
+                    .await
+                    .map_err(|e| HandlerError::retry(e.to_string()))
+            })
+            .start()
+            .await
+            .unwrap();
+        rts.push(rt);
+    }
+    db.enqueue_one("o-1").await;
+    for rt in &rts {
+        rt.handle().wake();
+    }
+    let seen = "SELECT count(*) AS n FROM orders WHERE (id, status) IN (('slow', '35s'), ('quick', '20s'))";
+    assert_eq!(db.wait_for(seen, 2, WAIT).await, 2);
+    let refs: Vec<&OutboxRuntime> = rts.iter().collect();
+    db.finish(&refs).await;
 }

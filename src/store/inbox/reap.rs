@@ -1,7 +1,8 @@
 //! The leases of loops that died: judging their processes, and expiring or extending a
 //! lease.
 
-use diesel::sql_types::{BigInt, Integer, Text, Uuid as SqlUuid};
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Integer, Text, Timestamptz, Uuid as SqlUuid};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
@@ -100,20 +101,58 @@ pub(crate) async fn expire(
 /// Extends lease `token` to `lease_ms` from now: its rows' handler still runs past its
 /// timeout, in a process that lives. Such a lease tests no suspect any more (the hung call was
 /// charged its timeout), so it no longer keeps the process's next suspect waiting
-/// (`inbox_claim.sql`).
-pub(crate) async fn extend(conn: &mut AsyncPgConnection, token: i64, lease_ms: i64) -> Result<()> {
-    Prepared(
+/// (`inbox_claim.sql`). Returns when the lease was claimed (`None`: it is gone), which
+/// [`end_session`] needs.
+pub(crate) async fn extend(
+    conn: &mut AsyncPgConnection,
+    token: i64,
+    lease_ms: i64,
+) -> Result<Option<DateTime<Utc>>> {
+    #[derive(QueryableByName)]
+    struct Claimed {
+        #[diesel(sql_type = Timestamptz)]
+        claimed_at: DateTime<Utc>,
+    }
+    let claimed: Vec<Claimed> = Prepared(
         crate::store::sql(
             "UPDATE actix_outbox.inbox_leases SET locked_until = now() + $2 * interval '1 millisecond', \
                  alone = false \
-             WHERE token = $1",
+             WHERE token = $1 RETURNING claimed_at",
         )
         .bind::<BigInt, _>(token)
         .bind::<BigInt, _>(lease_ms),
     )
-    .execute(conn)
+    .load(conn)
     .await?;
-    Ok(())
+    Ok(claimed.into_iter().next().map(|c| c.claimed_at))
+}
+
+/// Ends database session `backend`, which a lease claimed at `claimed_at` was taken on: its
+/// transaction rolls back, and its locks and its hold on the vacuum horizon go with it. Only
+/// that session is ended: one that started after the claim is another that was given the same
+/// pid. Returns whether it was signalled. It is not waited for: a statement waiting would hold
+/// a snapshot itself.
+pub(crate) async fn end_session(
+    conn: &mut AsyncPgConnection,
+    backend: i32,
+    claimed_at: DateTime<Utc>,
+) -> Result<bool> {
+    #[derive(QueryableByName)]
+    struct Ended {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        ended: bool,
+    }
+    let r: Ended = Prepared(
+        crate::store::sql(
+            "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) AS ended \
+             FROM pg_stat_activity WHERE pid = $1 AND backend_start <= $2",
+        )
+        .bind::<Integer, _>(backend)
+        .bind::<Timestamptz, _>(claimed_at),
+    )
+    .get_result(conn)
+    .await?;
+    Ok(r.ended)
 }
 
 /// Whether database session `backend` still exists. A handler's transaction whose session is
