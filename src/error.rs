@@ -78,6 +78,13 @@ impl ErrorCode {
     /// receiver does not recreate it from the stream's start (that would apply again every
     /// event whose processed inbox row retention deleted) and waits for an operator.
     pub const NATS_CONSUMER_LOST: ErrorCode = ErrorCode::from_static("NATS_CONSUMER_LOST");
+    /// A replay reached the end of its range with fewer rows re-applied than it counted when
+    /// it was asked for: rows were deleted (by retention, say) before it reached them. It
+    /// ends FAILED instead of DONE; what it applied stays applied.
+    pub const REPLAY_GAP: ErrorCode = ErrorCode::from_static("REPLAY_GAP");
+    /// A handler hung past its timeout and the grace: its rows were settled and its database
+    /// session ended, releasing its locks and its snapshot (a warning and a health reason).
+    pub const HANDLER_SESSION_ENDED: ErrorCode = ErrorCode::from_static("HANDLER_SESSION_ENDED");
 
     /// A code known at compile time.
     pub const fn from_static(code: &'static str) -> Self {

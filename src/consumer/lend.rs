@@ -330,9 +330,15 @@ async fn settle(
 }
 
 /// Ends the database session of a call hung past its timeout and [`GRACE`], whose rows are
-/// settled: its transaction could never commit, and while it lasts it holds its row locks
-/// and the vacuum horizon. The handler keeps its thread and its place until it lets go.
-async fn end_session(pool: &PgPool, cfg: &ConsumerConfig, backend: i32, claimed_at: Since) {
+/// settled (or replay step recorded): its transaction could never commit, and while it lasts
+/// it holds its row locks and the vacuum horizon. The handler keeps its thread (and its
+/// place) until it lets go. `claimed_at`: a time the session was the call's.
+pub(crate) async fn end_session(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    backend: i32,
+    claimed_at: Since,
+) {
     let ended = match pool.get().await {
         Ok(mut conn) => {
             store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -347,7 +353,7 @@ async fn end_session(pool: &PgPool, cfg: &ConsumerConfig, backend: i32, claimed_
             crate::telemetry::metrics::handler_session_ended(cfg.name.as_str());
             tracing::warn!(
                 consumer = %cfg.name, backend, timeout = ?cfg.handler_timeout, grace = ?GRACE,
-                code = HANDLER_SESSION_ENDED,
+                code = %crate::error::ErrorCode::HANDLER_SESSION_ENDED,
                 "a handler hung past its timeout and the grace: its database session was ended, \
                  releasing its locks and its snapshot; its attempt is charged"
             );
@@ -364,9 +370,6 @@ type Since = chrono::DateTime<chrono::Utc>;
 /// settled and its session is ended (see [`Hung::park`]); the server cuts a statement of it
 /// at the same bound ([`statement_timeout`]).
 pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The code of the warning (and of the health reason) for a hung handler's session ended.
-pub(crate) const HANDLER_SESSION_ENDED: &str = "HANDLER_SESSION_ENDED";
 
 /// The `statement_timeout` a handler's transaction runs under: its timeout and the
 /// [`GRACE`], but never less than [`DB_TIMEOUT`], so that the server never cuts one of the

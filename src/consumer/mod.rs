@@ -91,6 +91,6 @@ pub use delivery::{Delivery, DeliveryBatch, DeliveryMode, SharedConn, TxConn};
 pub use handler_error::HandlerError;
 
 #[cfg(feature = "testing")]
-pub(crate) use lend::{call, hand_over, HANDLER_SESSION_ENDED};
+pub(crate) use lend::{call, hand_over};
 #[cfg(feature = "testing")]
 pub(crate) use pass::upcast;

@@ -70,7 +70,13 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
     let locked = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
         stmt::lock_due(c, name).await
     });
-    let Some((id, attempts, rate)) = locked.await? else {
+    let Some(stmt::Locked {
+        id,
+        attempts,
+        rate,
+        since,
+    }) = locked.await?
+    else {
         // Another instance is stepping it: look again after a poll interval.
         tm(&mut conn, Step::Rollback).await?;
         return Ok(StepEnd::Wait(Some(cfg.poll_interval)));
@@ -87,10 +93,22 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
     })
     .await?;
     let Some(last) = rows.last().map(|r| r.id) else {
-        // Nothing left past the cursor (the rest was deleted by retention): done.
+        // Nothing left past the cursor: done, or failed if rows it counted are gone.
         advance(&mut conn, id, None, 0).await?;
         return Ok(StepEnd::Stepped);
     };
+    let walked = rows.len() as i64;
+    if cfg.skip_stale {
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let stale =
+            store::bounded(&mut conn, DB_TIMEOUT, async |c| stmt::stale(c, &ids).await).await?;
+        rows.retain(|r| !stale.contains(&r.id));
+        if rows.is_empty() {
+            // Walked past, as a live delivery of them would be: counted as done.
+            advance(&mut conn, id, Some(last), walked).await?;
+            return Ok(StepEnd::Stepped);
+        }
+    }
     for row in &mut rows {
         if let Err(err) = upcast(cfg, row) {
             tm(&mut conn, Step::Rollback).await?;
@@ -99,11 +117,11 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
         }
     }
     let first = rows[0].clone_without_payload();
-    let applied = rows.len() as i64;
+    let backend = first.backend;
     let call = lend::hand_over(cfg, handler, conn, &mut rows, 1, DeliveryMode::Replay).await;
     let lost = call.lost;
     let failure = match (call.result, call.conn) {
-        (Ok(()), Some(mut conn)) => match advance(&mut conn, id, Some(last), applied).await {
+        (Ok(()), Some(mut conn)) => match advance(&mut conn, id, Some(last), walked).await {
             Ok(()) => None,
             // A handler that swallowed a failed statement leaves a transaction that cannot
             // commit.
@@ -120,22 +138,37 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
         }
         (result, None) => {
             // The handler still holds the connection (it overran its timeout), and with it the
-            // step's transaction and the replay's lock: wait until it lets go, then close it.
+            // step's transaction and the replay's lock. Past the grace its session is ended,
+            // which lets go of both (a cancel waits for that lock), and the step is recorded as
+            // failed; the handler keeps its thread until it lets go, then the connection is
+            // closed.
+            let err = result.err().unwrap_or_else(|| handler_timed_out(cfg));
             let slot = call.slot;
+            let end_at = tokio::time::Instant::now() + lend::GRACE;
+            let mut ended = false;
             while Arc::strong_count(&slot) > 1 {
+                if !ended && tokio::time::Instant::now() >= end_at {
+                    ended = true;
+                    lend::end_session(pool, cfg, backend, since).await;
+                    let mut conn = pool.get_owned().await?;
+                    fail(&mut conn, cfg, id, &first, &err).await?;
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             if let Some(mut held) = slot.write().await.take() {
                 store::poison(&mut held);
             }
-            let err = result.err().unwrap_or_else(|| handler_timed_out(cfg));
-            Some((pool.get_owned().await?, err))
+            if ended {
+                None
+            } else {
+                Some((pool.get_owned().await?, err))
+            }
         }
     };
     if let Some((mut conn, err)) = failure {
         fail(&mut conn, cfg, id, &first, &err).await?;
     } else {
-        tracing::debug!(consumer = %cfg.name, replay = id, applied, "replay step applied");
+        tracing::debug!(consumer = %cfg.name, replay = id, walked, "replay step applied");
     }
     Ok(if lost {
         StepEnd::HandlerLost

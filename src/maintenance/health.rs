@@ -342,7 +342,7 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
         if ended > 0 {
             report.push(
                 HealthState::Warning,
-                crate::consumer::HANDLER_SESSION_ENDED,
+                crate::error::ErrorCode::HANDLER_SESSION_ENDED.as_str(),
                 name,
                 format!(
                     "{} had {} a handler hung past its timeout and the grace: the engine ended \

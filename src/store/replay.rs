@@ -193,7 +193,8 @@ pub(crate) async fn list(
 }
 
 /// How long until the consumer's soonest running replay is due (zero: now); `None` when it
-/// has none running. Outside any transaction: the poll of a consumer with no replay costs
+/// has none running, or is paused (a replay waits for its consumer's resume, as its live
+/// deliveries do). Outside any transaction: the poll of a consumer with no replay costs
 /// this one round trip.
 pub(crate) async fn next_due(
     conn: &mut AsyncPgConnection,
@@ -204,16 +205,22 @@ pub(crate) async fn next_due(
         #[diesel(sql_type = Nullable<BigInt>)]
         ms: Option<i64>,
     }
-    let row: Wait = crate::store::sql(
+    // No row when none runs (`greatest` alone would make a NULL minimum 0: due now).
+    let rows: Vec<Wait> = crate::store::sql(
         "SELECT greatest(ceil(extract(epoch FROM min(next_step_at) - now()) * 1000), 0)::int8 \
                 AS ms \
-         FROM actix_outbox.replays WHERE consumer = $1 AND status = 'RUNNING'",
+         FROM actix_outbox.replays WHERE consumer = $1 AND status = 'RUNNING' \
+           AND NOT EXISTS (SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 \
+               AND s.paused AND (s.paused_until IS NULL OR s.paused_until > now())) \
+         HAVING count(*) > 0",
     )
     .bind::<Text, _>(consumer)
-    .get_result(conn)
+    .load(conn)
     .await?;
-    Ok(row
-        .ms
+    Ok(rows
+        .into_iter()
+        .next()
+        .and_then(|r| r.ms)
         .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)))
 }
 
@@ -223,25 +230,51 @@ pub(crate) async fn next_due(
 pub(crate) async fn lock_due(
     conn: &mut AsyncPgConnection,
     consumer: &str,
-) -> Result<Option<(i64, i32, f64)>> {
-    #[derive(QueryableByName)]
-    struct Locked {
-        #[diesel(sql_type = BigInt)]
-        id: i64,
-        #[diesel(sql_type = Integer)]
-        attempts: i32,
-        #[diesel(sql_type = Double)]
-        rate: f64,
-    }
+) -> Result<Option<Locked>> {
     let rows: Vec<Locked> = crate::store::sql(
-        "SELECT id, attempts, rate FROM actix_outbox.replays \
+        "SELECT id, attempts, rate, now() AS since FROM actix_outbox.replays \
          WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
          ORDER BY next_step_at, id LIMIT 1 FOR UPDATE SKIP LOCKED",
     )
     .bind::<Text, _>(consumer)
     .load(conn)
     .await?;
-    Ok(rows.into_iter().next().map(|r| (r.id, r.attempts, r.rate)))
+    Ok(rows.into_iter().next())
+}
+
+/// A replay locked for a step.
+#[derive(QueryableByName)]
+pub(crate) struct Locked {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    /// Failed attempts of the step it is at.
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+    #[diesel(sql_type = Double)]
+    pub rate: f64,
+    /// The step's transaction's start: its session existed by then.
+    #[diesel(sql_type = Timestamptz)]
+    pub since: DateTime<Utc>,
+}
+
+/// Of `ids`, the rows older than the version their consumer has recorded for their aggregate:
+/// a consumer that skips stale events would not apply them live, and does not re-apply them.
+pub(crate) async fn stale(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>> {
+    #[derive(QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+    }
+    let rows: Vec<Id> = crate::store::sql(
+        "SELECT i.id FROM actix_outbox.inbox_events i \
+         JOIN actix_outbox.aggregate_versions v ON v.consumer = i.consumer \
+              AND v.aggregate_type = i.aggregate_type AND v.aggregate_id = i.aggregate_id \
+         WHERE i.id = ANY ($1) AND i.aggregate_version < v.version",
+    )
+    .bind::<Array<BigInt>, _>(ids)
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().map(|r| r.id).collect())
 }
 
 /// The next `limit` rows of replay `id` past its cursor, as deliveries of attempt
@@ -270,7 +303,8 @@ pub(crate) async fn rows(
 
 /// Moves the cursor past `last` with `applied` rows more done, in the step's transaction; the
 /// next step is due when the rate allows. Done when the cursor reached the end (`last` is
-/// `None`: no rows were left).
+/// `None`: no rows were left), or FAILED with `REPLAY_GAP` if fewer rows were done than it
+/// counted when it was asked for: rows of its range were deleted before it reached them.
 pub(crate) async fn advance(
     conn: &mut AsyncPgConnection,
     id: i64,
@@ -278,12 +312,17 @@ pub(crate) async fn advance(
     applied: i64,
 ) -> Result<()> {
     crate::store::sql(
-        "UPDATE actix_outbox.replays SET cursor_id = coalesce($2, upto_id), done = done + $3, attempts = 0, \
-                error_code = NULL, last_error = NULL, \
-                next_step_at = now() + make_interval(secs => $3 / rate), \
-                status = CASE WHEN coalesce($2, upto_id) >= upto_id THEN 'DONE' ELSE status END, \
-                finished_at = CASE WHEN coalesce($2, upto_id) >= upto_id THEN now() END \
-         WHERE id = $1",
+        "UPDATE actix_outbox.replays r SET cursor_id = e.cursor_id, done = r.done + $3, attempts = 0, \
+                error_code = CASE WHEN e.gap THEN 'REPLAY_GAP' END, \
+                last_error = CASE WHEN e.gap THEN (r.total - r.done - $3) || ' of the ' || r.total \
+                    || ' rows it counted were deleted (by retention?) before it reached them' END, \
+                next_step_at = now() + make_interval(secs => $3 / r.rate), \
+                status = CASE WHEN e.gap THEN 'FAILED' WHEN e.ended THEN 'DONE' ELSE r.status END, \
+                finished_at = CASE WHEN e.ended THEN now() END \
+         FROM (SELECT coalesce($2, upto_id) AS cursor_id, coalesce($2, upto_id) >= upto_id AS ended, \
+                      coalesce($2, upto_id) >= upto_id AND done + $3 < total AS gap \
+               FROM actix_outbox.replays WHERE id = $1) e \
+         WHERE r.id = $1",
     )
     .bind::<BigInt, _>(id)
     .bind::<Nullable<BigInt>, _>(last)

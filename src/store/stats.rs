@@ -520,7 +520,16 @@ pub(crate) async fn delete_expired(
                 .into()
         }
         Expired::ProcessedInbox => {
-            by_age("actix_outbox.inbox_events", "id", "processed_at", "AND status = 'PROCESSED'").into()
+            // Never a row a running replay has yet to reach: it would end short (`REPLAY_GAP`).
+            by_age(
+                "actix_outbox.inbox_events i",
+                "id",
+                "processed_at",
+                "AND status = 'PROCESSED' AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
+                 WHERE r.status = 'RUNNING' AND r.consumer = i.consumer \
+                   AND i.id > r.cursor_id AND i.id <= r.upto_id)",
+            )
+            .into()
         }
         Expired::IdempotencyKeys => by_age("actix_outbox.idempotency_keys", "key", "created_at", "").into(),
         Expired::AdminAudit => by_age("actix_outbox.admin_audit", "id", "at", "").into(),

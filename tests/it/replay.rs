@@ -345,3 +345,219 @@ async fn a_replay_stepped_by_two_instances_through_crashes_applies_each_event_on
     );
     db.finish(&[&a, &b]).await;
 }
+
+/// The replay of `consumer` with id `id`, as `(status, done, error_code)`.
+async fn replay_state(db: &TestDb, id: i64) -> (String, i64, Option<String>) {
+    let mut conn = db.pool.get().await.unwrap();
+    let r = ops::replays(&mut conn, None)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.id == id)
+        .expect("the replay");
+    (r.status, r.done, r.error_code)
+}
+
+/// A replay waits while its consumer is paused, as live deliveries do; retention never deletes
+/// a row a running replay has yet to reach; and rows that go anyway (deleted by a retention
+/// that began before the replay was asked for) end the replay FAILED with `REPLAY_GAP`, never
+/// DONE: before, it skipped them and ended DONE.
+#[actix_rt::test]
+async fn a_replay_waits_for_resume_keeps_its_rows_from_retention_and_fails_past_a_gap() {
+    use actix_outbox::ops::{pause_consumer, resume_consumer};
+    use actix_outbox::retention::{Retention, RetentionConfig};
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let rt = start(&db, None).await;
+    produce(&db, 0, 20).await;
+    assert_eq!(db.wait_for(LIVE, 40, WAIT).await, 40);
+    let mut conn = db.pool.get().await.unwrap();
+    pause_consumer(&mut conn, &name("projector"), "ops", "replay later", None)
+        .await
+        .unwrap();
+    let range = ReplayRange::all().rate(1000.0);
+    let replay = ops::replay(&mut conn, &name("projector"), &range, "alice", "rebuild")
+        .await
+        .unwrap();
+    assert_eq!(replay.total, 20);
+    // Paused: many polls later, nothing replayed.
+    actix_rt::time::sleep(Duration::from_millis(1500)).await;
+    let replayed = "SELECT count(*) AS n FROM projections WHERE mode = 'replay'";
+    assert_eq!(db.count(replayed).await, 0, "a paused consumer replayed");
+    assert_eq!(replay_state(&db, replay.id).await.1, 0);
+
+    // Retention of everything processed: the mailer's rows go, the replay's stay.
+    let all = RetentionConfig::default()
+        .published_outbox_after(Duration::from_millis(1))
+        .processed_inbox_after(Duration::from_millis(1));
+    Retention::new(db.pool.clone(), all)
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    let kept = |c: &str| {
+        format!(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+             WHERE consumer = '{c}' AND status = 'PROCESSED'"
+        )
+    };
+    assert_eq!(db.count(&kept("mailer")).await, 0, "retention ran");
+    assert_eq!(
+        db.count(&kept("projector")).await,
+        20,
+        "a replay's row went"
+    );
+    // Five go anyway, as if deleted by a retention batch that began before the replay.
+    conn.batch_execute(
+        "DELETE FROM actix_outbox.inbox_events WHERE id IN (SELECT id FROM actix_outbox.inbox_events \
+         WHERE consumer = 'projector' ORDER BY id DESC LIMIT 5)",
+    )
+    .await
+    .unwrap();
+
+    resume_consumer(&mut conn, &name("projector"), "ops")
+        .await
+        .unwrap();
+    rt.handle().wake();
+    let ended = format!(
+        "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status <> 'RUNNING'",
+        replay.id
+    );
+    assert_eq!(db.wait_for(&ended, 1, WAIT).await, 1);
+    assert_eq!(
+        replay_state(&db, replay.id).await,
+        ("FAILED".to_owned(), 15, Some("REPLAY_GAP".to_owned()))
+    );
+    assert_eq!(db.count(replayed).await, 15, "what was there, once");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
+
+/// A consumer that skips stale events does not re-apply, in a replay, an event older than the
+/// version it has recorded for its aggregate: live, it would have skipped it too.
+#[actix_rt::test]
+async fn a_replay_of_a_consumer_that_skips_stale_events_reapplies_only_current_versions() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let cfg = consumer("projector", 1)
+        .subscribe("ORDER_PLACED")
+        .skip_stale(true)
+        .replay_safe(true);
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(cfg, || Projector {
+            fail_replay_of: None,
+            work: Duration::ZERO,
+        })
+        .start()
+        .await
+        .unwrap();
+    // o-1 at versions 1, 2 and 3; o-2 at version 1.
+    for (id, version) in [("o-1", 1), ("o-1", 2), ("o-1", 3), ("o-2", 1)] {
+        let event = actix_outbox::NewEvent::new(
+            "ORDER_PLACED",
+            "order",
+            id,
+            serde_json::json!({ "v": version }),
+        )
+        .aggregate_version(version);
+        let conn = db.pool.get().await.unwrap();
+        actix_outbox::enqueue(&conn, &event).await.unwrap();
+    }
+    assert_eq!(db.wait_for(LIVE, 4, WAIT).await, 4);
+    let mut conn = db.pool.get().await.unwrap();
+    let replay = ops::replay(
+        &mut conn,
+        &name("projector"),
+        &ReplayRange::all().rate(1000.0),
+        "alice",
+        "rebuild",
+    )
+    .await
+    .unwrap();
+    let ended = format!(
+        "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status = 'DONE'",
+        replay.id
+    );
+    assert_eq!(db.wait_for(&ended, 1, WAIT).await, 1);
+    let replayed = "SELECT count(*) AS n FROM projections p JOIN actix_outbox.outbox_events o \
+                    ON o.id = p.event_id WHERE p.mode = 'replay' \
+                    AND ((o.aggregate_id = 'o-1' AND o.aggregate_version = 3) \
+                         OR (o.aggregate_id = 'o-2' AND o.aggregate_version = 1))";
+    assert_eq!(db.count(replayed).await, 2);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM projections WHERE mode = 'replay'")
+            .await,
+        2,
+        "an older version was re-applied"
+    );
+    assert_eq!(replay_state(&db, replay.id).await.1, 4, "all four walked");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
+
+/// A replay step whose handler hangs, holding the step's transaction and the replay's lock,
+/// has its session ended past its timeout and the grace: the step is recorded as failed, and
+/// a cancel, which waits for that lock, returns. Before, the cancel waited as long as the
+/// handler hung.
+#[actix_rt::test]
+async fn a_hung_replay_step_is_ended_past_the_grace_and_its_cancel_returns() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let cfg = consumer("projector", 1)
+        .subscribe("ORDER_PLACED")
+        .replay_safe(true)
+        .handler_timeout(Duration::from_secs(1))
+        // The failed step waits for its retry: the replay is still running when cancelled.
+        .retry(actix_outbox::RetryPolicy::fixed(
+            5,
+            Duration::from_secs(600),
+        ));
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer_fn(cfg, |d: Delivery| async move {
+            let mut conn = d.conn().await?;
+            conn.batch_execute("SELECT 1")
+                .await
+                .map_err(|e| HandlerError::retry(e.to_string()))?;
+            if d.mode() == DeliveryMode::Replay {
+                // Stuck outside the database, in the step's transaction.
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        })
+        .start()
+        .await
+        .unwrap();
+    produce(&db, 0, 1).await;
+    let processed =
+        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(processed, 1, WAIT).await, 1);
+    let mut conn = db.pool.get().await.unwrap();
+    let replay = ops::replay(
+        &mut conn,
+        &name("projector"),
+        &ReplayRange::all(),
+        "alice",
+        "rebuild",
+    )
+    .await
+    .unwrap();
+    let failed = format!(
+        "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND attempts = 1 \
+         AND last_error LIKE '%did not finish within%'",
+        replay.id
+    );
+    assert_eq!(db.wait_for(&failed, 1, WAIT).await, 1, "the step failed");
+    let cancel = ops::cancel_replay(&mut conn, replay.id, "alice");
+    let cancelled = actix_rt::time::timeout(WAIT, cancel)
+        .await
+        .expect("the cancel waited for the hung step")
+        .unwrap();
+    assert_eq!(cancelled.status, "CANCELLED");
+    let open = "SELECT count(*) AS n FROM pg_stat_activity \
+                WHERE state LIKE 'idle in transaction%' AND datname = current_database()";
+    assert_eq!(db.count(open).await, 0, "the hung step's session is left");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
