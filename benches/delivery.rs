@@ -9,7 +9,10 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history`, `noisy-neighbour`
 //! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
 //! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
-//! N`, `--pipeline N`, `--threads N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`. `--handler batch`
+//! N`, `--pipeline N`, `--threads N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`.
+//! `--hold-snapshot` has another session hold a `REPEATABLE READ` snapshot open for the whole
+//! of `drain` (issue 30: a held snapshot stops vacuum, and each claim walks the dead entries of
+//! what was already delivered). `--handler batch`
 //! registers the consumers as batch consumers (`OutboxBuilder::batch_consumer`), which write a
 //! whole batch's effect rows in one statement; the default, `--handler each`, writes one
 //! effect row per handler call.
@@ -131,6 +134,10 @@ struct Opts {
     threads: Option<u32>,
     /// `ConsumerConfig::ordered` (`--ordered`): each aggregate's events in enqueue order.
     ordered: bool,
+    /// `--hold-snapshot`: during `drain`, another session holds a `REPEATABLE READ` snapshot
+    /// open from before the runtime starts until the drain is done, as a long report or
+    /// `pg_dump` would: vacuum can then remove nothing the drain leaves dead.
+    hold_snapshot: bool,
     /// One-event business transactions as one `enqueue_with` statement (`--producer
     /// statement`, the default) or as `BEGIN`, the pipelined insert and `enqueue`, `COMMIT`.
     one_statement: bool,
@@ -160,6 +167,7 @@ impl Opts {
             pipeline: 1,
             threads: None,
             ordered: false,
+            hold_snapshot: false,
             one_statement: true,
             payload_bytes: 0,
         };
@@ -194,6 +202,7 @@ impl Opts {
                 "--pipeline" => o.pipeline = value()?.parse()?,
                 "--threads" => o.threads = Some(value()?.parse()?),
                 "--ordered" => o.ordered = true,
+                "--hold-snapshot" => o.hold_snapshot = true,
                 "--listen" => o.listen = Some(value()? != "off"),
                 "--publish-gap-us" => {
                     o.publish_gap = Some(Duration::from_micros(value()?.parse()?))
@@ -907,11 +916,23 @@ async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
         }
     };
     let mut from = enq_start;
+    let mut holder = None;
     if kind == Kind::Drain {
+        if o.hold_snapshot {
+            let mut h = ctx.pool.get().await?;
+            h.batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM bench_effects",
+            )
+            .await?;
+            holder = Some(h);
+        }
         from = track.now();
         runtime = Some(start_runtime(ctx, &track, &names).await?);
     }
     let done = wait_done(&mut mon, &track, &names, Instant::now() + SCENARIO_LIMIT).await;
+    if let Some(mut h) = holder {
+        h.batch_execute("COMMIT").await?;
+    }
     let wal = wal_window.close(&mut mon).await;
     if let Some(rt) = &runtime {
         rt.shutdown().await;
@@ -955,8 +976,13 @@ async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
     let mut line = format!("{name:<8}| ");
     match kind {
         Kind::Drain => line.push_str(&format!(
-            "drain {} (backlog written at {enqueue_rate:.0}/s, {txs} tx, runtime stopped)",
-            fmt_rate(e2e)
+            "drain {} (backlog written at {enqueue_rate:.0}/s, {txs} tx, runtime stopped{})",
+            fmt_rate(e2e),
+            if o.hold_snapshot {
+                ", a snapshot held throughout"
+            } else {
+                ""
+            }
         )),
         Kind::Paced => line.push_str(&format!(
             "{} at {:.0}/s | e2e {} | {}",

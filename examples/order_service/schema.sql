@@ -16,8 +16,11 @@ CREATE TABLE IF NOT EXISTS orders (
     created_at      timestamptz NOT NULL DEFAULT now(),
     updated_at      timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX IF NOT EXISTS orders_completed_updated ON orders (updated_at)
+-- The reconcile rule pages through completed orders by (updated_at, id): each run reads one
+-- page of this index, however many orders there are.
+CREATE INDEX IF NOT EXISTS orders_completed_page ON orders (updated_at, id)
     WHERE status = 'COMPLETED';
+DROP INDEX IF EXISTS orders_completed_updated;
 
 CREATE TABLE IF NOT EXISTS audit_logs (
     id             bigserial   PRIMARY KEY,

@@ -188,7 +188,7 @@ impl ConsumerActor {
         self.replaying = true;
         let (pool, cfg, draining) = (self.pool.clone(), self.cfg.clone(), self.draining.clone());
         let run = async move {
-            let lost = replay::run(&pool, &cfg, &handler, &draining).await;
+            let lost = replay::run(&pool, &cfg, &handler, &used, &draining).await;
             drop(used);
             lost
         };

@@ -186,15 +186,16 @@ impl Hung {
     }
 
     /// Parks the call whose handler overran its timeout and still runs (it holds a delivery
-    /// or the connection). Its rows stay leased while it runs, so that should it kill the
-    /// process they are counted among what the process held. A task watches the handler from
-    /// this moment: it renews the rows' lease (the process lives), and once the handler lets
-    /// go it drops the connection if it got it (still inside the batch's transaction: the pool
-    /// closes it, PostgreSQL rolls back), then settles the rows with `outcomes`. A handler
-    /// that still holds on [`GRACE`] after this has its rows settled then and its database
-    /// session ended, so that it holds no lock and no snapshot however long it hangs. Returns once
-    /// the task holds one of the consumer's places, or the handler let go first: while every
-    /// place is taken the consumer stalls, alone, until one of its handlers lets go.
+    /// or the connection). *Its rows stay leased until its handler lets go*: so an event is
+    /// never handled twice at once, and should the handler kill the process they are counted
+    /// among what the process held. A task watches the handler from this moment: it renews
+    /// the rows' lease, naming no session any more (the lease lives by its process), and
+    /// [`GRACE`] later ends the handler's database session, so that the call holds no lock
+    /// and no snapshot however long it hangs (its writes could never commit anyway). Once the
+    /// handler lets go it drops the connection if it got it (the pool closes a connection
+    /// left in a transaction), then settles the rows with `outcomes`. Returns once the task
+    /// holds one of the consumer's places, or the handler let go first: while every place is
+    /// taken the consumer stalls, alone, until one of its handlers lets go.
     pub(crate) async fn park(
         &self,
         cfg: &ConsumerConfig,
@@ -213,20 +214,15 @@ impl Hung {
         actix_rt::spawn(async move {
             // The handler holds the slot through its deliveries and its `TxConn`. Meanwhile its
             // rows stay leased, renewed from the first moment, a wait for a place included.
-            // Should the handler's database session end (a server-side timeout, on a dead
-            // network say, or the engine ending it past the grace), its transaction can never
-            // commit: the rows are settled then, and only the connection, the thread and the
-            // place stay with the handler.
             let (consumer, redact) = (cfg.name.clone(), cfg.redact.clone());
             let mut placed = Some(placed);
             let mut place = None;
             let mut waited = false;
             let mut renewed: Option<tokio::time::Instant> = None;
-            let mut outcomes = Some(outcomes);
             // When the lease was claimed, learnt at its first renewal: it tells the
             // handler's session from a later one given the same pid.
             let mut claimed = None;
-            let end_at = tokio::time::Instant::now() + GRACE;
+            let (end_at, mut ended) = (tokio::time::Instant::now() + GRACE, false);
             while Arc::strong_count(&slot) > 1 {
                 if place.is_none() {
                     if let Ok(p) = places.clone().try_acquire_owned() {
@@ -249,37 +245,25 @@ impl Hung {
                         super::log::waiting_for_hung(&cfg, true);
                     }
                 }
-                let ending = claimed.is_some() && tokio::time::Instant::now() >= end_at;
-                if outcomes.is_some()
-                    && (ending || renewed.is_none_or(|at| at.elapsed() >= lease / 3))
-                {
-                    renewed = Some(tokio::time::Instant::now());
+                let renew = renewed.is_none_or(|at| at.elapsed() >= lease / 3);
+                let ending = !ended && claimed.is_some() && tokio::time::Instant::now() >= end_at;
+                if let (Some(token), true) = (token, renew || ending) {
                     if let Ok(mut conn) = pool.get().await {
-                        let alive = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                            inbox::session_alive(c, backend).await
-                        });
-                        if let Ok(false) = alive.await {
-                            drop(conn);
-                            let left = outcomes.take().unwrap_or_default();
-                            settle(&pool, &consumer, &redact, left).await;
-                        } else if let (true, Some(since)) = (ending, claimed) {
-                            // Past the grace: the rows are settled first (so the lease never
-                            // names a session that is gone), then the session is ended.
-                            drop(conn);
-                            let left = outcomes.take().unwrap_or_default();
-                            if settle(&pool, &consumer, &redact, left.clone()).await {
-                                end_session(&pool, &cfg, backend, since).await;
-                            } else {
-                                outcomes = Some(left);
-                            }
-                        } else if let Some(token) = token {
+                        if renew {
+                            // Renewed, and named by no session: ending the handler's session
+                            // (below, or on its own) does not make the process look dead.
                             let lease_ms = crate::store::millis(lease);
                             let extended = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
                                 inbox::extend(c, token, lease_ms).await
                             });
-                            if let Ok(Some(at)) = extended.await {
-                                claimed = Some(at);
+                            if let Ok(at) = extended.await {
+                                renewed = Some(tokio::time::Instant::now());
+                                claimed = claimed.or(at);
                             }
+                        }
+                        if let (true, Some(since)) = (ending, claimed) {
+                            drop(conn);
+                            ended = end_session(&pool, &cfg, backend, since).await;
                         }
                     }
                 }
@@ -296,9 +280,7 @@ impl Hung {
             } else if waited {
                 super::log::waiting_for_hung(&cfg, false);
             }
-            if let Some(outcomes) = outcomes {
-                settle(&pool, &consumer, &redact, outcomes).await;
-            }
+            settle(&pool, &consumer, &redact, outcomes).await;
             // Let the loop go on, if it still waits (its handler let go before a place freed).
             drop(placed);
         });
@@ -306,14 +288,9 @@ impl Hung {
     }
 }
 
-/// Settles a parked call's rows; returns whether that went through. On failure they stay
-/// leased, and the reaper settles them once their lease expires.
-async fn settle(
-    pool: &PgPool,
-    consumer: &ConsumerName,
-    redact: &Redactor,
-    outcomes: Vec<Outcome>,
-) -> bool {
+/// Settles a parked call's rows. On failure they stay leased, and the reaper settles them once
+/// their lease expires.
+async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outcomes: Vec<Outcome>) {
     let settled = match pool.get().await {
         Ok(mut conn) => {
             store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -323,22 +300,21 @@ async fn settle(
         }
         Err(e) => Err(e.into()),
     };
-    if let Err(e) = &settled {
+    if let Err(e) = settled {
         tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
     }
-    settled.is_ok()
 }
 
-/// Ends the database session of a call hung past its timeout and [`GRACE`], whose rows are
-/// settled (or replay step recorded): its transaction could never commit, and while it lasts
-/// it holds its row locks and the vacuum horizon. The handler keeps its thread (and its
-/// place) until it lets go. `claimed_at`: a time the session was the call's.
+/// Ends the database session of a call hung past its timeout and [`GRACE`]: its transaction
+/// could never commit, and while it lasts it holds its row locks and the vacuum horizon. The
+/// handler keeps its thread (and its place) until it lets go. `claimed_at`: a time the session
+/// was the call's. Returns false when that could not be done (to be tried again).
 pub(crate) async fn end_session(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     backend: i32,
     claimed_at: Since,
-) {
+) -> bool {
     let ended = match pool.get().await {
         Ok(mut conn) => {
             store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -355,26 +331,33 @@ pub(crate) async fn end_session(
                 consumer = %cfg.name, backend, timeout = ?cfg.handler_timeout, grace = ?GRACE,
                 code = %crate::error::ErrorCode::HANDLER_SESSION_ENDED,
                 "a handler hung past its timeout and the grace: its database session was ended, \
-                 releasing its locks and its snapshot; its attempt is charged"
+                 releasing its locks and its snapshot; its events stay in flight until it \
+                 lets go"
             );
+            true
         }
-        Ok(false) => {}
-        Err(e) => tracing::warn!(consumer = %cfg.name, backend, error = %e,
-            "could not end a hung handler's database session"),
+        // Gone already.
+        Ok(false) => true,
+        Err(e) => {
+            tracing::warn!(consumer = %cfg.name, backend, error = %e,
+                "could not end a hung handler's database session");
+            false
+        }
     }
 }
 
 type Since = chrono::DateTime<chrono::Utc>;
 
-/// How long past its timeout a hung call keeps its database session. Then its rows are
-/// settled and its session is ended (see [`Hung::park`]); the server cuts a statement of it
-/// at the same bound ([`statement_timeout`]).
+/// How long past its timeout a hung call keeps its database session: then the session is ended
+/// (see [`Hung::park`]).
 pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The `statement_timeout` a handler's transaction runs under: its timeout and the
-/// [`GRACE`], but never less than [`DB_TIMEOUT`], so that the server never cuts one of the
-/// engine's own statements (its settle and commit share the transaction) sooner than the
-/// engine itself would give up on it.
+/// The `statement_timeout` and `idle_in_transaction_session_timeout` a handler's transaction
+/// runs under: its timeout and the [`GRACE`], but never less than [`DB_TIMEOUT`], so that the
+/// server never cuts one of the engine's own statements (its settle and commit share the
+/// transaction) sooner than the engine itself would give up on it. Each counts from a
+/// statement's start, or from the session going idle, not from the call's: the bound that
+/// holds when this process can no longer act (frozen, cut off), where [`Hung::park`] cannot.
 pub(crate) fn statement_timeout(cfg: &ConsumerConfig) -> std::time::Duration {
     (cfg.handler_timeout + GRACE).max(DB_TIMEOUT)
 }

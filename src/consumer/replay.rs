@@ -14,6 +14,7 @@ use std::time::Duration;
 use super::actor::HandlerRef;
 use super::decide::{decide, handler_timed_out};
 use super::pass::{begin, tm, upcast, Step};
+use super::threads::SlotUse;
 use super::{lend, ConsumerConfig, DeliveryMode, HandlerError};
 use crate::error::Result;
 use crate::store::inbox::InboxRow;
@@ -37,10 +38,11 @@ pub(crate) async fn run(
     pool: &PgPool,
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
+    used: &SlotUse,
     draining: &AtomicBool,
 ) -> bool {
     while !draining.load(Ordering::Relaxed) {
-        match step(pool, cfg, handler).await {
+        match step(pool, cfg, handler, used).await {
             Ok(StepEnd::Stepped) => {}
             Ok(StepEnd::Wait(Some(wait))) => tokio::time::sleep(wait.min(cfg.poll_interval)).await,
             Ok(StepEnd::Wait(None)) => return false,
@@ -56,7 +58,12 @@ pub(crate) async fn run(
     false
 }
 
-async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Result<StepEnd> {
+async fn step(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    handler: &HandlerRef,
+    used: &SlotUse,
+) -> Result<StepEnd> {
     let mut conn: OwnedConn = pool.get_owned().await?;
     let name = cfg.name.as_str();
     let wait = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
@@ -138,20 +145,35 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
         }
         (result, None) => {
             // The handler still holds the connection (it overran its timeout), and with it the
-            // step's transaction and the replay's lock. Past the grace its session is ended,
-            // which lets go of both (a cancel waits for that lock), and the step is recorded as
-            // failed; the handler keeps its thread until it lets go, then the connection is
-            // closed.
+            // step's transaction and the replay's lock; its thread counts as blocked. Past
+            // the grace its session is ended, which lets go of both (a cancel waits for that
+            // lock), and the step is recorded as failed; while the handler still runs, the
+            // replay's next step is held off (so its rows are never applied twice at once).
+            // Once it lets go, the connection is closed.
             let err = result.err().unwrap_or_else(|| handler_timed_out(cfg));
             let slot = call.slot;
+            let _blocked = used.blocked();
             let end_at = tokio::time::Instant::now() + lend::GRACE;
-            let mut ended = false;
+            let (mut ended, mut held_off) = (false, None::<tokio::time::Instant>);
             while Arc::strong_count(&slot) > 1 {
                 if !ended && tokio::time::Instant::now() >= end_at {
-                    ended = true;
-                    lend::end_session(pool, cfg, backend, since).await;
-                    let mut conn = pool.get_owned().await?;
-                    fail(&mut conn, cfg, id, &first, &err).await?;
+                    ended = lend::end_session(pool, cfg, backend, since).await;
+                    if ended {
+                        if let Err(e) = record(pool, cfg, id, &first, &err).await {
+                            tracing::warn!(consumer = %cfg.name, replay = id, error = %e,
+                                "could not record a hung replay step");
+                        }
+                    }
+                }
+                if ended && held_off.is_none_or(|at| at.elapsed() >= HOLD_OFF / 4) {
+                    held_off = Some(tokio::time::Instant::now());
+                    if let Ok(mut conn) = pool.get().await {
+                        let ms = store::millis(HOLD_OFF);
+                        let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                            stmt::hold_off(c, id, ms).await
+                        })
+                        .await;
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -175,6 +197,22 @@ async fn step(pool: &PgPool, cfg: &ConsumerConfig, handler: &HandlerRef) -> Resu
     } else {
         StepEnd::Stepped
     })
+}
+
+/// How long a replay's next step is held off at a time while a step's handler hangs; renewed
+/// until it lets go, so a process that dies meanwhile holds it off no longer than this.
+const HOLD_OFF: Duration = Duration::from_secs(5);
+
+/// Records a failed step on a connection of its own.
+async fn record(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    id: i64,
+    row: &InboxRow,
+    err: &HandlerError,
+) -> Result<()> {
+    let mut conn = pool.get_owned().await?;
+    fail(&mut conn, cfg, id, row, err).await
 }
 
 /// Moves the cursor with the step's effects and commits them together.

@@ -480,11 +480,8 @@ struct DuplicateCheck {
     alarming: bool,
 }
 
-/// Duplicates per delivery (new rows + duplicates) in the last `trend_samples` samples of every
-/// instance (each sample holds what its own instance counted), against the same rate over the
-/// older ones.
-/// `field` of `consumer` summed over the recent samples (the current one and those the trend
-/// is judged on).
+/// `field` of `consumer` summed over the recent samples of every instance (the current one and
+/// the last `trend_samples - 1` before it), as [`duplicates`] counts them.
 fn recent_sum(
     cfg: &HealthConfig,
     consumer: &str,
@@ -503,6 +500,9 @@ fn recent_sum(
         .sum()
 }
 
+/// Duplicates per delivery (new rows + duplicates) in the last `trend_samples` samples of every
+/// instance (each sample holds what its own instance counted), against the same rate over the
+/// older ones.
 fn duplicates(
     cfg: &HealthConfig,
     consumer: &str,

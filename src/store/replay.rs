@@ -234,12 +234,29 @@ pub(crate) async fn lock_due(
     let rows: Vec<Locked> = crate::store::sql(
         "SELECT id, attempts, rate, now() AS since FROM actix_outbox.replays \
          WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
+           AND NOT EXISTS (SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 \
+               AND s.paused AND (s.paused_until IS NULL OR s.paused_until > now())) \
          ORDER BY next_step_at, id LIMIT 1 FOR UPDATE SKIP LOCKED",
     )
     .bind::<Text, _>(consumer)
     .load(conn)
     .await?;
     Ok(rows.into_iter().next())
+}
+
+/// Holds replay `id`'s next step off for `ms` from now (at least): a step's handler still runs,
+/// outside the step's transaction, which is gone.
+pub(crate) async fn hold_off(conn: &mut AsyncPgConnection, id: i64, ms: i64) -> Result<()> {
+    crate::store::sql(
+        "UPDATE actix_outbox.replays \
+         SET next_step_at = greatest(next_step_at, now() + $2 * interval '1 millisecond') \
+         WHERE id = $1 AND status = 'RUNNING'",
+    )
+    .bind::<BigInt, _>(id)
+    .bind::<BigInt, _>(ms)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// A replay locked for a step.

@@ -3,17 +3,22 @@
 //! locks they hold or wait for, and their hold on the vacuum horizon. Each test counts what it
 //! checks in `pg_locks` and `pg_stat_activity`.
 //!
-//! The engine settles such a call's rows and ends its session after the grace (`lend.rs`),
-//! and the server cuts a statement of it at the same bound (`statement_timeout`).
+//! The engine ends such a call's session after the grace, its rows staying in flight until its
+//! handler lets go (`lend.rs`); the server cuts its statements, and its transaction left idle,
+//! at a bound of its own (`statement_timeout`, `idle_in_transaction_session_timeout`).
 
 use crate::common;
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use actix_outbox::health::{StatsConfig, StatsSampler};
 use actix_outbox::{Delivery, HandlerError, OutboxRuntime, RetryPolicy};
 use common::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+/// Lets the handlers that hang return.
+static RELEASED: AtomicBool = AtomicBool::new(false);
 
 /// The handler's timeout in these tests: the grace is 5 s more.
 const TIMEOUT: Duration = Duration::from_secs(1);
@@ -61,9 +66,9 @@ async fn start(db: &TestDb, name: &str, work: &'static str, hang: bool) -> Outbo
             conn.batch_execute(work)
                 .await
                 .map_err(|e| HandlerError::retry(e.to_string()))?;
-            if hang {
+            while hang && !AtomicBool::load(&RELEASED, Ordering::SeqCst) {
                 // Stuck outside the database, keeping its connection and its transaction.
-                std::future::pending::<()>().await;
+                actix_rt::time::sleep(Duration::from_millis(20)).await;
             }
             Ok(())
         })
@@ -157,8 +162,8 @@ async fn a_handler_stuck_on_a_row_lock_lets_go_of_the_database_within_its_timeou
 /// A handler takes a row lock and then hangs outside the database, keeping its connection and
 /// its transaction open: the engine ends its session after the grace, so the row can be
 /// written by others and no transaction of it holds the vacuum horizon (VACUUM then removes
-/// the dead rows it held back), while the handler itself still runs. Health names the
-/// consumer and says why.
+/// the dead rows it held back), while the handler itself still runs and its event stays in
+/// flight. Health names the consumer and says why. Once it lets go, its attempt is charged.
 #[actix_rt::test]
 async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace() {
     let db = TestDb::new().await;
@@ -232,12 +237,69 @@ async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace
         1,
         "the hung attempt's write rolled back"
     );
+    // The event stays in flight while its handler hangs: never handed over again meanwhile.
+    let in_flight = "SELECT count(*) AS n FROM actix_outbox.inbox_leases \
+                     WHERE consumer = 'hung' AND backend IS NULL";
+    assert_eq!(db.count(in_flight).await, 1, "no longer leased");
+    // Once the handler lets go, its attempt is charged.
+    RELEASED.store(true, Ordering::SeqCst);
     let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                    WHERE consumer = 'hung' AND status = 'RETRY_PENDING' AND attempt_count = 1";
     assert_eq!(
         db.wait_for(charged, 1, WAIT).await,
         1,
         "its attempt counted once"
+    );
+    db.finish(&[&rt]).await;
+}
+
+/// A handler hung past its timeout and the grace, with no delay before a retry: its session is
+/// ended, but its event stays in flight until the handler lets go, so the event is never
+/// handled twice at once (the first design settled it at the grace, and a second call ran
+/// beside the first); then it is retried and applied once.
+#[actix_rt::test]
+async fn an_event_whose_handler_hangs_past_the_grace_is_never_handled_twice_at_once() {
+    static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+    static MOST: AtomicUsize = AtomicUsize::new(0);
+    let db = TestDb::new().await;
+    let cfg = consumer("twice", 5)
+        .batch_size(1)
+        .handler_timeout(TIMEOUT)
+        .retry(RetryPolicy::fixed(5, Duration::ZERO));
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer_fn(cfg, |d: Delivery| async move {
+            let now = IN_FLIGHT.fetch_add(1, Ordering::SeqCst) + 1;
+            MOST.fetch_max(now, Ordering::SeqCst);
+            if d.attempt() == 1 {
+                // Past the timeout (1 s) and the grace (5 s), outside the database.
+                actix_rt::time::sleep(Duration::from_secs(8)).await;
+            } else {
+                let mut conn = d.conn().await?;
+                conn.batch_execute("INSERT INTO orders (id, status) VALUES ('twice', 'DONE')")
+                    .await
+                    .map_err(|e| HandlerError::retry(e.to_string()))?;
+            }
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .start()
+        .await
+        .unwrap();
+    db.enqueue_one("o-1").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'twice' AND status = 'PROCESSED' AND attempt_count = 2";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    assert_eq!(
+        AtomicUsize::load(&MOST, Ordering::SeqCst),
+        1,
+        "handled twice at once"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM orders WHERE id = 'twice'")
+            .await,
+        1
     );
     db.finish(&[&rt]).await;
 }

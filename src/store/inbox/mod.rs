@@ -15,7 +15,7 @@ mod reap;
 mod settle;
 
 pub(crate) use claim::{claim, new_token, reload};
-pub(crate) use reap::{end_session, expire, extend, judge_dead, judged, session_alive, ExpiredRow};
+pub(crate) use reap::{end_session, expire, extend, judge_dead, judged, ExpiredRow};
 pub(crate) use settle::{settle_and_commit, settle_now, Failure, Outcome, Settle};
 
 use chrono::{DateTime, Utc};

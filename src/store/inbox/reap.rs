@@ -32,7 +32,8 @@ pub(crate) struct ExpiredRow {
 }
 
 /// Judges the processes that hold a dead lease of `consumer`. A lease is dead when the
-/// database session that claimed it is gone (its process was killed: the server saw its
+/// database session that claimed it is gone (if it still names it: a hung call's lease does
+/// not) (its process was killed: the server saw its
 /// sockets close), or when it has been expired for longer than one bounded statement
 /// ([`DB_TIMEOUT`](crate::store::DB_TIMEOUT), the same for every consumer's leases, so that
 /// one judgement counts every consumer's alike): a live process settles its batch within
@@ -98,9 +99,11 @@ pub(crate) async fn expire(
     Ok(())
 }
 
-/// Extends lease `token` to `lease_ms` from now: its rows' handler still runs past its
-/// timeout, in a process that lives. Such a lease tests no suspect any more (the hung call was
-/// charged its timeout), so it no longer keeps the process's next suspect waiting
+/// Extends lease `token` to `lease_ms` from now, and takes it off its session: its rows'
+/// handler still runs past its timeout, in a process that lives, and its session may end (the
+/// engine ends it past a grace) without the lease looking dead; it lives by its expiry alone
+/// from now on, which its process renews. Such a lease tests no suspect any more (the hung call
+/// was charged its timeout), so it no longer keeps the process's next suspect waiting
 /// (`inbox_claim.sql`). Returns when the lease was claimed (`None`: it is gone), which
 /// [`end_session`] needs.
 pub(crate) async fn extend(
@@ -116,7 +119,7 @@ pub(crate) async fn extend(
     let claimed: Vec<Claimed> = Prepared(
         crate::store::sql(
             "UPDATE actix_outbox.inbox_leases SET locked_until = now() + $2 * interval '1 millisecond', \
-                 alone = false \
+                 alone = false, backend = NULL \
              WHERE token = $1 RETURNING claimed_at",
         )
         .bind::<BigInt, _>(token)
@@ -153,23 +156,6 @@ pub(crate) async fn end_session(
     .get_result(conn)
     .await?;
     Ok(r.ended)
-}
-
-/// Whether database session `backend` still exists. A handler's transaction whose session is
-/// gone (ended by `idle_in_transaction_session_timeout`, a crash, an operator) can never commit.
-pub(crate) async fn session_alive(conn: &mut AsyncPgConnection, backend: i32) -> Result<bool> {
-    #[derive(QueryableByName)]
-    struct Alive {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        alive: bool,
-    }
-    let r: Alive = Prepared(
-        crate::store::sql("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1) AS alive")
-            .bind::<Integer, _>(backend),
-    )
-    .get_result(conn)
-    .await?;
-    Ok(r.alive)
 }
 
 /// The rows of `consumer` that a judged process held, up to `limit`.
