@@ -919,7 +919,8 @@ async fn run_events(ctx: &Ctx, kind: Kind) -> Res<(String, Value)> {
     let mut holder = None;
     if kind == Kind::Drain {
         if o.hold_snapshot {
-            let mut h = ctx.pool.get().await?;
+            // A connection of its own: the pool's end a transaction left idle after 60 s.
+            let mut h = AsyncPgConnection::establish(&ctx.url).await?;
             h.batch_execute(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM bench_effects",
             )

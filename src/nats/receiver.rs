@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+use async_nats::jetstream::context::ConsumerInfoErrorKind;
 use async_nats::jetstream::AckKind;
 use diesel_async::AsyncConnection;
 use futures_util::{FutureExt, StreamExt};
@@ -396,10 +397,18 @@ impl Loop {
             match super::bindings::bound_before(pool, &cfg.stream.name, &cfg.durable).await? {
                 // Only found, never made: a deletion between a look and a make would
                 // otherwise make it anew all the same.
-                Some(first) => stream
-                    .get_consumer(&cfg.durable)
-                    .await
-                    .map_err(|e| super::bindings::lost(&self.receiver, first, &e))?,
+                // Lost only when the server says it is not there: a timeout or an
+                // unreachable server is an error like any other, tried again.
+                Some(first) => match stream.consumer_info(&cfg.durable).await {
+                    Ok(_) => stream
+                        .get_consumer(&cfg.durable)
+                        .await
+                        .map_err(|e| fail(&*e))?,
+                    Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
+                        return Err(super::bindings::lost(&self.receiver, first, &e));
+                    }
+                    Err(e) => return Err(fail(&e)),
+                },
                 None => stream
                     .get_or_create_consumer(
                         &cfg.durable,
