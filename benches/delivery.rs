@@ -10,7 +10,8 @@
 //! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
 //! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
 //! N`, `--pipeline N`, `--threads N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`.
-//! `--hold-snapshot` has another session hold a `REPEATABLE READ` snapshot open for the whole
+//! `--beside-blocking` adds, to every scenario's runtime, a consumer of the same events that
+//! blocks its thread 200 ms per event. `--hold-snapshot` has another session hold a `REPEATABLE READ` snapshot open for the whole
 //! of `drain` (issue 30: a held snapshot stops vacuum, and each claim walks the dead entries of
 //! what was already delivered). `--handler batch`
 //! registers the consumers as batch consumers (`OutboxBuilder::batch_consumer`), which write a
@@ -138,6 +139,10 @@ struct Opts {
     /// open from before the runtime starts until the drain is done, as a long report or
     /// `pg_dump` would: vacuum can then remove nothing the drain leaves dead.
     hold_snapshot: bool,
+    /// `--beside-blocking`: every scenario's runtime also runs a consumer of the same events
+    /// whose handler blocks its thread 200 ms per event (the `noisy-neighbour`'s `Blocking`),
+    /// to see what it costs the others' latency.
+    beside_blocking: bool,
     /// One-event business transactions as one `enqueue_with` statement (`--producer
     /// statement`, the default) or as `BEGIN`, the pipelined insert and `enqueue`, `COMMIT`.
     one_statement: bool,
@@ -168,6 +173,7 @@ impl Opts {
             threads: None,
             ordered: false,
             hold_snapshot: false,
+            beside_blocking: false,
             one_statement: true,
             payload_bytes: 0,
         };
@@ -203,6 +209,7 @@ impl Opts {
                 "--threads" => o.threads = Some(value()?.parse()?),
                 "--ordered" => o.ordered = true,
                 "--hold-snapshot" => o.hold_snapshot = true,
+                "--beside-blocking" => o.beside_blocking = true,
                 "--listen" => o.listen = Some(value()? != "off"),
                 "--publish-gap-us" => {
                     o.publish_gap = Some(Duration::from_micros(value()?.parse()?))
@@ -833,6 +840,14 @@ async fn start_runtime(ctx: &Ctx, track: &Arc<Track>, names: &[String]) -> Res<O
             b.batch_consumer(cfg, sink)
         } else {
             b.consumer(cfg, sink)
+        };
+    }
+    if ctx.opts.beside_blocking {
+        let cfg = ctx.opts.consumer_config(NEIGHBOUR);
+        b = if ctx.opts.batch_handler {
+            b.batch_consumer(cfg, || Blocking)
+        } else {
+            b.consumer(cfg, || Blocking)
         };
     }
     Ok(b.start().await?)

@@ -262,23 +262,34 @@ impl Batch<'_> {
                     decided.extend(charged);
                     back
                 }
-                PassEnd::Kept(slot, backend, outcomes, parked) => {
+                PassEnd::Kept(slot, backend, outcomes, mut parked) => {
                     decided.extend(outcomes);
-                    // The batch's other rows first, given back (or charged) at once: they
-                    // must not wait, leased, for a place to park the handler in.
+                    // First the lease is taken off the handler's session (which may end from
+                    // now on: the engine ends it past the grace) and renewed. Then the batch's
+                    // other rows, given back (or charged) at once: they must not wait, leased,
+                    // for a place to park the handler in.
+                    let lease_ms = store::millis(cfg.lease_period());
                     let settled = async {
                         let mut conn = pool.get_owned().await?;
                         store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                            inbox::extend(c, token, lease_ms).await?;
                             inbox::settle_now(c, &decided, &cfg.redact).await
                         })
                         .await
                     };
                     let settled = settled.await;
+                    if let Err(e) = &settled {
+                        // No error past this point: the batch's would expire the lease the
+                        // parked call still holds. Its other rows go with the parked call's.
+                        tracing::warn!(consumer = %cfg.name, error = %e,
+                            "could not settle a batch's rows beside a hung handler: they wait \
+                             for it");
+                        parked.append(&mut decided);
+                    }
                     // Then the place: a consumer holds at most `concurrency` parked handlers
                     // beside its loops' own connections.
                     hung.park(cfg, pool, slot, backend, parked, self.used.blocked())
                         .await;
-                    settled?;
                     record(cfg, &[], &decided, &mut out);
                     out.kept = true;
                     return Ok(out);

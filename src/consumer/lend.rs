@@ -186,14 +186,17 @@ impl Hung {
     }
 
     /// Parks the call whose handler overran its timeout and still runs (it holds a delivery
-    /// or the connection). *Its rows stay leased until its handler lets go*: so an event is
-    /// never handled twice at once, and should the handler kill the process they are counted
-    /// among what the process held. A task watches the handler from this moment: it renews
+    /// or the connection). *Its rows stay leased until its handler lets go, for at most a
+    /// patience* (the lease, at least 20 s): so an event is not handled twice at once (unless
+    /// one call hangs for longer),
+    /// and should the handler kill the process they are counted among what the process held. A task watches the handler from this moment: it renews
     /// the rows' lease, naming no session any more (the lease lives by its process), and
     /// [`GRACE`] later ends the handler's database session, so that the call holds no lock
     /// and no snapshot however long it hangs (its writes could never commit anyway). Once the
     /// handler lets go it drops the connection if it got it (the pool closes a connection
-    /// left in a transaction), then settles the rows with `outcomes`. Returns once the task
+    /// left in a transaction), then settles the rows with `outcomes`; or, should it hang a
+    /// whole patience, settles them then (a handler stuck on a black-holed connection may never
+    /// return, and its database work can no longer commit). Returns once the task
     /// holds one of the consumer's places, or the handler let go first: while every place is
     /// taken the consumer stalls, alone, until one of its handlers lets go.
     pub(crate) async fn park(
@@ -223,6 +226,8 @@ impl Hung {
             // handler's session from a later one given the same pid.
             let mut claimed = None;
             let (end_at, mut ended) = (tokio::time::Instant::now() + GRACE, false);
+            let give_up_at = tokio::time::Instant::now() + super::decide::patience(&cfg);
+            let mut outcomes = Some(outcomes);
             while Arc::strong_count(&slot) > 1 {
                 if place.is_none() {
                     if let Ok(p) = places.clone().try_acquire_owned() {
@@ -245,7 +250,21 @@ impl Hung {
                         super::log::waiting_for_hung(&cfg, true);
                     }
                 }
-                let renew = renewed.is_none_or(|at| at.elapsed() >= lease / 3);
+                if outcomes.is_some() && tokio::time::Instant::now() >= give_up_at {
+                    // Hung a patience past its timeout, as long as the reaper waits for a live
+                    // process's lease: perhaps for ever (a statement on a connection the
+                    // network black-holed never returns). Its database work can no longer
+                    // commit, so its rows are settled now, the handler still running.
+                    tracing::warn!(
+                        consumer = %consumer, waited = ?super::decide::patience(&cfg),
+                        "a handler hung far past its timeout: its events are settled while it \
+                         still runs"
+                    );
+                    let left = outcomes.take().unwrap_or_default();
+                    settle(&pool, &consumer, &redact, left).await;
+                }
+                let renew =
+                    outcomes.is_some() && renewed.is_none_or(|at| at.elapsed() >= lease / 3);
                 let ending = !ended && claimed.is_some() && tokio::time::Instant::now() >= end_at;
                 if let (Some(token), true) = (token, renew || ending) {
                     if let Ok(mut conn) = pool.get().await {
@@ -256,9 +275,19 @@ impl Hung {
                             let extended = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
                                 inbox::extend(c, token, lease_ms).await
                             });
-                            if let Ok(at) = extended.await {
-                                renewed = Some(tokio::time::Instant::now());
-                                claimed = claimed.or(at);
+                            match extended.await {
+                                Ok(Some(at)) => {
+                                    renewed = Some(tokio::time::Instant::now());
+                                    claimed = claimed.or(Some(at));
+                                }
+                                Ok(None) => {
+                                    // Judged (its process was taken for dead) or settled by
+                                    // an operator: its rows are no longer this call's.
+                                    tracing::warn!(consumer = %consumer,
+                                        "a hung handler's lease was taken from it");
+                                    outcomes = None;
+                                }
+                                Err(_) => {}
                             }
                         }
                         if let (true, Some(since)) = (ending, claimed) {
@@ -280,7 +309,9 @@ impl Hung {
             } else if waited {
                 super::log::waiting_for_hung(&cfg, false);
             }
-            settle(&pool, &consumer, &redact, outcomes).await;
+            if let Some(outcomes) = outcomes {
+                settle(&pool, &consumer, &redact, outcomes).await;
+            }
             // Let the loop go on, if it still waits (its handler let go before a place freed).
             drop(placed);
         });
@@ -291,17 +322,24 @@ impl Hung {
 /// Settles a parked call's rows. On failure they stay leased, and the reaper settles them once
 /// their lease expires.
 async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outcomes: Vec<Outcome>) {
-    let settled = match pool.get().await {
-        Ok(mut conn) => {
-            store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                inbox::settle_now(c, &outcomes, redact).await
-            })
-            .await
+    // A few tries: the marks are fenced on the lease, so one that went through unseen is not
+    // applied twice.
+    for wait in [1, 2, 0] {
+        let settled = match pool.get().await {
+            Ok(mut conn) => {
+                store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                    inbox::settle_now(c, &outcomes, redact).await
+                })
+                .await
+            }
+            Err(e) => Err(e.into()),
+        };
+        match settled {
+            Ok(_) => return,
+            Err(e) if wait == 0 => tracing::warn!(consumer = %consumer, error = %e,
+                "could not settle a hung handler's rows"),
+            Err(_) => tokio::time::sleep(std::time::Duration::from_secs(wait)).await,
         }
-        Err(e) => Err(e.into()),
-    };
-    if let Err(e) = settled {
-        tracing::warn!(consumer = %consumer, error = %e, "could not settle a hung handler's rows");
     }
 }
 
@@ -352,12 +390,12 @@ type Since = chrono::DateTime<chrono::Utc>;
 /// (see [`Hung::park`]).
 pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The `statement_timeout` and `idle_in_transaction_session_timeout` a handler's transaction
-/// runs under: its timeout and the [`GRACE`], but never less than [`DB_TIMEOUT`], so that the
-/// server never cuts one of the engine's own statements (its settle and commit share the
-/// transaction) sooner than the engine itself would give up on it. Each counts from a
-/// statement's start, or from the session going idle, not from the call's: the bound that
-/// holds when this process can no longer act (frozen, cut off), where [`Hung::park`] cannot.
+/// The `statement_timeout` a handler's transaction runs under: its timeout and the [`GRACE`],
+/// but never less than [`DB_TIMEOUT`], so that the server never cuts one of the engine's own
+/// statements (its settle and commit share the transaction) sooner than the engine itself
+/// would give up on it. It counts from a statement's start, not from the call's: the bound
+/// that holds when this process can no longer act (frozen, cut off), where [`Hung::park`]
+/// cannot.
 pub(crate) fn statement_timeout(cfg: &ConsumerConfig) -> std::time::Duration {
     (cfg.handler_timeout + GRACE).max(DB_TIMEOUT)
 }

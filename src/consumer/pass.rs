@@ -318,14 +318,13 @@ pub(super) async fn tm(conn: &mut OwnedConn, step: Step) -> Result<()> {
 
 /// Begins the transaction a handler is lent, under the consumer's
 /// [`statement_timeout`](lend::statement_timeout): a statement of a hung handler (a lock wait,
-/// a runaway query), or its transaction left idle, is cut by the server even when this process
-/// can no longer act.
+/// a runaway query) is cut by the server even when this process can no longer act, and its
+/// transaction, aborted, then holds no lock and no snapshot. (One left idle is the pool's
+/// `idle_in_transaction_session_timeout`'s: a batch of handlers that write nothing may leave it
+/// idle for as long as its lease.)
 pub(super) async fn begin(conn: &mut OwnedConn, cfg: &ConsumerConfig) -> Result<()> {
     let ms = lend::statement_timeout(cfg).as_millis();
-    let sql = format!(
-        "BEGIN; SET LOCAL statement_timeout = {ms}; \
-         SET LOCAL idle_in_transaction_session_timeout = {ms}"
-    );
+    let sql = format!("BEGIN; SET LOCAL statement_timeout = {ms}");
     store::bounded(conn, DB_TIMEOUT, async |c| {
         Tm::begin_transaction_sql(c, &sql).await?;
         Ok(())

@@ -147,25 +147,42 @@ async fn step(
             // The handler still holds the connection (it overran its timeout), and with it the
             // step's transaction and the replay's lock; its thread counts as blocked. Past
             // the grace its session is ended, which lets go of both (a cancel waits for that
-            // lock), and the step is recorded as failed; while the handler still runs, the
-            // replay's next step is held off (so its rows are never applied twice at once).
+            // lock), and the step is recorded as failed; while the handler still runs (a lease
+            // at most), the replay's next step is held off (so its rows are not applied twice
+            // at once).
             // Once it lets go, the connection is closed.
             let err = result.err().unwrap_or_else(|| handler_timed_out(cfg));
             let slot = call.slot;
             let _blocked = used.blocked();
             let end_at = tokio::time::Instant::now() + lend::GRACE;
-            let (mut ended, mut held_off) = (false, None::<tokio::time::Instant>);
+            let (mut ended, mut recorded) = (false, false);
+            let mut held_off = None::<tokio::time::Instant>;
             while Arc::strong_count(&slot) > 1 {
                 if !ended && tokio::time::Instant::now() >= end_at {
                     ended = lend::end_session(pool, cfg, backend, since).await;
-                    if ended {
-                        if let Err(e) = record(pool, cfg, id, &first, &err).await {
-                            tracing::warn!(consumer = %cfg.name, replay = id, error = %e,
-                                "could not record a hung replay step");
-                        }
-                    }
                 }
-                if ended && held_off.is_none_or(|at| at.elapsed() >= HOLD_OFF / 4) {
+                if ended && !recorded {
+                    // Held off first, then recorded (which never brings the step closer).
+                    held_off = Some(tokio::time::Instant::now());
+                    let ms = store::millis(HOLD_OFF);
+                    recorded = async {
+                        let mut conn = pool.get_owned().await?;
+                        store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                            stmt::hold_off(c, id, ms).await
+                        })
+                        .await?;
+                        fail(&mut conn, cfg, id, &first, &err).await
+                    }
+                    .await
+                    .inspect_err(|e| {
+                        tracing::warn!(consumer = %cfg.name, replay = id, error = %e,
+                            "could not record a hung replay step")
+                    })
+                    .is_ok();
+                }
+                // For a patience at most, as a live call's rows stay leased.
+                let holding = ended && end_at.elapsed() < super::decide::patience(cfg);
+                if holding && held_off.is_none_or(|at| at.elapsed() >= HOLD_OFF / 4) {
                     held_off = Some(tokio::time::Instant::now());
                     if let Ok(mut conn) = pool.get().await {
                         let ms = store::millis(HOLD_OFF);
@@ -180,7 +197,7 @@ async fn step(
             if let Some(mut held) = slot.write().await.take() {
                 store::poison(&mut held);
             }
-            if ended {
+            if recorded {
                 None
             } else {
                 Some((pool.get_owned().await?, err))
@@ -202,18 +219,6 @@ async fn step(
 /// How long a replay's next step is held off at a time while a step's handler hangs; renewed
 /// until it lets go, so a process that dies meanwhile holds it off no longer than this.
 const HOLD_OFF: Duration = Duration::from_secs(5);
-
-/// Records a failed step on a connection of its own.
-async fn record(
-    pool: &PgPool,
-    cfg: &ConsumerConfig,
-    id: i64,
-    row: &InboxRow,
-    err: &HandlerError,
-) -> Result<()> {
-    let mut conn = pool.get_owned().await?;
-    fail(&mut conn, cfg, id, row, err).await
-}
 
 /// Moves the cursor with the step's effects and commits them together.
 async fn advance(conn: &mut OwnedConn, id: i64, last: Option<i64>, applied: i64) -> Result<()> {

@@ -399,15 +399,14 @@ impl Loop {
                 // otherwise make it anew all the same.
                 // Lost only when the server says it is not there: a timeout or an
                 // unreachable server is an error like any other, tried again.
-                Some(first) => match stream.consumer_info(&cfg.durable).await {
-                    Ok(_) => stream
-                        .get_consumer(&cfg.durable)
-                        .await
-                        .map_err(|e| fail(&*e))?,
-                    Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
-                        return Err(super::bindings::lost(&self.receiver, first, &e));
-                    }
-                    Err(e) => return Err(fail(&e)),
+                Some(first) => match stream.get_consumer(&cfg.durable).await {
+                    Ok(consumer) => consumer,
+                    Err(e) => match stream.consumer_info(&cfg.durable).await {
+                        Err(info) if info.kind() == ConsumerInfoErrorKind::NotFound => {
+                            return Err(super::bindings::lost(&self.receiver, first, &info));
+                        }
+                        _ => return Err(fail(&*e)),
+                    },
                 },
                 None => stream
                     .get_or_create_consumer(

@@ -349,7 +349,8 @@ pub(crate) async fn advance(
     Ok(())
 }
 
-/// Records a failed step (its transaction rolled back): tried again after `delay_ms`, or, when
+/// Records a failed step (its transaction rolled back): tried again after `delay_ms` (or later,
+/// if the step is held off longer: a hung step's handler still runs), or, when
 /// `dead`, the replay ends FAILED with the error (as `redact` leaves it), its cursor at the
 /// row that failed.
 pub(crate) async fn failed(
@@ -360,7 +361,7 @@ pub(crate) async fn failed(
 ) -> Result<()> {
     crate::store::sql(
         "UPDATE actix_outbox.replays SET attempts = attempts + 1, error_code = $3, last_error = $4, \
-                next_step_at = now() + $5 * interval '1 millisecond', \
+                next_step_at = greatest(next_step_at, now() + $5 * interval '1 millisecond'), \
                 status = CASE WHEN $2 THEN 'FAILED' ELSE status END, \
                 finished_at = CASE WHEN $2 THEN now() END \
          WHERE id = $1 AND status = 'RUNNING'",

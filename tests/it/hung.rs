@@ -4,8 +4,8 @@
 //! checks in `pg_locks` and `pg_stat_activity`.
 //!
 //! The engine ends such a call's session after the grace, its rows staying in flight until its
-//! handler lets go (`lend.rs`); the server cuts its statements, and its transaction left idle,
-//! at a bound of its own (`statement_timeout`, `idle_in_transaction_session_timeout`).
+//! handler lets go (`lend.rs`); the server cuts its statements at a bound of its own
+//! (`statement_timeout`).
 
 use crate::common;
 
@@ -253,9 +253,9 @@ async fn a_handler_hung_holding_a_row_lock_has_its_session_ended_after_the_grace
     db.finish(&[&rt]).await;
 }
 
-/// A handler hung past its timeout and the grace, with no delay before a retry: its session is
-/// ended, but its event stays in flight until the handler lets go, so the event is never
-/// handled twice at once (the first design settled it at the grace, and a second call ran
+/// A handler hung past its timeout and the grace (within its lease, 10 s, and 20 s), with no delay
+/// before a retry: its session is ended, but its event stays in flight until the handler lets
+/// go, so the event is never handled twice at once (the first design settled it at the grace, and a second call ran
 /// beside the first); then it is retried and applied once.
 #[actix_rt::test]
 async fn an_event_whose_handler_hangs_past_the_grace_is_never_handled_twice_at_once() {

@@ -104,8 +104,8 @@ pub(crate) async fn expire(
 /// engine ends it past a grace) without the lease looking dead; it lives by its expiry alone
 /// from now on, which its process renews. Such a lease tests no suspect any more (the hung call
 /// was charged its timeout), so it no longer keeps the process's next suspect waiting
-/// (`inbox_claim.sql`). Returns when the lease was claimed (`None`: it is gone), which
-/// [`end_session`] needs.
+/// (`inbox_claim.sql`). Returns when the lease was claimed (`None`: it is gone, or its process
+/// was judged dead and the reaper takes it), which [`end_session`] needs.
 pub(crate) async fn extend(
     conn: &mut AsyncPgConnection,
     token: i64,
@@ -120,7 +120,7 @@ pub(crate) async fn extend(
         crate::store::sql(
             "UPDATE actix_outbox.inbox_leases SET locked_until = now() + $2 * interval '1 millisecond', \
                  alone = false, backend = NULL \
-             WHERE token = $1 RETURNING claimed_at",
+             WHERE token = $1 AND held IS NULL RETURNING claimed_at",
         )
         .bind::<BigInt, _>(token)
         .bind::<BigInt, _>(lease_ms),
