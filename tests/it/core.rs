@@ -961,9 +961,9 @@ async fn another_instance_hears_about_its_inbox_rows_without_waiting_for_a_poll(
     let rt_b = slow_polling_instance(&db).await;
     let rt_a = start(&db, vec![(consumer("a", 3), Behaviour::default())]).await;
     // Let B's listener and first (empty) claims settle before the events exist.
-    let listening =
-        "SELECT count(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN actix_outbox_inbox%'";
-    assert!(db.wait_for(listening, 2, WAIT).await >= 1);
+    let listening = "SELECT count(*) AS n FROM pg_stat_activity \
+                     WHERE datname = current_database() AND query LIKE 'LISTEN actix_outbox_inbox%'";
+    assert_eq!(db.wait_for(listening, 2, WAIT).await, 2);
 
     db.produce(20, "o").await;
     rt_a.handle().wake();
