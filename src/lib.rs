@@ -28,7 +28,9 @@
 //! - **No poison loop.** An attempt that never finished because its handler killed the process
 //!   is still counted (`INBOX_ATTEMPT_INTERRUPTED`), so such an event is dead-lettered after
 //!   its attempts instead of killing every restart.
-//! - **No ordering guarantee** between events; consumers that need it compare aggregate versions.
+//! - **Order per aggregate only where asked**: `ConsumerConfig::ordered(true)` applies one
+//!   aggregate's events in enqueue order (events received from a broker are never ordered);
+//!   other consumers compare aggregate versions (`skip_stale`).
 //!
 //! ## Quick start
 //!
@@ -183,6 +185,8 @@ pub mod event;
 mod inbox;
 #[cfg(test)]
 mod layers;
+#[cfg(test)]
+mod layout;
 mod maintenance;
 mod messages;
 #[cfg(test)]

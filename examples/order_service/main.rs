@@ -152,12 +152,13 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         .batch_size(200);
 
     // The operator API, dashboard, health and Prometheus metrics under /admin, when a token is
-    // configured (at least 16 characters). Its queries use the runtime's pool. Checked before
+    // configured (at least 16 characters). Its queries use the HTTP handlers' pool, not the
+    // runtime's, which is sized for the runtime's loops (docs/operations.md). Checked before
     // anything starts, so that a bad token stops the service before it runs.
     let prometheus = actix_outbox::admin::install_prometheus_recorder()?;
     let admin = match cfg.admin_token.as_deref() {
         Some(token) => Some(
-            AdminConfig::new(outbox_pool.clone())
+            AdminConfig::new(http_pool.clone())
                 .bearer_token("ops", token)?
                 .metrics(prometheus),
         ),

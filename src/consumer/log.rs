@@ -1,4 +1,4 @@
-//! The consumer's log lines, one place for the fields each carries (ARCHITECTURE §6).
+//! The consumer's log lines, one place for the fields each carries (docs/operations.md, "Logs: following one event").
 
 use super::{ConsumerConfig, HandlerError};
 use crate::store::inbox::InboxRow;

@@ -29,6 +29,24 @@ pub(super) fn lost(
     ))
 }
 
+/// The durable consumer this database bound at `first`: lost only when the server says it is
+/// not there; a timeout or an unreachable server is an error like any other, tried again.
+pub(super) async fn found(
+    receiver: &NatsReceiver,
+    stream: &async_nats::jetstream::stream::Stream,
+    first: chrono::DateTime<chrono::Utc>,
+) -> Result<async_nats::jetstream::consumer::PullConsumer> {
+    use async_nats::jetstream::context::ConsumerInfoErrorKind::NotFound;
+    let durable = &receiver.config.durable;
+    match stream.get_consumer(durable).await {
+        Ok(consumer) => Ok(consumer),
+        Err(e) => match stream.consumer_info(durable).await {
+            Err(info) if info.kind() == NotFound => Err(lost(receiver, first, &info)),
+            _ => Err(Error::Config(format!("NATS consumer {durable}: {e}"))),
+        },
+    }
+}
+
 impl NatsReceiver {
     /// Refuses a stream that keeps messages longer than the runtime keeps processed inbox
     /// rows (`processed_after`, when retention is on): a message delivered again after its

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
-use async_nats::jetstream::context::ConsumerInfoErrorKind;
 use async_nats::jetstream::AckKind;
 use diesel_async::AsyncConnection;
 use futures_util::{FutureExt, StreamExt};
@@ -397,17 +396,7 @@ impl Loop {
             match super::bindings::bound_before(pool, &cfg.stream.name, &cfg.durable).await? {
                 // Only found, never made: a deletion between a look and a make would
                 // otherwise make it anew all the same.
-                // Lost only when the server says it is not there: a timeout or an
-                // unreachable server is an error like any other, tried again.
-                Some(first) => match stream.get_consumer(&cfg.durable).await {
-                    Ok(consumer) => consumer,
-                    Err(e) => match stream.consumer_info(&cfg.durable).await {
-                        Err(info) if info.kind() == ConsumerInfoErrorKind::NotFound => {
-                            return Err(super::bindings::lost(&self.receiver, first, &info));
-                        }
-                        _ => return Err(fail(&*e)),
-                    },
-                },
+                Some(first) => super::bindings::found(&self.receiver, &stream, first).await?,
                 None => stream
                     .get_or_create_consumer(
                         &cfg.durable,

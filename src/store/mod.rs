@@ -1,4 +1,4 @@
-//! The database seam: the SQL of the delivery state machines (ARCHITECTURE §4) lives in this
+//! The database seam: the SQL of the delivery state machines (docs/design.md) lives in this
 //! folder, so they can be read in one place. (The reconciler's advisory lock and drift query,
 //! the idempotency key insert and the listener's `LISTEN` stay beside their code.) Internal; users
 //! see only [`PgPool`], the pool builders and [`ConnectionConfig`].

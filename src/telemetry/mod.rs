@@ -38,7 +38,7 @@ pub(crate) fn carry_trace(
     }
 }
 
-/// The fields every log line about one event carries (ARCHITECTURE §6), whatever the event's
+/// The fields every log line about one event carries (docs/operations.md, "Logs: following one event"), whatever the event's
 /// source: an inbox row, an event a transport publishes or a receiving side records, a new
 /// event. Each source has a `From` impl where it is defined, above this layer.
 #[derive(Debug, Clone, Copy)]
