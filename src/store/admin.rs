@@ -108,7 +108,18 @@ pub(crate) struct InboxItem {
     #[diesel(sql_type = Nullable<Jsonb>)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload: Option<serde_json::Value>,
+    /// An IN_FLIGHT row's lease: since when a batch holds it, which process (runtime instance)
+    /// and until when (renewed while a hung handler still runs).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub leased_since: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub leased_by: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub leased_until: Option<DateTime<Utc>>,
 }
+
+/// The status an inbox list shows for a row a lease names.
+pub(crate) const IN_FLIGHT: &str = "IN_FLIGHT";
 
 /// What became of one event for one consumer: a consumer that has a row for it, or is
 /// subscribed to its type now and has none (subscribed after it was published).
@@ -188,13 +199,19 @@ pub(crate) async fn list_outbox(
     Ok(rows)
 }
 
-/// Newest first, by id; `before` is the last id of the previous page.
+/// Newest first, by id; `before` is the last id of the previous page. A row a lease names
+/// shows as [`IN_FLIGHT`], which is also a status filter.
 pub(crate) async fn list_inbox(
     conn: &mut AsyncPgConnection,
     f: &ListFilter,
     before: Option<i64>,
 ) -> Result<Vec<InboxItem>> {
-    let rows = crate::store::sql(include_str!("admin/list_inbox.sql"))
+    let sql = if f.status.as_deref() == Some(IN_FLIGHT) {
+        include_str!("admin/list_inbox_in_flight.sql")
+    } else {
+        include_str!("admin/list_inbox.sql")
+    };
+    let rows = crate::store::sql(sql)
         .bind::<Nullable<Text>, _>(f.status.as_deref())
         .bind::<Nullable<Text>, _>(f.event_type.as_deref())
         .bind::<Nullable<Text>, _>(f.consumer.as_deref())

@@ -1251,3 +1251,59 @@ async fn the_timeline_shows_every_row_of_a_correlation_in_order() {
     assert_eq!(v["truncated"], false);
     db.finish(&[]).await;
 }
+
+/// A row a batch holds is listed IN_FLIGHT, with since when, by which process and until when,
+/// and found by that filter (and not by RECEIVED's) while its slow handler runs; then it is
+/// PROCESSED. The event's fan-out view says IN_FLIGHT too.
+#[actix_rt::test]
+async fn a_row_in_flight_during_a_slow_handler_is_listed_as_such_then_processed() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_secs(3),
+        ..Behaviour::default()
+    };
+    let rt = start(
+        &db,
+        vec![(
+            consumer("slow", 3).handler_timeout(Duration::from_secs(30)),
+            slow,
+        )],
+    )
+    .await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    db.enqueue_one("o-1").await;
+    rt.handle().wake();
+    let leased = "SELECT count(*) AS n FROM actix_outbox.inbox_leases WHERE consumer = 'slow'";
+    assert_eq!(db.wait_for(leased, 1, WAIT).await, 1);
+
+    let got = call!(app, get("/ops/inbox?status=IN_FLIGHT&consumer=slow"));
+    assert_eq!(got.0, 200, "{}", got.1);
+    let items = json_of(&got.1)["items"].clone();
+    assert_eq!(items.as_array().map(Vec::len), Some(1), "{}", got.1);
+    let row = &items[0];
+    assert_eq!(row["status"], "IN_FLIGHT", "{row}");
+    for field in ["leased_since", "leased_by", "leased_until"] {
+        assert!(row[field].is_string(), "{field} missing: {row}");
+    }
+    let unfiltered = json_of(&call!(app, get("/ops/inbox?consumer=slow")).1);
+    assert_eq!(unfiltered["items"][0]["status"], "IN_FLIGHT");
+    let received = json_of(&call!(app, get("/ops/inbox?status=RECEIVED&consumer=slow")).1);
+    assert_eq!(
+        received["items"].as_array().map(Vec::len),
+        Some(0),
+        "a row in flight listed as RECEIVED"
+    );
+    let event_id = row["event_id"].as_str().unwrap().to_owned();
+    let fanout = json_of(&call!(app, get(&format!("/ops/events/{event_id}"))).1);
+    assert!(fanout.to_string().contains("IN_FLIGHT"), "{fanout}");
+
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'slow' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 1, WAIT).await, 1);
+    let after = json_of(&call!(app, get("/ops/inbox?consumer=slow")).1);
+    assert_eq!(after["items"][0]["status"], "PROCESSED");
+    assert!(after["items"][0]["leased_by"].is_null());
+    let none = json_of(&call!(app, get("/ops/inbox?status=IN_FLIGHT")).1);
+    assert_eq!(none["items"].as_array().map(Vec::len), Some(0));
+    db.finish(&[&rt]).await;
+}

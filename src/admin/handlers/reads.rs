@@ -288,6 +288,13 @@ pub(super) async fn list_outbox(
     ))
 }
 
+/// The inbox list's status filters: the stored statuses and IN_FLIGHT.
+fn inbox_statuses() -> Vec<&'static str> {
+    let mut names = InboxStatus::names();
+    names.push(stmt::IN_FLIGHT);
+    names
+}
+
 pub(super) async fn list_inbox(
     _: Operator,
     st: web::Data<State>,
@@ -296,7 +303,7 @@ pub(super) async fn list_inbox(
     let q = q.into_inner();
     let consumer = consumer_filter(q.consumer)?;
     let filter = stmt::ListFilter {
-        status: status_filter(q.status, &InboxStatus::names())?,
+        status: status_filter(q.status, &inbox_statuses())?,
         event_type: type_filter(q.event_type)?,
         consumer,
         limit: page_size(q.limit)?,
