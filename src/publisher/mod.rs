@@ -258,7 +258,7 @@ fn log_fan_out(f: &store::outbox::FanOut) {
         let mut fields: crate::telemetry::EventFields<'_> = p.into();
         fields.consumer = Some(consumer);
         fields.attempt = None;
-        crate::telemetry::event!(info, "event.duplicate", fields);
+        crate::telemetry::event!(info, "event.duplicate", fields, code = "DUPLICATE_EVENT");
     }
     if f.published > 0 {
         let rows: usize = f.delivered.iter().map(|(_, n)| n).sum();

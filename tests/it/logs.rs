@@ -108,6 +108,10 @@ fn assert_fields(line: &Value, id: &str, consumer: Option<&str>, attempt: Option
             .is_some_and(|c| !c.is_empty()),
         "{name} has no correlation id: {line}"
     );
+    assert!(
+        line["aggregate_id"].as_str().is_some_and(|a| !a.is_empty()),
+        "{name} has no aggregate id: {line}"
+    );
     if let Some(consumer) = consumer {
         assert_eq!(line["consumer"], consumer, "{name}: {line}");
     }
@@ -218,6 +222,7 @@ async fn the_in_process_route_logs_each_name_with_the_events_ids() {
         let duplicate = logs.wait("event.duplicate", &id, Some(c)).await;
         assert_fields(&duplicate[0], &id, Some(c), None);
         assert_eq!(duplicate[0]["level"], "INFO");
+        assert_eq!(duplicate[0]["code"], "DUPLICATE_EVENT", "{}", duplicate[0]);
     }
     // A second publish is no creation: one `outbox.created`.
     assert_eq!(logs.about("outbox.created", &id).len(), 1);
@@ -274,6 +279,7 @@ async fn an_external_route_logs_each_name_with_the_events_ids() {
     assert_fields(&received[0], &id, Some("mail"), None);
     let duplicate = logs.wait("event.duplicate", &id, Some("mail")).await;
     assert_fields(&duplicate[0], &id, Some("mail"), None);
+    assert_eq!(duplicate[0]["code"], "DUPLICATE_EVENT", "{}", duplicate[0]);
     let published = logs.wait("outbox.published", &id, None).await;
     assert_fields(&published[0], &id, None, Some(3));
     let started = logs.about("outbox.publish.started", &id);
@@ -291,5 +297,30 @@ async fn an_external_route_logs_each_name_with_the_events_ids() {
         Some(1),
     );
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 1);
+    db.finish(&[&rt]).await;
+}
+
+/// An event caused by another carries its causation id, and its aggregate id, on every line
+/// about it: its enqueue, its publish and its consumer's.
+#[actix_rt::test]
+async fn the_lines_of_a_caused_event_carry_its_causation_and_aggregate_ids() {
+    let logs = capture();
+    let db = TestDb::new().await;
+    let rt = start(&db, vec![(consumer("mail", 3), Behaviour::default())]).await;
+    let event = order_event("caused-1").causation_id("cause-7");
+    let conn = db.pool.get().await.unwrap();
+    let id = actix_outbox::enqueue(&conn, &event)
+        .await
+        .unwrap()
+        .to_string();
+    drop(conn);
+    rt.handle().wake();
+    for name in ["outbox.enqueued", "outbox.published", "consumer.completed"] {
+        let consumer = (name == "consumer.completed").then_some("mail");
+        let line = &logs.wait(name, &id, consumer).await[0];
+        assert_fields(line, &id, consumer, None);
+        assert_eq!(line["causation_id"], "cause-7", "{name}: {line}");
+        assert_eq!(line["aggregate_id"], "caused-1", "{name}: {line}");
+    }
     db.finish(&[&rt]).await;
 }

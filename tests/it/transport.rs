@@ -309,6 +309,26 @@ async fn exhausted_publishes_and_rejections_are_dead_lettered_with_their_codes()
     db.finish(&[&rt]).await;
 }
 
+/// A publish that never answers within `publish_timeout` is charged `OUTBOX_PUBLISH_TIMEOUT`
+/// each time, and dead-lettered with that code once its attempts are spent.
+#[actix_rt::test]
+async fn publishes_that_time_out_are_dead_lettered_with_the_timeout_code() {
+    let db = TestDb::new().await;
+    let transport = ScriptedTransport::new(db.pool.clone());
+    transport.script([
+        Step::Hang(Duration::from_secs(5)),
+        Step::Hang(Duration::from_secs(5)),
+    ]);
+    let cfg = external(2_000, 100, 2).batch_size(1);
+    let rt = start_external(&db, &transport, cfg, db.pool.clone()).await;
+    db.produce(1, "o").await;
+    let dead = "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'DEAD_LETTER' \
+                AND attempt_count = 2 AND error_code = 'OUTBOX_PUBLISH_TIMEOUT'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    assert_eq!(transport.calls().len(), 2);
+    db.finish(&[&rt]).await;
+}
+
 /// A service that receives an event from another database's outbox and continues its chain:
 /// its timeline shows the received inbox row next to its own follow-up. Received rows have no
 /// outbox row here, so they are found by their own (partial) correlation index.
