@@ -325,10 +325,18 @@ fn record(
 ) {
     let consumer = cfg.name.as_str();
     let now = chrono::Utc::now();
+    let mut in_time = 0;
     for row in processed {
         let latency = (now - row.event_created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
         metrics::delivery_latency(consumer, latency.max(0.0));
+        in_time += u64::from(
+            cfg.allowed_delay
+                .is_some_and(|d| latency <= d.as_secs_f64()),
+        );
         log::completed(cfg, row);
+    }
+    if cfg.allowed_delay.is_some() {
+        metrics::processed_within_allowed_delay(consumer, in_time);
     }
     let count = |f: fn(&Settle) -> bool| settled.iter().filter(|o| f(&o.settle)).count();
     let done = count(|s| matches!(s, Settle::Processed | Settle::Stale(_)));

@@ -28,6 +28,8 @@ pub struct ConsumerConfig {
     pub(crate) lease: Option<Duration>,
     pub(crate) threads: Option<u32>,
     pub(crate) thread_group: Option<String>,
+    pub(crate) allowed_delay: Option<Duration>,
+    pub(crate) critical_multiple: u32,
     /// Set by the builder from [`OutboxBuilder::events`](crate::OutboxBuilder::events).
     pub(crate) events: Option<Arc<EventRegistry>>,
     /// Set by the builder from [`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors):
@@ -58,6 +60,8 @@ impl ConsumerConfig {
             ordered: false,
             skip_dead_letters: false,
             replay_safe: false,
+            allowed_delay: None,
+            critical_multiple: 3,
             rate_limit: None,
             lease: None,
             threads: None,
@@ -234,6 +238,31 @@ impl ConsumerConfig {
         self.replay_safe = on;
         self
     }
+    /// How long an event may wait for this consumer, from its creation to its processing: the
+    /// consumer's service level. Health says `CONSUMER_LATE` (WARNING) for it, by name, while
+    /// one of its events has waited longer, and CRITICAL past
+    /// [`allowed_delay_critical`](Self::allowed_delay_critical) times it, instead of judging it
+    /// by the global inbox thresholds; `inbox_processed_within_allowed_delay_total{consumer}`
+    /// over `inbox_processed_total{consumer}` is the share delivered within it. Default: none.
+    pub fn allowed_delay(mut self, delay: Duration) -> Self {
+        self.allowed_delay = Some(delay);
+        self
+    }
+    /// How many times its [`allowed_delay`](Self::allowed_delay) an event may wait before
+    /// health turns CRITICAL for the consumer. Default 3.
+    pub fn allowed_delay_critical(mut self, multiple: u32) -> Self {
+        self.critical_multiple = multiple;
+        self
+    }
+    /// The allowed delay and the critical one, in milliseconds, as registered.
+    pub(crate) fn delay_levels(&self) -> Option<(i64, i64)> {
+        let allowed = self.allowed_delay?;
+        let critical = allowed.saturating_mul(self.critical_multiple);
+        Some((
+            crate::store::millis(allowed),
+            crate::store::millis(critical),
+        ))
+    }
     /// The consumer's name.
     pub fn name(&self) -> &ConsumerName {
         &self.name
@@ -269,6 +298,9 @@ impl ConsumerConfig {
         }
         if self.rate_limit.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
             return bad("rate_limit must be a positive number of events per second");
+        }
+        if self.allowed_delay.is_some_and(|d| d.is_zero()) || self.critical_multiple == 0 {
+            return bad("allowed_delay must be positive, and its critical multiple at least 1");
         }
         if self.handler_timeout.is_zero() || self.poll_interval.is_zero() {
             return bad("handler_timeout and poll_interval must be positive");

@@ -118,6 +118,12 @@ pub struct ConsumerHealth {
     pub backlog: i64,
     /// How long its oldest due row has been waiting.
     pub oldest_due_age_seconds: f64,
+    /// How long the oldest event it has not processed yet has existed.
+    #[serde(default)]
+    pub oldest_waiting_age_seconds: f64,
+    /// Its allowed delay (`ConsumerConfig::allowed_delay`), if it has one.
+    #[serde(default)]
+    pub allowed_delay_seconds: Option<f64>,
     /// Rows that need an operator.
     pub dead_letter: i64,
     /// Duplicates per delivery over the recent samples, when there were deliveries.
@@ -307,7 +313,7 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                         human(c.oldest_due_age_seconds)
                     ),
                 );
-            } else {
+            } else if c.allowed_delay_seconds.is_none() {
                 report.push(
                     state,
                     "INBOX_LAG",
@@ -316,6 +322,33 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                         "{} is behind: its oldest due event has waited {} ({} waiting)",
                         c.consumer,
                         human(c.oldest_due_age_seconds),
+                        c.backlog
+                    ),
+                );
+            }
+        }
+        // A consumer with an allowed delay is judged by it, not by the global thresholds.
+        if let (Some(allowed), false) = (c.allowed_delay_seconds, c.paused) {
+            let critical = c.critical_delay_seconds.unwrap_or(allowed);
+            let age = c.oldest_waiting_age_seconds;
+            let state = if age > critical {
+                Some(HealthState::Critical)
+            } else if age > allowed {
+                Some(HealthState::Warning)
+            } else {
+                None
+            };
+            if let Some(state) = state {
+                report.push(
+                    state,
+                    "CONSUMER_LATE",
+                    name,
+                    format!(
+                        "{} is late: an event has waited {} for it, past its allowed delay of \
+                         {} ({} waiting)",
+                        c.consumer,
+                        human(age),
+                        human(allowed),
                         c.backlog
                     ),
                 );
@@ -388,6 +421,8 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
             paused: c.paused,
             backlog: c.backlog,
             oldest_due_age_seconds: c.oldest_due_age_seconds,
+            oldest_waiting_age_seconds: c.oldest_waiting_age_seconds,
+            allowed_delay_seconds: c.allowed_delay_seconds,
             dead_letter: c.dead_letter,
             duplicate_rate: dup.recent_rate,
         });
@@ -788,6 +823,47 @@ mod tests {
         };
         let r = assess(&cfg, &sample(0, outbox(0, None, 0.0), vec![brief]), &[]);
         assert_eq!(r.state, HealthState::Ok, "a batch in flight is no hang");
+    }
+
+    #[test]
+    fn a_consumer_with_an_allowed_delay_is_judged_by_it_alone() {
+        let cfg = HealthConfig::default();
+        let strict = ConsumerGauges {
+            backlog: 3,
+            oldest_waiting_age_seconds: 45.0,
+            oldest_due_age_seconds: 45.0,
+            allowed_delay_seconds: Some(30.0),
+            critical_delay_seconds: Some(90.0),
+            ..consumer("mail")
+        };
+        // Past the global inbox thresholds too, but judged by its own allowed delay (none).
+        let lax = ConsumerGauges {
+            backlog: 3,
+            oldest_waiting_age_seconds: 200.0,
+            oldest_due_age_seconds: 200.0,
+            allowed_delay_seconds: Some(600.0),
+            critical_delay_seconds: Some(1800.0),
+            ..consumer("analytics")
+        };
+        let r = assess(
+            &cfg,
+            &sample(0, outbox(0, None, 0.0), vec![strict.clone(), lax]),
+            &[],
+        );
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Warning, vec!["CONSUMER_LATE"])
+        );
+        assert_eq!(r.reasons[0].consumer.as_deref(), Some("mail"));
+        let very = ConsumerGauges {
+            oldest_waiting_age_seconds: 100.0,
+            ..strict
+        };
+        let r = assess(&cfg, &sample(0, outbox(0, None, 0.0), vec![very]), &[]);
+        assert_eq!(
+            (r.state, codes(&r)),
+            (HealthState::Critical, vec!["CONSUMER_LATE"])
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::store::stats::{self as stmt, Expired};
+use crate::store::retention::{self as stmt, Expired};
 use crate::store::{self, PgPool};
 
 /// What retention keeps. Every setting has a setter that documents its default. An age over a

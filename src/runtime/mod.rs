@@ -228,6 +228,7 @@ impl OutboxBuilder {
                     &cfg.event_types,
                     cfg.ordered,
                     cfg.replay_safe,
+                    cfg.delay_levels(),
                 )
                 .await?;
                 registered.push(contract::Registered { cfg, extra });

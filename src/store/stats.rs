@@ -48,6 +48,12 @@ pub(crate) struct ConsumerGauges {
     /// How long the oldest lease of the consumer has been held: long only while a handler
     /// hangs past its timeout, keeping it.
     pub oldest_in_flight_age_seconds: f64,
+    /// How long the oldest event the consumer has not processed yet (due, waiting for a retry
+    /// or in flight) has existed.
+    pub oldest_waiting_age_seconds: f64,
+    /// The consumer's allowed delay and its critical level, as its runtime registered them.
+    pub allowed_delay_seconds: Option<f64>,
+    pub critical_delay_seconds: Option<f64>,
     pub dead_letter: i64,
     pub received: u64,
     pub processed: u64,
@@ -163,6 +169,12 @@ struct ConsumerRow {
     oldest_due_age: f64,
     #[diesel(sql_type = Double)]
     oldest_in_flight_age: f64,
+    #[diesel(sql_type = Double)]
+    oldest_waiting_age: f64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    allowed_delay_ms: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    critical_delay_ms: Option<i64>,
     #[diesel(sql_type = BigInt)]
     dead_letter: i64,
 }
@@ -187,6 +199,10 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
                                 WHERE l.consumer = s.consumer)), 0) AS oldest_due_age, \
            coalesce((SELECT extract(epoch FROM now() - min(l.claimed_at))::float8 \
                FROM actix_outbox.inbox_leases l WHERE l.consumer = s.consumer), 0) AS oldest_in_flight_age, \
+           coalesce((SELECT extract(epoch FROM now() - min(i.event_created_at))::float8 \
+               FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
+               AND i.status IN ('RECEIVED', 'RETRY_PENDING')), 0) AS oldest_waiting_age, \
+           s.allowed_delay_ms, s.critical_delay_ms, \
            (SELECT count(*) FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
                AND i.status = 'DEAD_LETTER') AS dead_letter \
          FROM actix_outbox.consumer_states s ORDER BY s.consumer",
@@ -203,6 +219,9 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
             due: r.due,
             oldest_due_age_seconds: r.oldest_due_age.max(0.0),
             oldest_in_flight_age_seconds: r.oldest_in_flight_age.max(0.0),
+            oldest_waiting_age_seconds: r.oldest_waiting_age.max(0.0),
+            allowed_delay_seconds: r.allowed_delay_ms.map(|ms| ms as f64 / 1000.0),
+            critical_delay_seconds: r.critical_delay_ms.map(|ms| ms as f64 / 1000.0),
             dead_letter: r.dead_letter,
             ..Default::default()
         })
@@ -421,170 +440,4 @@ pub(crate) async fn prune_samples(
     .execute(conn)
     .await?;
     Ok(n)
-}
-
-/// What a retention batch deletes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Expired {
-    /// PUBLISHED outbox rows, by `published_at`.
-    PublishedOutbox,
-    /// PROCESSED inbox rows, by `processed_at`.
-    ProcessedInbox,
-    /// Business idempotency keys, by `created_at`.
-    IdempotencyKeys,
-    /// Operator audit rows, by `at`.
-    AdminAudit,
-    /// Reconcile runs, by `started_at`; never one still running.
-    ReconcileRuns,
-    /// Stale-check versions (`aggregate_versions`), by `updated_at`, once no event that could
-    /// be compared with them is left (see the statement).
-    AggregateVersions,
-}
-
-/// Rows one [`delete_expired`] batch found expired, and those it deleted.
-#[derive(QueryableByName)]
-pub(crate) struct Expiry {
-    /// Expired rows the batch took (at most `batch`): fewer means none is left.
-    #[diesel(sql_type = BigInt)]
-    pub seen: i64,
-    /// Rows deleted: for the outbox, fewer than `seen` when some events were left for later.
-    #[diesel(sql_type = BigInt)]
-    pub deleted: i64,
-    /// The outbox only: where the next batch of this run starts, `(published_at, id)` of the
-    /// last row this one took, so that events left for later are not taken again and again.
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    pub last_at: Option<DateTime<Utc>>,
-    #[diesel(sql_type = Nullable<diesel::sql_types::Uuid>)]
-    pub last_id: Option<uuid::Uuid>,
-}
-
-impl Expiry {
-    /// The cursor for the next batch of the run.
-    pub fn after(&self) -> Option<(DateTime<Utc>, uuid::Uuid)> {
-        self.last_at.zip(self.last_id)
-    }
-}
-
-/// Deletes at most `batch` rows of `what` older than `older_than`, oldest first. Rows locked
-/// by someone else are skipped, never waited for. Dead letters and IGNORED rows never match:
-/// they are an operator's to decide about.
-///
-/// Expected plans: index scans of `outbox_events_published`, `inbox_events_processed`,
-/// `idempotency_keys_created`, `admin_audit_at`, `reconcile_runs_started` and
-/// `aggregate_versions_updated`.
-/// For the outbox, `after` is the previous batch's [`Expiry::after`] in this run: the batch
-/// takes rows past it, in `(published_at, id)` order.
-pub(crate) async fn delete_expired(
-    conn: &mut AsyncPgConnection,
-    what: Expired,
-    older_than: Duration,
-    batch: i64,
-    after: Option<(DateTime<Utc>, uuid::Uuid)>,
-) -> Result<Expiry> {
-    let sql: std::borrow::Cow<'static, str> = match what {
-        // The event's inbox rows that stay (dead letters, retries, rows not yet expired) are
-        // found by correlation through their outbox row; with it gone, they are marked
-        // `external` (no outbox row here), which puts them in the inbox's own correlation index
-        // and keeps them in the timeline. An event one of whose inbox rows is locked (a batch
-        // holds it; a hung handler may hold it for long) is left for a later run: waiting
-        // for it would stall retention behind that handler. The unrouted record of an event
-        // received from a broker (no outbox row here) goes once it is as old.
-        Expired::PublishedOutbox => {
-            "WITH expired AS ( \
-                 SELECT id, published_at FROM actix_outbox.outbox_events \
-                 WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
-                   AND published_at >= coalesce($3, '-infinity') \
-                   AND (published_at, id) > (coalesce($3, '-infinity'), coalesce($4, '00000000-0000-0000-0000-000000000000')) \
-                 ORDER BY published_at, id LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             locked AS ( \
-                 SELECT id, event_id FROM actix_outbox.inbox_events \
-                 WHERE event_id IN (SELECT id FROM expired) AND NOT external \
-                 FOR UPDATE SKIP LOCKED), \
-             busy AS ( \
-                 SELECT event_id FROM actix_outbox.inbox_events \
-                 WHERE event_id IN (SELECT id FROM expired) AND NOT external \
-                   AND id NOT IN (SELECT id FROM locked)), \
-             gone AS (SELECT id FROM expired WHERE id NOT IN (SELECT event_id FROM busy)), \
-             kept AS (UPDATE actix_outbox.inbox_events SET external = true \
-                 WHERE id IN (SELECT id FROM locked WHERE event_id IN (SELECT id FROM gone))), \
-             deleted AS (DELETE FROM actix_outbox.outbox_events WHERE id IN (SELECT id FROM gone) RETURNING 1), \
-             unrouted AS (DELETE FROM actix_outbox.unrouted_events WHERE event_id IN (SELECT id FROM gone)), \
-             received AS (DELETE FROM actix_outbox.unrouted_events WHERE event_id IN ( \
-                 SELECT u.event_id FROM actix_outbox.unrouted_events u \
-                 WHERE u.published_at < now() - $1 * interval '1 millisecond' \
-                   AND NOT EXISTS (SELECT FROM actix_outbox.outbox_events o WHERE o.id = u.event_id) \
-                 ORDER BY u.published_at LIMIT $2)), \
-             last AS (SELECT published_at, id FROM expired ORDER BY published_at DESC, id DESC LIMIT 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                    (SELECT published_at FROM last) AS last_at, (SELECT id FROM last) AS last_id"
-                .into()
-        }
-        Expired::ProcessedInbox => {
-            // Never a row a running replay has yet to reach: it would end short (`REPLAY_GAP`).
-            by_age(
-                "actix_outbox.inbox_events i",
-                "id",
-                "processed_at",
-                "AND status = 'PROCESSED' AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
-                 WHERE r.status = 'RUNNING' AND r.consumer = i.consumer \
-                   AND i.id > r.cursor_id AND i.id <= r.upto_id)",
-            )
-            .into()
-        }
-        Expired::IdempotencyKeys => by_age("actix_outbox.idempotency_keys", "key", "created_at", "").into(),
-        Expired::AdminAudit => by_age("actix_outbox.admin_audit", "id", "at", "").into(),
-        // Never a run still going.
-        Expired::ReconcileRuns => {
-            by_age("actix_outbox.reconcile_runs", "id", "started_at", "AND finished_at IS NOT NULL").into()
-        }
-        // A version is what an event of its aggregate is compared with, so it goes only when
-        // no such event can still come: the consumer has no row of the aggregate that may yet
-        // be applied (received, waiting for a retry, or a dead letter an operator may retry),
-        // and the outbox no event of it still to be fanned out. Those rows are the work in
-        // flight and the dead letters, read once per batch through their partial indexes.
-        Expired::AggregateVersions => {
-            "WITH expired AS ( \
-                 SELECT consumer, aggregate_type, aggregate_id FROM actix_outbox.aggregate_versions v \
-                 WHERE updated_at < now() - $1 * interval '1 millisecond' \
-                   AND (consumer, aggregate_type, aggregate_id) NOT IN ( \
-                       SELECT consumer, aggregate_type, aggregate_id FROM actix_outbox.inbox_events \
-                       WHERE status IN ('RECEIVED', 'RETRY_PENDING', 'DEAD_LETTER')) \
-                   AND (aggregate_type, aggregate_id) NOT IN ( \
-                       SELECT aggregate_type, aggregate_id FROM actix_outbox.outbox_events \
-                       WHERE status IN ('PENDING', 'RETRY_PENDING', 'PROCESSING', 'DEAD_LETTER')) \
-                 ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             deleted AS (DELETE FROM actix_outbox.aggregate_versions v USING expired e \
-                 WHERE (v.consumer, v.aggregate_type, v.aggregate_id) \
-                     = (e.consumer, e.aggregate_type, e.aggregate_id) RETURNING 1) \
-             SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                    NULL::timestamptz AS last_at, NULL::uuid AS last_id"
-                .into()
-        }
-    };
-    let query = crate::store::sql(&sql)
-        .bind::<BigInt, _>(store::millis(older_than))
-        .bind::<BigInt, _>(batch);
-    let expiry = if what == Expired::PublishedOutbox {
-        query
-            .bind::<Nullable<Timestamptz>, _>(after.map(|a| a.0))
-            .bind::<Nullable<diesel::sql_types::Uuid>, _>(after.map(|a| a.1))
-            .get_result(conn)
-            .await?
-    } else {
-        query.get_result(conn).await?
-    };
-    Ok(expiry)
-}
-
-/// The delete of the tables whose rows simply age out: the oldest `$2` rows of `table` whose
-/// `at` is older than `$1` ms (and that match `also`), by their key, skipping locked ones.
-fn by_age(table: &str, key: &str, at: &str, also: &str) -> String {
-    format!(
-        "WITH expired AS ( \
-             SELECT {key} FROM {table} WHERE {at} < now() - $1 * interval '1 millisecond' {also} \
-             ORDER BY {at} LIMIT $2 FOR UPDATE SKIP LOCKED), \
-         deleted AS (DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM expired) RETURNING 1) \
-         SELECT (SELECT count(*) FROM expired) AS seen, (SELECT count(*) FROM deleted) AS deleted, \
-                NULL::timestamptz AS last_at, NULL::uuid AS last_id"
-    )
 }

@@ -44,6 +44,10 @@ pub(crate) const INBOX_DUPLICATE_TOTAL: &str = "inbox_duplicate_total";
 pub(crate) const INBOX_FAILED_TOTAL: &str = "inbox_failed_total";
 /// Rows moved to DEAD_LETTER (counter).
 pub(crate) const INBOX_DEAD_LETTERED_TOTAL: &str = "inbox_dead_lettered_total";
+/// Rows of a consumer with an allowed delay processed within it (counter; over
+/// `inbox_processed_total`, the consumer's service level).
+pub(crate) const INBOX_WITHIN_ALLOWED_DELAY_TOTAL: &str =
+    "inbox_processed_within_allowed_delay_total";
 /// Database sessions of handlers hung past their timeout and the grace, ended by the engine
 /// (counter).
 pub(crate) const HANDLER_SESSIONS_ENDED_TOTAL: &str = "outbox_handler_sessions_ended_total";
@@ -201,6 +205,12 @@ pub(crate) const FAMILIES: &[Family] = &[
         Kind::Counter,
         CONSUMER,
         "Inbox rows moved to DEAD_LETTER per consumer",
+    ),
+    family(
+        INBOX_WITHIN_ALLOWED_DELAY_TOTAL,
+        Kind::Counter,
+        CONSUMER,
+        "Inbox rows processed within their consumer's allowed delay (consumers that set one)",
     ),
     family(
         HANDLER_SESSIONS_ENDED_TOTAL,
@@ -361,6 +371,10 @@ pub(crate) fn inbox_failed(consumer: &str, n: u64) {
 pub(crate) fn inbox_dead_lettered(consumer: &str, n: u64) {
     consumer_counter(INBOX_DEAD_LETTERED_TOTAL, consumer, n);
     bump_consumer(consumer, n, |d| &mut d.dead_lettered);
+}
+/// Rows of `consumer` processed within its allowed delay.
+pub(crate) fn processed_within_allowed_delay(consumer: &str, n: u64) {
+    consumer_counter(INBOX_WITHIN_ALLOWED_DELAY_TOTAL, consumer, n);
 }
 /// A hung handler's database session of `consumer` ended by the engine.
 pub(crate) fn handler_session_ended(consumer: &str) {
@@ -659,6 +673,7 @@ mod tests {
             inbox_failed("c", 0);
             inbox_dead_lettered("c", 0);
             consumer_counter(HANDLER_SESSIONS_ENDED_TOTAL, "c", 0);
+            processed_within_allowed_delay("c", 0);
             delivery_latency("c", 0.5);
             consumer_hung("c", 0);
             consumer_stalled("c", false);

@@ -1284,3 +1284,71 @@ async fn the_dashboard_charts_each_consumers_throughput_and_lag_from_the_samples
     server_handle.stop(true).await;
     db.finish(&[]).await;
 }
+
+/// Each consumer's allowed delay is its own: with events waiting longer than one consumer
+/// allows and less than the other does, health names the late consumer (`CONSUMER_LATE`) and
+/// leaves the other out, whatever the global inbox thresholds say.
+#[actix_rt::test]
+async fn health_names_the_consumer_past_its_allowed_delay_and_leaves_the_other() {
+    use actix_outbox::health::{StatsConfig, StatsSampler};
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_secs(2),
+        ..Behaviour::default()
+    };
+    let rt = start(
+        &db,
+        vec![
+            (
+                consumer("strict", 1)
+                    .batch_size(1)
+                    .allowed_delay(Duration::from_millis(500)),
+                slow,
+            ),
+            (
+                consumer("lenient", 1)
+                    .batch_size(1)
+                    .allowed_delay(Duration::from_secs(3600)),
+                Behaviour {
+                    work: Duration::from_secs(2),
+                    ..Behaviour::default()
+                },
+            ),
+        ],
+    )
+    .await;
+    db.produce(3, "late").await;
+    rt.handle().wake();
+    let sampler = StatsSampler::new(db.pool.clone(), StatsConfig::default()).unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    let report = loop {
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        let report = sampler.run_once().await.unwrap();
+        if report.reasons.iter().any(|r| r.code == "CONSUMER_LATE")
+            || std::time::Instant::now() > deadline
+        {
+            break report;
+        }
+    };
+    let late: Vec<_> = report
+        .reasons
+        .iter()
+        .filter(|r| r.code == "CONSUMER_LATE")
+        .collect();
+    assert_eq!(late.len(), 1, "{report:?}");
+    assert_eq!(late[0].consumer.as_deref(), Some("strict"), "{report:?}");
+    assert!(
+        report
+            .reasons
+            .iter()
+            .all(|r| r.consumer.as_deref() != Some("lenient")),
+        "{report:?}"
+    );
+    let strict = report
+        .consumers
+        .iter()
+        .find(|c| c.consumer == "strict")
+        .unwrap();
+    assert_eq!(strict.allowed_delay_seconds, Some(0.5));
+    db.finish(&[&rt]).await;
+}

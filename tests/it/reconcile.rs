@@ -492,3 +492,77 @@ async fn a_search_that_fails_on_its_own_after_the_bound_is_not_called_a_timeout(
     );
     db.finish(&[&rt]).await;
 }
+
+/// The built-in drift report counts what is overdue past the consistency window (outbox rows
+/// unpublished, inbox rows unprocessed) and the dead letters, and follows the tables: a paused
+/// consumer's rows count until it is resumed and processes them.
+#[actix_rt::test]
+async fn the_built_in_drift_report_counts_overdue_rows_and_dead_letters() {
+    use actix_outbox::reconcile::DriftReport;
+    let db = TestDb::new().await;
+    let name = actix_outbox::event::ConsumerName::new("drifty").unwrap();
+    {
+        let mut conn = db.pool.get().await.unwrap();
+        actix_outbox::ops::pause_consumer(&mut conn, &name, "test", "set-up", None)
+            .await
+            .unwrap();
+    }
+    let cfg = fast_runtime()
+        .consistency_window(Duration::from_millis(300))
+        .reconcile_interval(Duration::from_millis(200));
+    let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .config(cfg)
+        .consumer(consumer("drifty", 3), || Recorder {
+            name: "drifty".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .unwrap();
+    db.produce(3, "drift").await;
+    rt.handle().wake();
+    let fanned = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'drifty'";
+    assert_eq!(db.wait_for(fanned, 3, WAIT).await, 3);
+    {
+        let mut conn = db.pool.get().await.unwrap();
+        conn.batch_execute(
+            "UPDATE actix_outbox.inbox_events SET status = 'DEAD_LETTER' \
+             WHERE id = (SELECT min(id) FROM actix_outbox.inbox_events)",
+        )
+        .await
+        .unwrap();
+    }
+    let wait_for = |want: DriftReport| {
+        let rt = &rt;
+        async move {
+            let deadline = std::time::Instant::now() + WAIT;
+            loop {
+                let drift = rt.status().await.unwrap().drift;
+                if drift.as_ref() == Some(&want) || std::time::Instant::now() > deadline {
+                    return drift;
+                }
+                actix_rt::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let overdue = DriftReport {
+        outbox_overdue: 0,
+        inbox_overdue: 2,
+        dead_letters: 1,
+    };
+    assert_eq!(wait_for(overdue.clone()).await, Some(overdue));
+    {
+        let mut conn = db.pool.get().await.unwrap();
+        actix_outbox::ops::resume_consumer(&mut conn, &name, "test")
+            .await
+            .unwrap();
+    }
+    rt.handle().wake();
+    let caught_up = DriftReport {
+        outbox_overdue: 0,
+        inbox_overdue: 0,
+        dead_letters: 1,
+    };
+    assert_eq!(wait_for(caught_up.clone()).await, Some(caught_up));
+    db.finish(&[&rt]).await;
+}

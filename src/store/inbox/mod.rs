@@ -116,6 +116,7 @@ pub(crate) async fn register_consumer(
     event_types: &[String],
     ordered: bool,
     replay_safe: bool,
+    delays: Option<(i64, i64)>,
 ) -> Result<Vec<String>> {
     #[derive(QueryableByName)]
     struct Subscription {
@@ -124,9 +125,13 @@ pub(crate) async fn register_consumer(
     }
     let extra: Vec<Subscription> = Prepared(
         crate::store::sql(
-            "WITH c AS (INSERT INTO actix_outbox.consumer_states (consumer, replay_safe) VALUES ($1, $4) \
-                    ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4 \
-                    WHERE consumer_states.replay_safe <> $4), \
+            "WITH c AS (INSERT INTO actix_outbox.consumer_states \
+                        (consumer, replay_safe, allowed_delay_ms, critical_delay_ms) \
+                    VALUES ($1, $4, $5, $6) \
+                    ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4, allowed_delay_ms = $5, \
+                        critical_delay_ms = $6 \
+                    WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
+                           consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6)), \
               s AS (INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type, ordered) \
                     SELECT $1, t, $3 FROM unnest($2::text[]) AS t \
                     ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3 \
@@ -137,7 +142,9 @@ pub(crate) async fn register_consumer(
         .bind::<Text, _>(consumer)
         .bind::<Array<Text>, _>(event_types)
         .bind::<diesel::sql_types::Bool, _>(ordered)
-        .bind::<diesel::sql_types::Bool, _>(replay_safe),
+        .bind::<diesel::sql_types::Bool, _>(replay_safe)
+        .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.0))
+        .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.1)),
     )
     .load(conn)
     .await?;
