@@ -20,9 +20,10 @@ pub(crate) async fn publish_batch(
     cfg: &ExternalConfig,
 ) -> Result<bool> {
     let lease_ms = crate::store::millis(cfg.lease);
+    let started = tokio::time::Instant::now();
     let rows = {
         let mut conn = pool.get().await?;
-        let limit = i64::from(cfg.batch_size);
+        let limit = i64::from(cfg.claim_size());
         // On time-out the claim may have committed: its rows are then PROCESSING under a lease
         // nobody will mark, and the reaper returns them once it expires.
         let claimed = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
@@ -35,7 +36,8 @@ pub(crate) async fn publish_batch(
         }
         claimed?
     };
-    let more = rows.len() == cfg.batch_size as usize || rows.iter().any(|r| r.alone);
+    let more = rows.len() == cfg.claim_size() as usize || rows.iter().any(|r| r.alone);
+    let published = rows.len();
     // Concurrently, so a whole batch finishes within one publish timeout and so within the
     // lease (validated to be longer); one at a time, a slow broker would make later rows of
     // the batch outlive their lease and be published twice.
@@ -49,6 +51,11 @@ pub(crate) async fn publish_batch(
     }
     for r in results {
         r?;
+    }
+    // The pace: this batch's share of a second at the rate limit, before the next claim.
+    if let Some(rate) = cfg.rate_limit {
+        let share = Duration::from_secs_f64(published as f64 / rate);
+        tokio::time::sleep_until(started + share).await;
     }
     Ok(more)
 }

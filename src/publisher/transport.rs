@@ -74,6 +74,8 @@ pub struct ExternalConfig {
     pub(crate) retry: RetryPolicy,
     pub(crate) reap_interval: Duration,
     pub(crate) batch_size: u32,
+    pub(crate) concurrency: Option<u32>,
+    pub(crate) rate_limit: Option<f64>,
     /// Set by the builder from [`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors).
     pub(crate) redact: Redactor,
 }
@@ -116,6 +118,33 @@ impl ExternalConfig {
         self.batch_size = batch_size;
         self
     }
+
+    /// At most this many publishes in flight at once (a batch is then at most this many rows,
+    /// published together). Default: the batch size.
+    pub fn concurrency(mut self, concurrency: u32) -> Self {
+        self.concurrency = Some(concurrency);
+        self
+    }
+
+    /// At most this many events published per second, per publisher (runtime instance): after
+    /// an outage the backlog drains at this pace instead of at full speed, so the broker and
+    /// the consumers behind it are not stormed. Batches are then cut to a tenth of a second's
+    /// worth. Default: none.
+    pub fn rate_limit(mut self, per_second: f64) -> Self {
+        self.rate_limit = Some(per_second);
+        self
+    }
+
+    /// Rows one claim takes: the batch size, cut to the concurrency and to a tenth of a
+    /// second at the rate limit.
+    pub(crate) fn claim_size(&self) -> u32 {
+        let paced = self
+            .rate_limit
+            .map_or(u32::MAX, |r| (r / 10.0).ceil().max(1.0) as u32);
+        self.batch_size
+            .min(self.concurrency.unwrap_or(u32::MAX))
+            .min(paced)
+    }
 }
 
 impl Default for ExternalConfig {
@@ -127,6 +156,8 @@ impl Default for ExternalConfig {
             retry: RetryPolicy::default(),
             reap_interval: Duration::from_secs(5),
             batch_size: 100,
+            concurrency: None,
+            rate_limit: None,
             redact: Redactor::default(),
         }
     }
@@ -138,6 +169,13 @@ impl ExternalConfig {
         if self.publish_timeout.is_zero() || self.reap_interval.is_zero() || self.batch_size == 0 {
             return Err(Error::Config(
                 "publish_timeout, reap_interval and batch_size must be positive".into(),
+            ));
+        }
+        if self.concurrency == Some(0)
+            || self.rate_limit.is_some_and(|r| !(r.is_finite() && r > 0.0))
+        {
+            return Err(Error::Config(
+                "concurrency must be at least 1, and rate_limit a positive number of events per second".into(),
             ));
         }
         if self.lease <= self.publish_timeout {

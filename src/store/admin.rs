@@ -333,31 +333,44 @@ pub(crate) async fn lock_outbox(
     Ok((rows, existing.n))
 }
 
-/// Dead letters back to the consumer: RETRY_PENDING, due now, attempt count kept (so the
-/// consumer's policy allows one more attempt before dead-lettering again).
-pub(crate) async fn retry_inbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<usize> {
+/// Dead letters back to the consumer: RETRY_PENDING, attempt count kept (so the consumer's
+/// policy allows one more attempt before dead-lettering again), due now or, with
+/// `per_second`, one after another at that pace, in id order.
+pub(crate) async fn retry_inbox(
+    conn: &mut AsyncPgConnection,
+    ids: &[i64],
+    per_second: Option<u32>,
+) -> Result<usize> {
     let n = crate::store::sql(
-        "UPDATE actix_outbox.inbox_events SET status = 'RETRY_PENDING', next_attempt_at = now(), \
+        "UPDATE actix_outbox.inbox_events i SET status = 'RETRY_PENDING', \
+             next_attempt_at = now() + coalesce((o.n - 1) / $2::float8, 0) * interval '1 second', \
              updated_at = now() \
-         WHERE id = ANY($1) AND status = 'DEAD_LETTER'",
+         FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM unnest($1::int8[]) AS u(id)) o \
+         WHERE i.id = o.id AND i.status = 'DEAD_LETTER'",
     )
     .bind::<Array<BigInt>, _>(ids)
+    .bind::<Nullable<Integer>, _>(per_second.map(|r| r as i32))
     .execute(conn)
     .await?;
     Ok(n)
 }
 
-/// Dead letters back to the publisher: PENDING, due now, lease cleared, attempt count kept.
+/// Dead letters back to the publisher: PENDING, lease cleared, attempt count kept, due as
+/// [`retry_inbox`] makes them.
 pub(crate) async fn retry_outbox(
     conn: &mut AsyncPgConnection,
     ids: &[uuid::Uuid],
+    per_second: Option<u32>,
 ) -> Result<usize> {
     let n = crate::store::sql(
-        "UPDATE actix_outbox.outbox_events SET status = 'PENDING', next_attempt_at = now(), locked_by = NULL, \
-             locked_until = NULL, updated_at = now() \
-         WHERE id = ANY($1) AND status = 'DEAD_LETTER'",
+        "UPDATE actix_outbox.outbox_events e SET status = 'PENDING', \
+             next_attempt_at = now() + coalesce((o.n - 1) / $2::float8, 0) * interval '1 second', \
+             locked_by = NULL, locked_until = NULL, updated_at = now() \
+         FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM unnest($1::uuid[]) AS u(id)) o \
+         WHERE e.id = o.id AND e.status = 'DEAD_LETTER'",
     )
     .bind::<Array<SqlUuid>, _>(ids)
+    .bind::<Nullable<Integer>, _>(per_second.map(|r| r as i32))
     .execute(conn)
     .await?;
     Ok(n)

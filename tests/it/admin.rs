@@ -585,10 +585,14 @@ async fn a_bulk_retry_is_bounded_confirmed_and_all_or_nothing() {
     assert_eq!(got.0, 200, "{}", got.1);
     assert_eq!(json_of(&got.1)["changed"], 2);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'RETRY_PENDING' AND next_attempt_at <= now()")
-            .await,
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'RETRY_PENDING' \
+                  AND next_attempt_at <= now() + interval '1 second'"
+        )
+        .await,
         2,
-        "exactly the two named rows (the seeded retry is due in an hour)"
+        "exactly the two named rows, the second a tenth of a second after the first at the \
+         default pace (the seeded retry is due in an hour)"
     );
     assert_eq!(
         db.count(
@@ -1306,4 +1310,91 @@ async fn a_row_in_flight_during_a_slow_handler_is_listed_as_such_then_processed(
     let none = json_of(&call!(app, get("/ops/inbox?status=IN_FLIGHT")).1);
     assert_eq!(none["items"].as_array().map(Vec::len), Some(0));
     db.finish(&[&rt]).await;
+}
+
+/// A bulk retry does not make its rows due all at once: they fall due one after another at a
+/// pace (10 a second unless the request's `"rate"` says), which the answer and the audit row
+/// show. A single retry is due at once.
+#[actix_rt::test]
+async fn a_bulk_retry_makes_its_rows_due_at_a_pace_the_operator_sees_and_sets() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('mail');
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version,
+                 aggregate_type, aggregate_id, payload, correlation_id, event_created_at, status,
+                 attempt_count, error_code, last_error, next_attempt_at)
+         SELECT gen_random_uuid(), 'mail', 'ORDER_STATUS_CHANGED', 1, 'order', 'o-' || i, '{}',
+                'corr-' || i, now(), 'DEAD_LETTER', 5, 'INBOX_CONSUMER_FAILED', 'smtp down',
+                now() - interval '1 hour'
+         FROM generate_series(1, 41) i",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let ids = |from: i64, to: i64| (from..=to).collect::<Vec<i64>>();
+    let spread = |ids: &[i64]| {
+        format!(
+            "SELECT (extract(epoch FROM max(next_attempt_at) - min(next_attempt_at)) * 1000)::int8 \
+             AS n FROM actix_outbox.inbox_events WHERE id = ANY('{{{}}}'::int8[])",
+            ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")
+        )
+    };
+
+    // 20 rows at 5 a second: the last is due 3.8 s after the first.
+    let first = ids(1, 20);
+    let got = call!(
+        app,
+        post(
+            "/ops/inbox/retry",
+            json!({"ids": first, "confirm": "RETRY 20", "rate": 5})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    let out = json_of(&got.1);
+    assert_eq!(out["pace"]["per_second"], 5, "{out}");
+    assert_eq!(out["pace"]["last_due_in_seconds"], 3.8, "{out}");
+    assert_eq!(db.count(&spread(&first)).await, 3800);
+    let audited = text(
+        &db,
+        "SELECT (details->'pace'->>'per_second') AS s FROM actix_outbox.admin_audit \
+         WHERE action = 'inbox.retry_set'",
+    )
+    .await;
+    assert_eq!(audited, "5");
+
+    // Unless asked, 10 a second: 20 rows over 1.9 s.
+    let second = ids(21, 40);
+    let got = call!(
+        app,
+        post(
+            "/ops/inbox/retry",
+            json!({"ids": second, "confirm": "RETRY 20"})
+        )
+    );
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(json_of(&got.1)["pace"]["per_second"], 10);
+    assert_eq!(db.count(&spread(&second)).await, 1900);
+
+    // A pace of nothing is refused, and a single retry is due at once.
+    let got = call!(
+        app,
+        post(
+            "/ops/inbox/retry",
+            json!({"ids": [41], "confirm": "RETRY 1", "rate": 0})
+        )
+    );
+    assert_error(&got, 400, "INVALID_BODY");
+    let got = call!(app, post("/ops/inbox/41/retry", json!({})));
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert!(json_of(&got.1)["pace"].is_null());
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE id = 41 \
+             AND next_attempt_at <= now()"
+        )
+        .await,
+        1
+    );
 }

@@ -71,6 +71,19 @@ pub(super) struct BulkBody<T> {
     ids: Vec<T>,
     confirm: Option<String>,
     reason: Option<String>,
+    /// A bulk retry's pace, rows due per second (default [`BULK_RETRY_PER_SECOND`]).
+    rate: Option<u32>,
+}
+
+/// A bulk retry's pace from its request: 1..=10000 rows per second.
+fn pace(rate: Option<u32>) -> Result<Option<u32>, AdminError> {
+    match rate.unwrap_or(BULK_RETRY_PER_SECOND) {
+        r @ 1..=10_000 => Ok(Some(r)),
+        _ => Err(AdminError::bad_request(
+            INVALID_BODY,
+            "\"rate\" is rows made due per second, 1 to 10000",
+        )),
+    }
 }
 
 /// Parses an optional JSON body: an empty body is the default (no reason, no ids).
@@ -158,9 +171,16 @@ impl Ids {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Change {
-    Retry,
+    /// Back to work; a bulk retry at most `per_second` rows due per second (the first now).
+    Retry {
+        per_second: Option<u32>,
+    },
     Ignore,
 }
+
+/// How fast a bulk retry makes its rows due, unless the request says (`"rate"`): not all at
+/// once, so that a hundred rows that failed together do not hit their dependency together.
+pub(super) const BULK_RETRY_PER_SECOND: u32 = 10;
 
 /// What an action did: returned to the caller and, as `details`, kept in the audit row.
 #[derive(Debug, Serialize)]
@@ -171,6 +191,9 @@ pub(super) struct Outcome {
     audit_id: i64,
     /// The rows (or the consumer) as they were before the change.
     before: serde_json::Value,
+    /// A bulk retry's pace: rows due per second, and in how many seconds the last is due.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pace: Option<serde_json::Value>,
 }
 
 /// Retry or ignore, in one transaction: lock the rows, refuse the whole action if any row is
@@ -185,7 +208,7 @@ pub(super) async fn apply(
 ) -> Result<Outcome, AdminError> {
     let table = ids.table();
     let (name, allowed, wrong_code, verb) = match change {
-        Change::Retry => ("retry", stmt::RETRYABLE, NOT_A_DEAD_LETTER, "retried"),
+        Change::Retry { .. } => ("retry", stmt::RETRYABLE, NOT_A_DEAD_LETTER, "retried"),
         Change::Ignore => ("ignore", stmt::IGNORABLE, NOT_IGNORABLE, "ignored"),
     };
     // e.g. inbox.retry, outbox.retry_set, inbox.ignore
@@ -232,12 +255,26 @@ pub(super) async fn apply(
                 ));
             }
             let changed = match (&ids, change) {
-                (Ids::Inbox(v), Change::Retry) => stmt::retry_inbox(conn, v).await?,
-                (Ids::Outbox(v), Change::Retry) => stmt::retry_outbox(conn, v).await?,
+                (Ids::Inbox(v), Change::Retry { per_second }) => {
+                    stmt::retry_inbox(conn, v, per_second).await?
+                }
+                (Ids::Outbox(v), Change::Retry { per_second }) => {
+                    stmt::retry_outbox(conn, v, per_second).await?
+                }
                 (Ids::Inbox(v), Change::Ignore) => stmt::ignore_inbox(conn, v[0]).await?,
                 (Ids::Outbox(v), Change::Ignore) => stmt::ignore_outbox(conn, v[0]).await?,
             };
-            let before = json!({ "rows": rows });
+            let pace = match change {
+                Change::Retry {
+                    per_second: Some(r),
+                } => Some(json!({ "per_second": r,
+                    "last_due_in_seconds": changed.saturating_sub(1) as f64 / f64::from(r) })),
+                _ => None,
+            };
+            let mut before = json!({ "rows": rows });
+            if let Some(p) = &pace {
+                before["pace"] = p.clone();
+            }
             let audit_id =
                 stmt::insert_audit(conn, who, &action, &target, reason.as_deref(), &before).await?;
             Ok(Outcome {
@@ -246,6 +283,7 @@ pub(super) async fn apply(
                 changed,
                 audit_id,
                 before,
+                pace,
             })
         })
         .await?;
@@ -316,7 +354,7 @@ pub(super) async fn retry_inbox_one(
     Body(body): Body,
 ) -> Reply {
     let ids = Ids::Inbox(vec![parse_inbox_id(&path)?]);
-    act_on_one(op, st, ids, &body, Change::Retry).await
+    act_on_one(op, st, ids, &body, Change::Retry { per_second: None }).await
 }
 
 pub(super) async fn retry_outbox_one(
@@ -326,7 +364,7 @@ pub(super) async fn retry_outbox_one(
     Body(body): Body,
 ) -> Reply {
     let ids = Ids::Outbox(vec![parse_event_id(&path)?]);
-    act_on_one(op, st, ids, &body, Change::Retry).await
+    act_on_one(op, st, ids, &body, Change::Retry { per_second: None }).await
 }
 
 pub(super) async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
@@ -340,11 +378,12 @@ pub(super) async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(bod
         ));
     }
     let reason = reason(body.reason, false)?;
+    let per_second = pace(body.rate)?;
     let out = apply(
         &st,
         &op.0,
         Ids::Inbox(body.ids),
-        Change::Retry,
+        Change::Retry { per_second },
         reason,
         true,
     )
@@ -361,11 +400,12 @@ pub(super) async fn retry_outbox_set(
     let strings: Vec<String> = body.ids.iter().map(uuid::Uuid::to_string).collect();
     check_bulk(&strings, body.confirm.as_deref())?;
     let reason = reason(body.reason, false)?;
+    let per_second = pace(body.rate)?;
     let out = apply(
         &st,
         &op.0,
         Ids::Outbox(body.ids),
-        Change::Retry,
+        Change::Retry { per_second },
         reason,
         true,
     )
@@ -537,6 +577,7 @@ pub(super) async fn consumer_action(
                 changed: 1,
                 audit_id,
                 before,
+                pace: None,
             })
         })
         .await?;
