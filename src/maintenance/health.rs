@@ -185,6 +185,7 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
         consumers: Vec::new(),
     };
 
+    let window = trend_window(cfg, current, previous);
     if let Some(state) = lag_state(
         o.oldest_pending_age_seconds,
         cfg.outbox_warn_after,
@@ -195,13 +196,13 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
             "OUTBOX_LAG",
             None,
             format!(
-                "the oldest event waiting to be published is {} old ({} waiting)",
+                "the oldest event waiting to be published is {} old ({} waiting){}",
                 human(o.oldest_pending_age_seconds),
-                o.pending
+                o.pending,
+                draining(trend, &window)
             ),
         );
     }
-    let window = trend_window(cfg, current, previous);
     match trend {
         Trend::Stuck => report.push(
             HealthState::Critical,
@@ -479,6 +480,25 @@ fn span_seconds(window: &[&Sample]) -> f64 {
     }
 }
 
+/// For a backlog going down (a paced drain after an outage, say): how fast, and about how
+/// long is left at that pace, so that a lag that is being worked off reads as such.
+fn draining(trend: Trend, window: &[&Sample]) -> String {
+    let (Trend::Decreasing, Some(first), Some(last)) = (trend, window.first(), window.last())
+    else {
+        return String::new();
+    };
+    let span = span_seconds(window);
+    let gone = (first.outbox.pending - last.outbox.pending) as f64;
+    if span <= 0.0 || gone <= 0.0 {
+        return String::new();
+    }
+    let rate = gone / span;
+    format!(
+        "; draining at {rate:.0}/s, about {} left at this pace",
+        human(last.outbox.pending as f64 / rate)
+    )
+}
+
 fn outbox_trend(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) -> Trend {
     if current.outbox.pending == 0 {
         return Trend::Empty;
@@ -727,6 +747,30 @@ mod tests {
         let r = assess(&cfg, &now, &prev[1..]);
         assert_eq!(r.outbox.trend, Trend::Unknown);
         assert_eq!(r.state, HealthState::Ok);
+    }
+
+    #[test]
+    fn a_lag_being_worked_off_says_it_is_draining() {
+        let cfg = HealthConfig::default();
+        // 10,000 waiting four samples (of 15 s) ago, 4,000 now: 100/s, 40 s left.
+        let prev: Vec<_> = (0..4)
+            .map(|i| {
+                sample(
+                    i * 15,
+                    outbox(10_000 - i * 1_500, Some(i * 1_500), 300.0),
+                    vec![],
+                )
+            })
+            .collect();
+        let r = assess(
+            &cfg,
+            &sample(60, outbox(4_000, Some(6_000), 240.0), vec![]),
+            &prev,
+        );
+        assert_eq!(r.outbox.trend, Trend::Decreasing);
+        assert_eq!(codes(&r), vec!["OUTBOX_LAG"]);
+        let m = &r.reasons[0].message;
+        assert!(m.contains("draining at 100/s, about 40 s left"), "{m}");
     }
 
     #[test]
