@@ -8,6 +8,7 @@ pub(crate) mod health;
 mod health_config;
 pub(crate) mod retention;
 pub(crate) mod stats;
+mod trend;
 
 pub use health::{
     ConsumerHealth, HealthConfig, HealthReason, HealthReport, HealthState, OutboxHealth, Trend,

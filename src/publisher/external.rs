@@ -49,13 +49,14 @@ pub(crate) async fn publish_batch(
     if results.iter().any(|r| r.as_ref().is_err_and(timed_out)) {
         store::sweep_idle(pool).await;
     }
-    for r in results {
-        r?;
-    }
-    // The pace: this batch's share of a second at the rate limit, before the next claim.
+    // The pace: this batch's share of a second at the rate limit, before the next claim
+    // (after a failed batch too, or each failure would make an unpaced one).
     if let Some(rate) = cfg.rate_limit {
         let share = Duration::from_secs_f64(published as f64 / rate);
         tokio::time::sleep_until(started + share).await;
+    }
+    for r in results {
+        r?;
     }
     Ok(more)
 }

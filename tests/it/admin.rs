@@ -1262,8 +1262,9 @@ async fn the_timeline_shows_every_row_of_a_correlation_in_order() {
 #[actix_rt::test]
 async fn a_row_in_flight_during_a_slow_handler_is_listed_as_such_then_processed() {
     let db = TestDb::new().await;
+    // Long enough for every request below to come while it runs, on a loaded machine too.
     let slow = Behaviour {
-        work: Duration::from_secs(3),
+        work: Duration::from_secs(8),
         ..Behaviour::default()
     };
     let rt = start(
@@ -1333,7 +1334,21 @@ async fn a_bulk_retry_makes_its_rows_due_at_a_pace_the_operator_sees_and_sets() 
     .unwrap();
     drop(conn);
     let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
-    let ids = |from: i64, to: i64| (from..=to).collect::<Vec<i64>>();
+    let all: Vec<i64> = {
+        #[derive(QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = BigInt)]
+            id: i64,
+        }
+        let mut conn = db.pool.get().await.unwrap();
+        let rows: Vec<Id> =
+            diesel::sql_query("SELECT id FROM actix_outbox.inbox_events ORDER BY id")
+                .load(&mut conn)
+                .await
+                .unwrap();
+        rows.into_iter().map(|r| r.id).collect()
+    };
+    let ids = |from: usize, to: usize| all[from - 1..to].to_vec();
     let spread = |ids: &[i64]| {
         format!(
             "SELECT (extract(epoch FROM max(next_attempt_at) - min(next_attempt_at)) * 1000)::int8 \
@@ -1378,23 +1393,25 @@ async fn a_bulk_retry_makes_its_rows_due_at_a_pace_the_operator_sees_and_sets() 
     assert_eq!(db.count(&spread(&second)).await, 1900);
 
     // A pace of nothing is refused, and a single retry is due at once.
+    let last = all[40];
     let got = call!(
         app,
         post(
             "/ops/inbox/retry",
-            json!({"ids": [41], "confirm": "RETRY 1", "rate": 0})
+            json!({"ids": [last], "confirm": "RETRY 1", "rate": 0})
         )
     );
     assert_error(&got, 400, "INVALID_BODY");
-    let got = call!(app, post("/ops/inbox/41/retry", json!({})));
+    let got = call!(app, post(&format!("/ops/inbox/{last}/retry"), json!({})));
     assert_eq!(got.0, 200, "{}", got.1);
     assert!(json_of(&got.1)["pace"].is_null());
     assert_eq!(
-        db.count(
-            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE id = 41 \
+        db.count(&format!(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE id = {last} \
              AND next_attempt_at <= now()"
-        )
+        ))
         .await,
         1
     );
+    db.finish(&[]).await;
 }

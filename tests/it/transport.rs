@@ -483,10 +483,11 @@ async fn a_backlog_drains_at_the_publishers_rate_limit_after_an_outage() {
              FROM actix_outbox.outbox_events",
         )
         .await;
-    // 9,999 intervals at 1,000 a second: 9,999 ms.
+    // 9,999 intervals at 1,000 a second: 9,999 ms. Faster is a storm (without the limit it
+    // takes a fraction of that); slower, up to twice, is a loaded machine's, not the limit's.
     eprintln!("10,000 events published over {spread_ms} ms");
     assert!(
-        (7_999..=11_999).contains(&spread_ms),
+        (7_999..=20_000).contains(&spread_ms),
         "10,000 events published over {spread_ms} ms, not at 1,000 a second"
     );
     let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
