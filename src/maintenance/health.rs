@@ -703,6 +703,36 @@ mod tests {
     }
 
     #[test]
+    fn a_paused_consumer_is_paused_not_late_and_a_growing_lag_is_not_draining() {
+        let cfg = HealthConfig::default();
+        let paused = ConsumerGauges {
+            paused: true,
+            backlog: 3,
+            oldest_waiting_age_seconds: 500.0,
+            oldest_due_age_seconds: 500.0,
+            allowed_delay_seconds: Some(30.0),
+            critical_delay_seconds: Some(90.0),
+            ..consumer("mail")
+        };
+        let r = assess(&cfg, &sample(0, outbox(0, None, 0.0), vec![paused]), &[]);
+        assert_eq!(codes(&r), vec!["CONSUMER_PAUSED"]);
+
+        let prev: Vec<_> = (0..4)
+            .map(|i| sample(i * 15, outbox(1_000 + i * 100, Some(i), 300.0), vec![]))
+            .collect();
+        let r = assess(
+            &cfg,
+            &sample(60, outbox(2_000, Some(5), 360.0), vec![]),
+            &prev,
+        );
+        assert_eq!(r.outbox.trend, Trend::Growing);
+        assert!(
+            r.reasons.iter().all(|x| !x.message.contains("draining")),
+            "{r:?}"
+        );
+    }
+
+    #[test]
     fn a_moving_backlog_is_not_stuck() {
         let cfg = HealthConfig::default();
         let steady: Vec<_> = (0..4)

@@ -1415,3 +1415,54 @@ async fn a_bulk_retry_makes_its_rows_due_at_a_pace_the_operator_sees_and_sets() 
     );
     db.finish(&[]).await;
 }
+
+/// The dashboard's overview counts each state from the tables, per consumer and for the
+/// outbox, as seeded: the dashboard's cards and table are drawn from exactly these numbers.
+#[actix_rt::test]
+async fn the_overview_counts_each_state_per_consumer_and_for_the_outbox() {
+    let db = TestDb::new().await;
+    seed(&db).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let got = call!(app, get("/ops/overview"));
+    assert_eq!(got.0, 200, "{}", got.1);
+    let v = json_of(&got.1);
+    let o = &v["outbox"];
+    assert_eq!(
+        (
+            &o["pending"],
+            &o["retrying"],
+            &o["processing"],
+            &o["dead_letter"]
+        ),
+        (&json!(1), &json!(0), &json!(0), &json!(1)),
+        "{o}"
+    );
+    let consumer = |name: &str| {
+        v["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["consumer"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {v}"))
+            .clone()
+    };
+    let mail = consumer("mail");
+    // One retry waiting an hour (not due), three dead letters.
+    assert_eq!(
+        (
+            &mail["backlog"],
+            &mail["retrying"],
+            &mail["due"],
+            &mail["dead_letter"]
+        ),
+        (&json!(1), &json!(1), &json!(0), &json!(3)),
+        "{mail}"
+    );
+    let stats = consumer("stats");
+    assert_eq!(
+        (&stats["backlog"], &stats["due"], &stats["dead_letter"]),
+        (&json!(0), &json!(0), &json!(0)),
+        "{stats}"
+    );
+    db.finish(&[]).await;
+}
