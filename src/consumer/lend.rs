@@ -187,18 +187,20 @@ impl Hung {
 
     /// Parks the call whose handler overran its timeout and still runs (it holds a delivery
     /// or the connection). *Its rows stay leased until its handler lets go, for at most a
-    /// patience* (the lease, at least 20 s): so an event is not handled twice at once (unless
-    /// one call hangs for longer),
-    /// and should the handler kill the process they are counted among what the process held. A task watches the handler from this moment: it renews
-    /// the rows' lease, naming no session any more (the lease lives by its process), and
-    /// [`GRACE`] later ends the handler's database session, so that the call holds no lock
-    /// and no snapshot however long it hangs (its writes could never commit anyway). Once the
-    /// handler lets go it drops the connection if it got it (the pool closes a connection
-    /// left in a transaction), then settles the rows with `outcomes`; or, should it hang a
-    /// whole patience, settles them then (a handler stuck on a black-holed connection may never
-    /// return, and its database work can no longer commit). Returns once the task
-    /// holds one of the consumer's places, or the handler let go first: while every place is
-    /// taken the consumer stalls, alone, until one of its handlers lets go.
+    /// patience* (its lease, and at least 20 s): so an event is not handled twice at once
+    /// (unless one call hangs longer), and should the handler kill the process they are
+    /// counted among what the process held.
+    ///
+    /// A task watches the handler from this moment. It renews the rows' lease, naming no
+    /// session any more (the lease lives by its process), and [`GRACE`] later ends the
+    /// handler's database session, so that the call holds no lock and no snapshot however
+    /// long it hangs (its writes could never commit anyway). Once the handler lets go it drops
+    /// the connection if it got it (the pool closes a connection left in a transaction), then
+    /// settles the rows with `outcomes`; should it hang a whole patience, it settles them then
+    /// (a handler stuck on a black-holed connection may never return).
+    ///
+    /// Returns once the task holds one of the consumer's places, or the handler let go first:
+    /// while every place is taken the consumer stalls, alone, until one of its handlers lets go.
     pub(crate) async fn park(
         &self,
         cfg: &ConsumerConfig,
@@ -322,8 +324,8 @@ impl Hung {
 /// Settles a parked call's rows. On failure they stay leased, and the reaper settles them once
 /// their lease expires.
 async fn settle(pool: &PgPool, consumer: &ConsumerName, redact: &Redactor, outcomes: Vec<Outcome>) {
-    // A few tries: the marks are fenced on the lease, so one that went through unseen is not
-    // applied twice.
+    // Three tries, 1 s and 2 s apart: the marks are fenced on the lease, so one that went
+    // through unseen is not applied twice.
     for wait in [1, 2, 0] {
         let settled = match pool.get().await {
             Ok(mut conn) => {

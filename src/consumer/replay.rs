@@ -147,8 +147,8 @@ async fn step(
             // The handler still holds the connection (it overran its timeout), and with it the
             // step's transaction and the replay's lock; its thread counts as blocked. Past
             // the grace its session is ended, which lets go of both (a cancel waits for that
-            // lock), and the step is recorded as failed; while the handler still runs (a lease
-            // at most), the replay's next step is held off (so its rows are not applied twice
+            // lock), and the step is recorded as failed; while the handler still runs (a
+            // patience at most, as a live call's rows), the replay's next step is held off (so its rows are not applied twice
             // at once).
             // Once it lets go, the connection is closed.
             let err = result.err().unwrap_or_else(|| handler_timed_out(cfg));
