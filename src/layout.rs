@@ -4,6 +4,8 @@
 //!
 //! - no library file has more than [`MAX_FILE_LINES`] lines before its unit tests;
 //! - the README has at most [`MAX_README_LINES`] lines;
+//! - no benchmark file has more than [`MAX_BENCH_LINES`] (a benchmark's scenarios live in
+//!   files of their own);
 //! - every file or folder the README and `docs/` cite (`src/…`, `tests/…`, a relative link)
 //!   exists.
 
@@ -13,6 +15,8 @@ use std::path::{Path, PathBuf};
 const MAX_FILE_LINES: usize = 600;
 /// Lines of the README.
 const MAX_README_LINES: usize = 300;
+/// Lines of one benchmark file.
+const MAX_BENCH_LINES: usize = 1_000;
 /// The folders a citation starts with.
 const CITED: &[&str] = &[
     "src/",
@@ -148,6 +152,22 @@ fn no_library_file_is_over_its_size_and_the_readme_is_short() {
         over.is_empty(),
         "library files over {MAX_FILE_LINES} lines before their unit tests:\n{}",
         over.join("\n")
+    );
+    let mut benches = Vec::new();
+    files(&root().join("benches"), "rs", &mut benches);
+    let mut long: Vec<String> = benches
+        .iter()
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(f).expect("a readable bench").lines().count();
+            let shown = f.strip_prefix(root()).unwrap_or(f).display().to_string();
+            (n > MAX_BENCH_LINES).then(|| format!("  {shown} ({n} lines)"))
+        })
+        .collect();
+    long.sort();
+    assert!(
+        long.is_empty(),
+        "benchmark files over {MAX_BENCH_LINES} lines (split them by scenario):\n{}",
+        long.join("\n")
     );
     let readme = std::fs::read_to_string(root().join("README.md")).expect("the README");
     let n = readme.lines().count();
