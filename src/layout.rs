@@ -158,7 +158,10 @@ fn no_library_file_is_over_its_size_and_the_readme_is_short() {
     let mut long: Vec<String> = benches
         .iter()
         .filter_map(|f| {
-            let n = std::fs::read_to_string(f).expect("a readable bench").lines().count();
+            let n = std::fs::read_to_string(f)
+                .expect("a readable bench")
+                .lines()
+                .count();
             let shown = f.strip_prefix(root()).unwrap_or(f).display().to_string();
             (n > MAX_BENCH_LINES).then(|| format!("  {shown} ({n} lines)"))
         })
