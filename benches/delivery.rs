@@ -82,7 +82,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use actix_outbox::{
     db::Prepared, enqueue, enqueue_many, enqueue_with, ConsumerConfig, Delivery, DeliveryBatch,
-    HandlerError, NewEvent, OutboxHandle, OutboxRuntime, PgPool, RetryPolicy, RuntimeConfig,
+    HandlerError, NewEvent, OutboxBuilder, OutboxHandle, OutboxRuntime, PgPool, RetryPolicy,
+    RuntimeConfig,
 };
 use diesel::sql_types::{Array, BigInt, Double, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
@@ -813,6 +814,19 @@ struct Ctx {
     pool: PgPool,
     opts: Opts,
     rss_resets: bool,
+}
+
+/// Registers `make`'s actors as consumer `cfg`, in the handler shape `--handler` chose.
+fn with_handler<A, F>(b: OutboxBuilder, batch: bool, cfg: ConsumerConfig, make: F) -> OutboxBuilder
+where
+    A: Actor<Context = Context<A>> + Handler<Delivery> + Handler<DeliveryBatch>,
+    F: Fn() -> A + Send + Sync + 'static,
+{
+    if batch {
+        b.batch_consumer(cfg, make)
+    } else {
+        b.consumer(cfg, make)
+    }
 }
 
 // One file per scenario (or family of them).

@@ -25,20 +25,16 @@ pub(super) async fn start_runtime(
             index,
             name: name_arc.clone(),
         };
-        let cfg = ctx.opts.consumer_config(name);
-        b = if ctx.opts.batch_handler {
-            b.batch_consumer(cfg, sink)
-        } else {
-            b.consumer(cfg, sink)
-        };
+        b = with_handler(
+            b,
+            ctx.opts.batch_handler,
+            ctx.opts.consumer_config(name),
+            sink,
+        );
     }
     if ctx.opts.beside_blocking {
         let cfg = ctx.opts.consumer_config(NEIGHBOUR);
-        b = if ctx.opts.batch_handler {
-            b.batch_consumer(cfg, || Blocking)
-        } else {
-            b.consumer(cfg, || Blocking)
-        };
+        b = with_handler(b, ctx.opts.batch_handler, cfg, || Blocking);
     }
     Ok(b.start().await?)
 }

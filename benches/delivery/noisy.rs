@@ -108,25 +108,23 @@ pub(super) async fn start_noisy_runtime(
         index: 0,
         name: name.clone(),
     };
-    let cfg = ctx.opts.consumer_config(HEALTHY);
-    b = if ctx.opts.batch_handler {
-        b.batch_consumer(cfg, sink)
-    } else {
-        b.consumer(cfg, sink)
-    };
+    b = with_handler(
+        b,
+        ctx.opts.batch_handler,
+        ctx.opts.consumer_config(HEALTHY),
+        sink,
+    );
     // Short and many: it fails again every 200 ms for the whole drain, never dead-letters.
     let cfg = ctx
         .opts
         .consumer_config(NEIGHBOUR)
         .retry(RetryPolicy::fixed(1000, Duration::from_millis(200)));
-    b = match (neighbour, ctx.opts.batch_handler) {
-        (Neighbour::None, _) => b,
-        (Neighbour::Quiet, true) => b.batch_consumer(cfg, || Quiet),
-        (Neighbour::Quiet, false) => b.consumer(cfg, || Quiet),
-        (Neighbour::Failing, true) => b.batch_consumer(cfg, || Failing),
-        (Neighbour::Failing, false) => b.consumer(cfg, || Failing),
-        (Neighbour::Blocking, true) => b.batch_consumer(cfg, || Blocking),
-        (Neighbour::Blocking, false) => b.consumer(cfg, || Blocking),
+    let batch = ctx.opts.batch_handler;
+    b = match neighbour {
+        Neighbour::None => b,
+        Neighbour::Quiet => with_handler(b, batch, cfg, || Quiet),
+        Neighbour::Failing => with_handler(b, batch, cfg, || Failing),
+        Neighbour::Blocking => with_handler(b, batch, cfg, || Blocking),
     };
     Ok(b.start().await?)
 }

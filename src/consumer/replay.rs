@@ -161,26 +161,8 @@ async fn step(
                 if !ended && tokio::time::Instant::now() >= end_at {
                     ended = lend::end_session(pool, cfg, backend, since).await;
                 }
-                if ended && !recorded {
-                    // Held off first, then recorded (which never brings the step closer).
-                    held_off = Some(tokio::time::Instant::now());
-                    let ms = store::millis(HOLD_OFF);
-                    recorded = async {
-                        let mut conn = pool.get_owned().await?;
-                        store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                            stmt::hold_off(c, id, ms).await
-                        })
-                        .await?;
-                        fail(&mut conn, cfg, id, &first, &err).await
-                    }
-                    .await
-                    .inspect_err(|e| {
-                        tracing::warn!(consumer = %cfg.name, replay = id, error = %e,
-                            "could not record a hung replay step")
-                    })
-                    .is_ok();
-                }
-                // For a patience at most, as a live call's rows stay leased.
+                // Held off first (for a patience at most, as a live call's rows stay leased),
+                // then recorded, which never brings the next step closer.
                 let holding = ended && end_at.elapsed() < super::decide::patience(cfg);
                 if holding && held_off.is_none_or(|at| at.elapsed() >= HOLD_OFF / 4) {
                     held_off = Some(tokio::time::Instant::now());
@@ -191,6 +173,18 @@ async fn step(
                         })
                         .await;
                     }
+                }
+                if ended && !recorded {
+                    recorded = async {
+                        let mut conn = pool.get_owned().await?;
+                        fail(&mut conn, cfg, id, &first, &err).await
+                    }
+                    .await
+                    .inspect_err(|e| {
+                        tracing::warn!(consumer = %cfg.name, replay = id, error = %e,
+                            "could not record a hung replay step")
+                    })
+                    .is_ok();
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }

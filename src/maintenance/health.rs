@@ -464,6 +464,14 @@ struct DuplicateCheck {
     alarming: bool,
 }
 
+/// Where the recent samples begin in `previous`: with the current one, the last
+/// `trend_samples`.
+fn recent_from(cfg: &HealthConfig, previous: &[Sample]) -> usize {
+    previous
+        .len()
+        .saturating_sub(cfg.trend_samples.saturating_sub(1))
+}
+
 /// `field` of `consumer` summed over the recent samples of every instance (the current one and
 /// the last `trend_samples - 1` before it), as [`duplicates`] counts them.
 fn recent_sum(
@@ -473,10 +481,7 @@ fn recent_sum(
     previous: &[Sample],
     field: impl Fn(&ConsumerGauges) -> u64,
 ) -> u64 {
-    let older = previous
-        .len()
-        .saturating_sub(cfg.trend_samples.saturating_sub(1));
-    previous[older..]
+    previous[recent_from(cfg, previous)..]
         .iter()
         .chain(std::iter::once(current))
         .flat_map(|s| s.consumers.iter().filter(|c| c.consumer == consumer))
@@ -498,9 +503,7 @@ fn duplicates(
             .flat_map(|s| s.consumers.iter().filter(|c| c.consumer == consumer))
             .fold((0u64, 0u64), |(d, r), c| (d + c.duplicates, r + c.received))
     };
-    let older = previous
-        .len()
-        .saturating_sub(cfg.trend_samples.saturating_sub(1));
+    let older = recent_from(cfg, previous);
     let recent = &previous[older..];
     let (recent_dup, recent_rcv) = sum(&mut recent.iter().chain(std::iter::once(current)));
     let (usual_dup, usual_rcv) = sum(&mut previous[..older].iter());
