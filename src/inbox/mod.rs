@@ -160,7 +160,7 @@ pub struct Received {
 /// subscribed to its type, in the caller's transaction. Receiving the same event again changes
 /// nothing while its inbox rows exist, so a broker may redeliver freely; acknowledge the broker
 /// only after this commits. Once [`Retention`](crate::retention::Retention) has deleted a PROCESSED row
-/// (after `processed_inbox_after`, 7 days by default), the same event is new again: keep the
+/// (after `processed_inbox_after`, 30 days by default), the same event is new again: keep the
 /// broker's redelivery window shorter than that.
 ///
 /// # Errors

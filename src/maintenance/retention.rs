@@ -1,16 +1,18 @@
 //! Retention: deletes delivered history in bounded batches, so the tables stay the size of the
 //! work in flight plus a week.
 //!
-//! What goes, by default: PUBLISHED outbox rows and PROCESSED inbox rows after 7 days, business
-//! idempotency keys, stale-check versions and reconcile runs after 30 days, the operators'
+//! What goes, by default: PUBLISHED outbox rows after 7 days; PROCESSED inbox rows, business
+//! idempotency keys, stale-check versions and reconcile runs after 30 days; the operators'
 //! audit trail after a year. What never goes: dead letters and IGNORED rows (an operator's
 //! decision), anything not yet delivered, and a stale-check version an event still on its way
 //! could be compared with.
 //!
-//! Why the keys outlive the inbox rows: once a PROCESSED inbox row is gone, a redelivery of
-//! that event (a broker replay, an operator re-publishing) is processed again, and only the
-//! business key stops it from repeating its effect. Keep `idempotency_keys_after` longer than
-//! any replay you may do — including an operator's retry of a dead letter: dead letters are
+//! Why the inbox rows live at least as long as the keys: the keys' period is the window in
+//! which you expect an effect could be asked for again. A redelivered event inside that
+//! window must still find its PROCESSED row, because only the row stops an effect that no key
+//! guards (most handlers write through the inbox alone). So a processed-inbox period shorter
+//! than the keys' is refused (`CONFIG_INVALID`). Keep both longer than any redelivery you may
+//! see — a broker's, an operator's re-publish, or a retry of a dead letter: dead letters are
 //! kept for ever, and one retried after the key its effect needs was deleted applies that
 //! effect again.
 
@@ -44,13 +46,16 @@ impl RetentionConfig {
         self
     }
 
-    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 7 days.
+    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 30 days.
+    /// At least `idempotency_keys_after` (checked at start): while the row exists, a
+    /// redelivered event is absorbed without its handler running.
     pub fn processed_inbox_after(mut self, processed_inbox_after: Duration) -> Self {
         self.processed_inbox_after = processed_inbox_after;
         self
     }
 
-    /// Idempotency keys older than this are deleted. Default 30 days.
+    /// Idempotency keys older than this are deleted. Default 30 days; at most
+    /// `processed_inbox_after`.
     pub fn idempotency_keys_after(mut self, idempotency_keys_after: Duration) -> Self {
         self.idempotency_keys_after = idempotency_keys_after;
         self
@@ -100,7 +105,7 @@ impl Default for RetentionConfig {
         const DAY: u64 = 24 * 3600;
         RetentionConfig {
             published_outbox_after: Duration::from_secs(7 * DAY),
-            processed_inbox_after: Duration::from_secs(7 * DAY),
+            processed_inbox_after: Duration::from_secs(30 * DAY),
             idempotency_keys_after: Duration::from_secs(30 * DAY),
             audit_after: Duration::from_secs(365 * DAY),
             reconcile_runs_after: Duration::from_secs(30 * DAY),
@@ -117,6 +122,15 @@ impl RetentionConfig {
             return Err(Error::Config(
                 "retention batch_size must be within 1..=100000 and max_batches positive".into(),
             ));
+        }
+        if self.processed_inbox_after < self.idempotency_keys_after {
+            return Err(Error::Config(format!(
+                "retention would delete processed inbox rows after {:?}, before the idempotency \
+                 keys ({:?}): an event redelivered in between would run its handler again, and \
+                 an effect no key guards would repeat. Keep processed_inbox_after at least \
+                 idempotency_keys_after",
+                self.processed_inbox_after, self.idempotency_keys_after
+            )));
         }
         Ok(())
     }
@@ -153,7 +167,8 @@ impl Retention {
     /// A retention service on `pool`.
     ///
     /// # Errors
-    /// [`Error::Config`] for a zero or huge batch size or zero batches.
+    /// [`Error::Config`] for a zero or huge batch size or zero batches, or processed inbox rows
+    /// kept for less time than idempotency keys.
     pub fn new(pool: PgPool, config: RetentionConfig) -> Result<Self> {
         config.validate()?;
         Ok(Retention { pool, config })
@@ -231,5 +246,29 @@ impl Retention {
             after = expiry.after();
         }
         Ok((deleted, true))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorCode;
+
+    #[test]
+    fn processed_rows_kept_for_less_time_than_keys_are_refused() {
+        assert!(RetentionConfig::default().validate().is_ok(), "the default");
+        let day = Duration::from_secs(24 * 3600);
+        let short = RetentionConfig::default().processed_inbox_after(7 * day);
+        let err = short.validate().unwrap_err();
+        assert_eq!(err.code(), ErrorCode::CONFIG_INVALID);
+        assert!(err.to_string().contains("idempotency_keys_after"), "{err}");
+        let equal = short.clone().idempotency_keys_after(7 * day);
+        assert!(equal.validate().is_ok());
+        let forever = RetentionConfig::default().idempotency_keys_after(Duration::MAX);
+        assert!(forever.clone().validate().is_err());
+        assert!(forever
+            .processed_inbox_after(Duration::MAX)
+            .validate()
+            .is_ok());
     }
 }

@@ -1166,7 +1166,8 @@ async fn another_schema_holds_everything_when_configured() {
     }
     let short = RetentionConfig::default()
         .published_outbox_after(Duration::from_millis(1))
-        .processed_inbox_after(Duration::from_millis(1));
+        .processed_inbox_after(Duration::from_millis(1))
+        .idempotency_keys_after(Duration::from_millis(1));
     let report = Retention::new(db.pool.clone(), short)
         .unwrap()
         .run_once()

@@ -704,7 +704,8 @@ async fn a_stream_outliving_the_inbox_retention_is_refused_at_start() {
     let url = nats_url();
     let dst = TestDb::new().await;
     let retention = actix_outbox::retention::RetentionConfig::default()
-        .processed_inbox_after(Duration::from_secs(3600));
+        .processed_inbox_after(Duration::from_secs(3600))
+        .idempotency_keys_after(Duration::from_secs(3600));
     for (max_age, refused) in [
         (Duration::ZERO, true),
         (Duration::from_secs(7200), true),

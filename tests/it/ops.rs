@@ -313,9 +313,9 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
               generate_series(1, 1) i;
          INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
-         SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '9 days', s, p
-         FROM (VALUES ('PROCESSED', now() - interval '8 days'), ('PROCESSED', now() - interval '8 days'),
-                      ('PROCESSED', now() - interval '8 days'), ('PROCESSED', now() - interval '8 days'),
+         SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '40 days', s, p
+         FROM (VALUES ('PROCESSED', now() - interval '31 days'), ('PROCESSED', now() - interval '31 days'),
+                      ('PROCESSED', now() - interval '31 days'), ('PROCESSED', now() - interval '31 days'),
                       ('PROCESSED', now() - interval '1 day'), ('DEAD_LETTER', NULL),
                       ('IGNORED', NULL), ('RETRY_PENDING', NULL)) v(s, p);
          INSERT INTO actix_outbox.idempotency_keys (key, created_at)
@@ -495,13 +495,16 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
          SELECT gen_random_uuid(), 'mail', 'T', 1, 'a', 'x', '{}', 'c', now() - interval '9 days',
              'PROCESSED', now() - interval '8 days'
          FROM generate_series(1, 1000);
-         INSERT INTO actix_outbox.idempotency_keys (key, created_at) VALUES ('old', now() - interval '9000 days');",
+         INSERT INTO actix_outbox.admin_audit (who, action, target, at)
+             VALUES ('alice', 'inbox.retry', 'inbox:1', now() - interval '9000 days');",
     )
     .await;
     let retention = RetentionConfig::default()
         .batch_size(100)
         .max_batches(2)
-        .idempotency_keys_after(Duration::MAX);
+        .processed_inbox_after(Duration::from_secs(7 * 24 * 3600))
+        .idempotency_keys_after(Duration::from_secs(7 * 24 * 3600))
+        .audit_after(Duration::MAX);
     let config = fast_runtime()
         .retention(retention.clone())
         .retention_interval(Duration::from_secs(3600));
@@ -513,9 +516,9 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
         .run_once()
         .await
         .unwrap();
-    assert_eq!(report.keys_deleted, 0);
+    assert_eq!(report.audit_deleted, 0);
     assert_eq!(
-        db.count("SELECT count(*) AS n FROM actix_outbox.idempotency_keys")
+        db.count("SELECT count(*) AS n FROM actix_outbox.admin_audit")
             .await,
         1
     );
@@ -524,15 +527,22 @@ async fn retention_works_off_a_backlog_larger_than_one_run_from_start() {
         stats.validate().unwrap_err().code(),
         ErrorCode::CONFIG_INVALID
     );
-    let config = fast_runtime().retention_interval(Duration::ZERO);
-    let refused = OutboxRuntime::builder(db.pool.clone())
-        .config(config)
-        .start()
-        .await;
-    assert_eq!(
-        refused.err().map(|e| e.code()),
-        Some(ErrorCode::CONFIG_INVALID)
-    );
+    // Processed inbox rows kept for less time than the keys (the default's 7 days before
+    // issue 31): a redelivery in between would run its handler again. Refused at start.
+    let short = RetentionConfig::default().processed_inbox_after(Duration::from_secs(7 * 86400));
+    for config in [
+        fast_runtime().retention_interval(Duration::ZERO),
+        fast_runtime().retention(short),
+    ] {
+        let refused = OutboxRuntime::builder(db.pool.clone())
+            .config(config)
+            .start()
+            .await;
+        assert_eq!(
+            refused.err().map(|e| e.code()),
+            Some(ErrorCode::CONFIG_INVALID)
+        );
+    }
     db.finish(&[&rt]).await;
 }
 
@@ -595,12 +605,12 @@ async fn the_timeline_keeps_inbox_rows_whose_outbox_row_retention_deleted() {
         "INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status, published_at, created_at)
          VALUES ('00000000-0000-0000-0000-00000000000a', 'T', 'order', 'o1', '{}', 'corr-kept',
-                 'PUBLISHED', now() - interval '8 days', now() - interval '8 days');
+                 'PUBLISHED', now() - interval '31 days', now() - interval '31 days');
          INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, aggregate_type,
              aggregate_id, payload, correlation_id, event_created_at, status, processed_at)
          SELECT '00000000-0000-0000-0000-00000000000a', c, 'T', 1, 'order', 'o1', '{}', 'corr-kept',
-                now() - interval '8 days', s, p
-         FROM (VALUES ('mail', 'PROCESSED', now() - interval '8 days'),
+                now() - interval '31 days', s, p
+         FROM (VALUES ('mail', 'PROCESSED', now() - interval '31 days'),
                       ('ledger', 'DEAD_LETTER', NULL),
                       ('search', 'PROCESSED', now() - interval '1 day')) v(c, s, p);",
     )

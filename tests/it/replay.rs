@@ -389,7 +389,8 @@ async fn a_replay_waits_for_resume_keeps_its_rows_from_retention_and_fails_past_
     // Retention of everything processed: the mailer's rows go, the replay's stay.
     let all = RetentionConfig::default()
         .published_outbox_after(Duration::from_millis(1))
-        .processed_inbox_after(Duration::from_millis(1));
+        .processed_inbox_after(Duration::from_millis(1))
+        .idempotency_keys_after(Duration::from_millis(1));
     Retention::new(db.pool.clone(), all)
         .unwrap()
         .run_once()
