@@ -140,7 +140,7 @@ async fn exec(pool: &PgPool, sql: &str) {
 }
 
 /// `url` connecting as `role` (no password: the server trusts local connections).
-fn as_role(url: &str, role: &str) -> String {
+pub(crate) fn as_role(url: &str, role: &str) -> String {
     let start = url.find("://").map_or(0, |i| i + 3);
     let rest = &url[start..];
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
@@ -153,14 +153,14 @@ fn as_role(url: &str, role: &str) -> String {
 /// Roles of one test, named `ao_<kind>_<random>`. [`Roles::drop_all`] drops them once the
 /// test's database is gone (its grants go with it); a test that fails first leaves the
 /// guard's `Drop` to drop the database and then the roles.
-struct Roles {
+pub(crate) struct Roles {
     database: String,
     names: Vec<String>,
     dropped: bool,
 }
 
 impl Roles {
-    async fn create(db: &TestDb, kinds: &[&str]) -> Roles {
+    pub(crate) async fn create(db: &TestDb, kinds: &[&str]) -> Roles {
         let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
         let names: Vec<String> = kinds.iter().map(|k| format!("ao_{k}_{suffix}")).collect();
         let roles = Roles {
@@ -178,11 +178,11 @@ impl Roles {
         roles
     }
 
-    fn get(&self, i: usize) -> &str {
+    pub(crate) fn get(&self, i: usize) -> &str {
         &self.names[i]
     }
 
-    async fn drop_all(mut self) {
+    pub(crate) async fn drop_all(mut self) {
         let mut admin = AsyncPgConnection::establish(&base_url()).await.unwrap();
         for name in &self.names {
             admin

@@ -11,6 +11,8 @@ mod common;
 mod admin;
 mod batch;
 mod blocking;
+#[cfg(feature = "cli")]
+mod cli;
 
 mod contracts;
 mod core;
