@@ -78,6 +78,12 @@ impl ErrorCode {
     /// receiver does not recreate it from the stream's start (that would apply again every
     /// event whose processed inbox row retention deleted) and waits for an operator.
     pub const NATS_CONSUMER_LOST: ErrorCode = ErrorCode::from_static("NATS_CONSUMER_LOST");
+    /// A side effect's call did not finish within `EffectConfig::timeout` (retried).
+    pub const EFFECT_TIMEOUT: ErrorCode = ErrorCode::from_static("EFFECT_TIMEOUT");
+    /// A side effect whose worker stopped (killed, most likely) during its last attempt:
+    /// dead-lettered instead of called again.
+    pub const EFFECT_ATTEMPT_INTERRUPTED: ErrorCode =
+        ErrorCode::from_static("EFFECT_ATTEMPT_INTERRUPTED");
     /// A replay reached the end of its range with fewer rows re-applied than it counted when
     /// it was asked for: rows were deleted (by retention, say) before it reached them. It
     /// ends FAILED instead of DONE; what it applied stays applied.

@@ -13,8 +13,9 @@ pub(crate) const LAYERS: &[&[&str]] = &[
     &["store"],
     &["outbox", "inbox"],
     &["consumer", "publisher", "reconciler", "maintenance"],
-    // The NATS bridge: a transport (publisher's trait) and a receiver the runtime supervises.
-    &["nats"],
+    // The NATS bridge: a transport (publisher's trait) and a receiver the runtime supervises;
+    // the side-effect workers, whose calls fail like a consumer's handler.
+    &["nats", "effects"],
     &["runtime"],
     &["admin", "testing"],
 ];

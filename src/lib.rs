@@ -22,7 +22,9 @@
 //!   once — after a crash mid-handler, a rollback, a timeout — but the effect it writes through
 //!   [`Delivery::conn`] commits at most once, because it commits with the inbox mark and the
 //!   inbox row is unique per (event, consumer). Effects outside that transaction (an HTTP call)
-//!   are *not* covered: write a job row instead and let a worker make the call.
+//!   are *not* covered by the inbox: record them as [`effects`] in that transaction, and a
+//!   worker of the runtime makes each call at least once, with an idempotency key for the
+//!   provider.
 //! - **Isolation.** Consumers have their own inbox rows, retry policy and failures: one
 //!   failing consumer neither blocks nor repeats another.
 //! - **No poison loop.** An attempt that never finished because its handler killed the process
@@ -180,6 +182,7 @@
 
 pub mod admin;
 mod consumer;
+pub mod effects;
 mod error;
 pub mod event;
 mod inbox;

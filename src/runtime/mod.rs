@@ -21,6 +21,7 @@ use crate::consumer::actor::HandlerRef;
 use crate::consumer::function::FnConsumer;
 use crate::consumer::threads::{HandlerFactory, HandlerThreads};
 use crate::consumer::{ConsumerConfig, Delivery, DeliveryBatch, HandlerError};
+use crate::effects::{EffectConfig, EffectSpec, Perform};
 use crate::error::{Error, Result};
 use crate::event::EventRegistry;
 use crate::maintenance::Retention;
@@ -41,6 +42,7 @@ pub struct OutboxBuilder {
     rules: Vec<Rc<dyn ReconcileRule>>,
     route: Route,
     events: Option<Arc<EventRegistry>>,
+    effects: Vec<(EffectConfig, Perform)>,
     #[cfg(feature = "nats")]
     receivers: Vec<crate::nats::NatsReceiver>,
 }
@@ -72,6 +74,22 @@ impl OutboxBuilder {
     /// events through the transport's receiving side ([`receive`](crate::transport::receive)).
     pub fn external_transport(mut self, transport: impl Transport, config: ExternalConfig) -> Self {
         self.route = Route::External(Rc::new(transport), Rc::new(config));
+        self
+    }
+
+    /// Runs the worker of one kind of side effect: `perform` makes the call for each effect
+    /// of `config`'s kind that handlers recorded ([`effects::record`](crate::effects::record)),
+    /// outside any transaction, with the effect's key for the provider to deduplicate on.
+    /// `Ok` marks it done; an error is retried or dead-lettered on the config's policy, as a
+    /// consumer's. The worker runs on a thread of its own, is restarted when it dies and is
+    /// drained at shutdown; `perform` must therefore be `Send + Sync` (its future need not be).
+    pub fn effect<F, Fut>(mut self, config: EffectConfig, perform: F) -> Self
+    where
+        F: Fn(crate::effects::Effect) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = std::result::Result<(), HandlerError>> + 'static,
+    {
+        let perform: Perform = Arc::new(move |e| Box::pin(perform(e)));
+        self.effects.push((config, perform));
         self
     }
 
@@ -216,6 +234,16 @@ impl OutboxBuilder {
                 )));
             }
         }
+        let mut kinds = std::collections::HashSet::new();
+        for (cfg, _) in &self.effects {
+            cfg.validate()?;
+            if !kinds.insert(cfg.kind.clone()) {
+                return Err(Error::Config(format!(
+                    "side effect {} registered twice",
+                    cfg.kind
+                )));
+            }
+        }
         // Privileges, the schema's version and the pooler, before anything is written.
         preflight::check(&self.pool, self.config.pooler_check).await?;
         {
@@ -254,7 +282,17 @@ impl OutboxBuilder {
                 }
             })
             .collect();
-        #[allow(unused_mut)]
+        let redact = self.config.redact.clone();
+        let effects = self
+            .effects
+            .into_iter()
+            .map(|(config, perform)| EffectSpec {
+                config: Arc::new(config),
+                perform,
+                redact: redact.clone(),
+            })
+            .map(supervisor::EffectSlot::new)
+            .collect::<Result<Vec<_>>>()?;
         let mut supervisor = SupervisorActor::new(
             self.pool,
             self.config,
@@ -264,6 +302,7 @@ impl OutboxBuilder {
             retention,
             threads,
         );
+        supervisor.effects = effects;
         #[cfg(feature = "nats")]
         {
             let mut names = std::collections::HashSet::new();
@@ -335,6 +374,7 @@ impl OutboxRuntime {
             rules: Vec::new(),
             route: Route::InProcess,
             events: None,
+            effects: Vec::new(),
             #[cfg(feature = "nats")]
             receivers: Vec::new(),
         }

@@ -27,6 +27,8 @@ use crate::consumer::actor::ConsumerActor;
 use crate::consumer::registry::{ConsumerRegistry, SetMailbox};
 use crate::consumer::threads::{HandlerFactory, HandlerThreads};
 use crate::consumer::ConsumerConfig;
+use crate::effects::{EffectSpec, EffectWorker};
+use crate::error::{Error, Result};
 use crate::maintenance::stats::StatsActor;
 use crate::maintenance::Retention;
 use crate::messages::InboxRowsWritten;
@@ -50,6 +52,35 @@ pub(crate) struct ReceiverSlot {
 /// stops at its next poll (nothing in this crate delays its `stopping`), so this is a bound for
 /// a busy thread, not a wait anyone should see.
 pub(crate) const STOP_WAIT: Duration = Duration::from_secs(1);
+
+/// A side-effect worker, its thread and its actor, restarted like the other children.
+pub(crate) struct EffectSlot {
+    spec: EffectSpec,
+    thread: actix_rt::Arbiter,
+    pub(super) addr: Option<Addr<EffectWorker>>,
+}
+
+impl EffectSlot {
+    pub(crate) fn new(spec: EffectSpec) -> Result<Self> {
+        let thread = actix_rt::Arbiter::try_new().map_err(|e| {
+            Error::Config(format!(
+                "could not start the thread of side effect {}: {e}",
+                spec.config.kind
+            ))
+        })?;
+        Ok(EffectSlot {
+            spec,
+            thread,
+            addr: None,
+        })
+    }
+}
+
+impl Drop for EffectSlot {
+    fn drop(&mut self) {
+        self.thread.stop();
+    }
+}
 
 pub(crate) struct ConsumerSlot {
     pub cfg: Arc<ConsumerConfig>,
@@ -89,6 +120,8 @@ pub(crate) struct SupervisorActor {
     pub(super) receivers: Vec<ReceiverSlot>,
     /// The consumers' handler threads, stopped with this actor.
     _threads: HandlerThreads,
+    /// The side-effect workers, each on a thread of its own.
+    pub(super) effects: Vec<EffectSlot>,
 }
 
 /// The pause between retention runs while a backlog of expired rows lasts, instead of a whole
@@ -126,6 +159,7 @@ impl SupervisorActor {
             #[cfg(feature = "nats")]
             receivers: Vec::new(),
             _threads: threads,
+            effects: Vec::new(),
         }
     }
 
@@ -242,6 +276,24 @@ impl SupervisorActor {
                 self.config.redact.clone(),
             );
             self.reconciler = Some(reconciler.start());
+        }
+
+        let mut restarted = Vec::new();
+        for slot in &mut self.effects {
+            if slot.addr.as_ref().is_some_and(|a| a.connected()) {
+                continue;
+            }
+            if slot.addr.is_some() {
+                restarted.push(format!("effect:{}", slot.spec.config.kind));
+            }
+            let (pool, spec) = (self.pool.clone(), slot.spec.clone());
+            slot.addr = Some(EffectWorker::start_in_arbiter(
+                &slot.thread.handle(),
+                move |_| EffectWorker::new(pool, spec),
+            ));
+        }
+        for child in restarted {
+            self.restarted(&child);
         }
 
         if !self.stats.as_ref().is_some_and(|a| a.connected()) {
@@ -472,6 +524,7 @@ child!(
     ReconcilerActor,
     StatsActor,
     ListenerActor,
+    EffectWorker,
 );
 #[cfg(feature = "nats")]
 child!(crate::nats::NatsReceiverActor);
@@ -504,6 +557,11 @@ impl Handler<Ready> for SupervisorActor {
         }
         if let Some(a) = &self.listener {
             pings.push(Box::pin(a.send(Ping)));
+        }
+        for slot in &self.effects {
+            if let Some(a) = &slot.addr {
+                pings.push(Box::pin(a.send(Ping)));
+            }
         }
         #[cfg(feature = "nats")]
         for slot in &self.receivers {

@@ -8,6 +8,7 @@ pub(crate) mod admin;
 pub(crate) mod audit;
 mod connection;
 pub(crate) mod contract;
+pub(crate) mod effects;
 pub(crate) mod inbox;
 pub(crate) mod lease;
 pub(crate) mod migrate;

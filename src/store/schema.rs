@@ -168,6 +168,7 @@ mod tests {
             "nats_bindings",
             "contract_findings",
             "replays",
+            "side_effects",
             "outbox_lease_token_seq",
             "inbox_lease_held",
         ];

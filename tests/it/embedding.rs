@@ -42,6 +42,7 @@ const LIBRARY_TABLES: &[&str] = &[
     "reconcile_runs",
     "replays",
     "schema_migrations",
+    "side_effects",
     "unrouted_events",
 ];
 

@@ -29,6 +29,9 @@ impl SupervisorActor {
         // The listener's connection is its own, not the pool's: stopping it closes that
         // connection, so no LISTEN outlives the runtime.
         stop(self.listener.as_ref(), &mut alive);
+        for slot in &self.effects {
+            stop(slot.addr.as_ref(), &mut alive);
+        }
         #[cfg(feature = "nats")]
         for slot in &self.receivers {
             stop(slot.addr.as_ref(), &mut alive);
@@ -102,6 +105,12 @@ impl Handler<Shutdown> for SupervisorActor {
         for slot in &self.consumers {
             if let Some(c) = &slot.addr {
                 drains.push(Box::pin(c.send(Drain)));
+            }
+        }
+        // A side-effect worker records the outcomes of the calls in hand and claims no more.
+        for slot in &self.effects {
+            if let Some(w) = &slot.addr {
+                drains.push(Box::pin(w.send(Drain)));
             }
         }
         // A receiver finishes the batch in hand (committed and acknowledged) and takes no more.

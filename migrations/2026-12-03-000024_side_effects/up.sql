@@ -1,0 +1,33 @@
+-- Side effects: calls to the world outside the database (a provider's API, an e-mail) that a
+-- consumer asks for in its inbox transaction, and that a supervised worker of the runtime
+-- makes, at least once, passing the row's key as the provider's idempotency key.
+--
+-- The one rule: a row is due when PENDING and next_attempt_at has passed. A claim counts the
+-- attempt and moves next_attempt_at past its lease, so a worker that dies mid-call leaves a
+-- row that comes due again once the lease ends, already charged; an outcome is recorded only
+-- by the claim whose attempt is still the row's (attempt_count).
+CREATE TABLE IF NOT EXISTS side_effects (
+    id              bigserial   PRIMARY KEY,
+    -- which worker makes the call (`EffectConfig::new(kind)`)
+    kind            text        NOT NULL CHECK (kind <> ''),
+    -- the provider's idempotency key: one row, and so one call's outcome, per (kind, key)
+    key             text        NOT NULL CHECK (key <> ''),
+    payload         jsonb       NOT NULL,
+    -- what asked for it, for operators: the event and the consumer that handled it
+    event_id        uuid,
+    consumer        text,
+    correlation_id  text,
+    status          text        NOT NULL DEFAULT 'PENDING'
+                    CHECK (status IN ('PENDING', 'DONE', 'DEAD_LETTER', 'IGNORED')),
+    attempt_count   integer     NOT NULL DEFAULT 0,
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    error_code      text,
+    last_error      text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    done_at         timestamptz,
+    UNIQUE (kind, key)
+);
+
+CREATE INDEX IF NOT EXISTS side_effects_due ON side_effects (kind, next_attempt_at)
+    WHERE status = 'PENDING';
