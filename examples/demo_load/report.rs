@@ -73,7 +73,7 @@ impl Stats {
         [
             ("outbox pending", self.outbox_pending),
             ("inbox open", self.inbox_open),
-            ("jobs pending", jobs("PENDING") + jobs("SENDING")),
+            ("notifications unsent", jobs("PENDING")),
             (
                 "completed without job",
                 self.drift.completed_without_notification,

@@ -25,15 +25,15 @@ pub fn notification_key(order_id: &str, status: &str) -> String {
     format!("notification:{order_id}:{status}")
 }
 
-/// Queues a notification for the worker. Call only after claiming its key in the same
-/// transaction.
+/// Writes the notification owed (a `notification_jobs` row) and records its sending as a side
+/// effect. Call only after claiming its key in the same transaction.
 pub async fn insert_job(
     conn: &mut AsyncPgConnection,
     order_id: &str,
     status: &str,
     key: &str,
     created_by: &str,
-) -> Result<(), diesel::result::Error> {
+) -> actix_outbox::Result<()> {
     Prepared(
         diesel::sql_query(
             "INSERT INTO notification_jobs (order_id, status, key, created_by) VALUES ($1, $2, $3, $4)",
@@ -45,7 +45,7 @@ pub async fn insert_job(
     )
     .execute(conn)
     .await?;
-    Ok(())
+    crate::worker::record(conn, order_id, status, key).await
 }
 
 /// Counts the call on a connection of its own, outside the delivery's transaction: a call whose

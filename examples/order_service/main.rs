@@ -5,7 +5,8 @@
 //! - Consumers: `notification` turns each status change into a `notification_jobs` row, guarded
 //!   by the business key `notification:{order}:{status}`; `analytics`, a batch consumer,
 //!   counts changes per status with one upsert per batch.
-//! - A notification worker sends the jobs to a fake provider, outside any inbox transaction.
+//! - Each job's sending is a side effect: the library's worker calls a fake provider with the
+//!   notification's key, outside any inbox transaction (`worker.rs`).
 //! - A reconcile rule gives COMPLETED orders that have no COMPLETED notification one, through
 //!   the same business key.
 //! - `GET /stats` reports what the demo needs; `GET /health` says the service is up.
@@ -46,7 +47,6 @@ mod worker;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use actix::Actor;
 use actix_outbox::{
     admin::admin_scope, admin::AdminConfig, ConsumerConfig, OutboxRuntime, PgPool, RetryPolicy,
     RuntimeConfig,
@@ -130,7 +130,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         .reconcile_interval(Duration::from_secs(10))
         .consistency_window(Duration::from_secs(30));
 
-    let fail_rate = cfg.consumer_fail_rate;
+    let (fail_rate, provider_fail_rate) = (cfg.consumer_fail_rate, cfg.provider_fail_rate);
     let notification = ConsumerConfig::new("notification")
         .subscribe(ORDER_STATUS_CHANGED)
         // A job insert is cheap and independent per order: retry soon, many times.
@@ -181,10 +181,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         .reconcile(reconcile::CompletedWithoutNotification::new(
             cfg.reconcile_window,
         ))
+        .effect(worker::config(), move |effect| {
+            worker::send(effect, provider_fail_rate)
+        })
         .start()
         .await?;
-    let notifier =
-        worker::NotificationWorker::new(outbox_pool.clone(), cfg.provider_fail_rate).start();
 
     let state = web::Data::new(api::AppState {
         pool: http_pool,
@@ -199,7 +200,8 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         "order service listening"
     );
     // actix-web stops on SIGTERM / SIGINT by itself, finishing requests in flight. Whatever
-    // ends it (a stop, or a bind that fails), the worker and the runtime are drained after.
+    // ends it (a stop, or a bind that fails), the runtime (and its notification worker) is
+    // drained after.
     let served = async {
         HttpServer::new(move || {
             let admin = admin.clone();
@@ -219,8 +221,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     .await;
 
-    tracing::info!("HTTP stopped; draining the notification worker and the outbox runtime");
-    let _ = notifier.send(worker::Stop).await;
+    tracing::info!("HTTP stopped; draining the outbox runtime");
     let finished = runtime.shutdown().await;
     tracing::info!(finished, "order service stopped");
     served?;

@@ -34,28 +34,19 @@ CREATE TABLE IF NOT EXISTS audit_logs (
 );
 CREATE INDEX IF NOT EXISTS audit_logs_order ON audit_logs (order_id);
 
--- Work for the notification worker. Deliberately no UNIQUE (order_id, status): the business
--- idempotency key is what must keep the effect single, and a constraint would turn a
--- duplicate into an error the demo's invariant check could no longer see.
+-- The notifications owed, one per (order, status), each with its business key. Sending one is
+-- a side effect (the library's `side_effects`, kind `notification.send`, same key). Deliberately
+-- no UNIQUE (order_id, status): the business idempotency key is what must keep the effect
+-- single, and a constraint would turn a duplicate into an error the demo's invariant check
+-- could no longer see.
 CREATE TABLE IF NOT EXISTS notification_jobs (
     id              bigserial   PRIMARY KEY,
     order_id        text        NOT NULL,
     status          text        NOT NULL,
     key             text        NOT NULL,
-    state           text        NOT NULL DEFAULT 'PENDING'
-        CHECK (state IN ('PENDING', 'SENDING', 'SENT', 'FAILED')),
-    attempts        integer     NOT NULL DEFAULT 0,
-    -- when PENDING: not before; when SENDING: the lease's end, after which another worker
-    -- may take the job over (its sender died)
-    next_attempt_at timestamptz NOT NULL DEFAULT now(),
-    last_error      text,
     created_by      text        NOT NULL,
-    created_at      timestamptz NOT NULL DEFAULT now(),
-    sent_at         timestamptz,
-    updated_at      timestamptz NOT NULL DEFAULT now()
+    created_at      timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX IF NOT EXISTS notification_jobs_due ON notification_jobs (next_attempt_at)
-    WHERE state IN ('PENDING', 'SENDING');
 CREATE INDEX IF NOT EXISTS notification_jobs_order ON notification_jobs (order_id, status);
 
 CREATE TABLE IF NOT EXISTS order_status_counts (

@@ -64,12 +64,13 @@ SELECT json_build_object(
         'idempotency_keys', (SELECT count(*) FROM actix_outbox.inbox_events
             WHERE consumer = 'notification' AND status = 'PROCESSED')
             - (SELECT count(*) FROM notification_jobs WHERE created_by = 'notification')),
-    'notification_jobs', (SELECT coalesce(json_object_agg(state, n), '{}') FROM
-        (SELECT state, count(*) AS n FROM notification_jobs GROUP BY state) s),
+    'notification_jobs', (SELECT coalesce(json_object_agg(status, n), '{}') FROM
+        (SELECT status, count(*) AS n FROM actix_outbox.side_effects
+         WHERE kind = 'notification.send' GROUP BY status) s),
     'notification_jobs_by_creator', (SELECT coalesce(json_object_agg(created_by, n), '{}') FROM
         (SELECT created_by, count(*) AS n FROM notification_jobs GROUP BY created_by) s),
-    'notification_send_retries', (SELECT coalesce(sum(attempts - 1), 0) FROM notification_jobs
-        WHERE attempts > 1),
+    'notification_send_retries', (SELECT coalesce(sum(attempt_count - 1), 0)
+        FROM actix_outbox.side_effects WHERE kind = 'notification.send' AND attempt_count > 1),
     'analytics', (SELECT coalesce(json_object_agg(status, count), '{}') FROM order_status_counts),
     'reconcile', (SELECT json_build_object('runs', count(*), 'found', coalesce(sum(found), 0),
         'repaired', coalesce(sum(repaired), 0)) FROM actix_outbox.reconcile_runs),
