@@ -84,6 +84,8 @@ impl ErrorCode {
     /// dead-lettered instead of called again.
     pub const EFFECT_ATTEMPT_INTERRUPTED: ErrorCode =
         ErrorCode::from_static("EFFECT_ATTEMPT_INTERRUPTED");
+    /// A side effect's call panicked (retried).
+    pub const EFFECT_PANICKED: ErrorCode = ErrorCode::from_static("EFFECT_PANICKED");
     /// A replay reached the end of its range with fewer rows re-applied than it counted when
     /// it was asked for: rows were deleted (by retention, say) before it reached them. It
     /// ends FAILED instead of DONE; what it applied stays applied.

@@ -3,9 +3,11 @@
 -- makes, at least once, passing the row's key as the provider's idempotency key.
 --
 -- The one rule: a row is due when PENDING and next_attempt_at has passed. A claim counts the
--- attempt and moves next_attempt_at past its lease, so a worker that dies mid-call leaves a
--- row that comes due again once the lease ends, already charged; an outcome is recorded only
--- by the claim whose attempt is still the row's (attempt_count).
+-- attempt, marks the row in flight and moves next_attempt_at past its lease, so a worker that
+-- dies mid-call leaves a row that comes due again once the lease ends, already charged and
+-- still marked; an outcome is recorded only by the claim whose attempt is still the row's
+-- (attempt_count). A due row still marked in flight (its worker died) is claimed alone, so a
+-- call that kills its process charges no other row.
 CREATE TABLE IF NOT EXISTS side_effects (
     id              bigserial   PRIMARY KEY,
     -- which worker makes the call (`EffectConfig::new(kind)`)
@@ -20,6 +22,8 @@ CREATE TABLE IF NOT EXISTS side_effects (
     status          text        NOT NULL DEFAULT 'PENDING'
                     CHECK (status IN ('PENDING', 'DONE', 'DEAD_LETTER', 'IGNORED')),
     attempt_count   integer     NOT NULL DEFAULT 0,
+    -- claimed and not yet settled: while due, its worker died during the call
+    in_flight       boolean     NOT NULL DEFAULT false,
     next_attempt_at timestamptz NOT NULL DEFAULT now(),
     error_code      text,
     last_error      text,
@@ -31,3 +35,7 @@ CREATE TABLE IF NOT EXISTS side_effects (
 
 CREATE INDEX IF NOT EXISTS side_effects_due ON side_effects (kind, next_attempt_at)
     WHERE status = 'PENDING';
+
+-- The rows whose worker died mid-call, found without walking a backlog of due rows.
+CREATE INDEX IF NOT EXISTS side_effects_interrupted ON side_effects (kind, next_attempt_at)
+    WHERE status = 'PENDING' AND in_flight;

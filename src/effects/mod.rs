@@ -12,16 +12,19 @@
 //!   table keeps one row per (kind, key): recording an intent again (a replay, a second
 //!   event with the same key) adds nothing.
 //! - **At least one call per intent, always with its key.** A worker that dies mid-call
-//!   leaves the row leased until the call's timeout plus 5 s; then another worker (or the
+//!   leaves the row leased until the call's timeout plus 30 s; then another worker (or the
 //!   same after its restart) calls again with the same key. So pass [`Effect::key`] to the
 //!   provider as its idempotency key (`Idempotency-Key`, a message id): it turns "at least
 //!   once" into one effect at the provider.
 //! - **Attempts are counted when claimed**, so a call that kills its process is dead-lettered
-//!   after its attempts (`EFFECT_ATTEMPT_INTERRUPTED`) instead of killing every restart.
+//!   after its attempts (`EFFECT_ATTEMPT_INTERRUPTED`) instead of killing every restart. A
+//!   row whose worker died is claimed alone next time, so such a call charges no other row.
+//!   A panic in the call is a failure (`EFFECT_PANICKED`, retried).
 //!
 //! The rule the table keeps, in one sentence: a row is due when PENDING and its
 //! `next_attempt_at` has passed; a claim counts the attempt and moves `next_attempt_at` past
 //! its lease, and an outcome is recorded only by the claim whose attempt is still the row's.
+//! (A due row still marked in flight is one whose worker died; it is claimed alone.)
 
 mod worker;
 
@@ -188,7 +191,7 @@ impl EffectConfig {
         EffectConfig {
             kind: Arc::from(kind),
             retry: RetryPolicy::default(),
-            timeout: Duration::from_secs(30),
+            timeout: Duration::from_secs(10),
             concurrency: 10,
             rate_limit: None,
             poll_interval: Duration::from_millis(500),
@@ -201,8 +204,10 @@ impl EffectConfig {
         self
     }
 
-    /// How long one call may take; past it, it counts as failed (`EFFECT_TIMEOUT`, retried).
-    /// A claimed row stays leased for this plus 5 s, then is due again. Default 30 s.
+    /// How long one call may take, at most a day; past it, it counts as failed
+    /// (`EFFECT_TIMEOUT`, retried). A claimed row whose worker died comes due again this plus
+    /// 30 s after its claim. Keep it below `RuntimeConfig::shutdown_timeout`, or a deploy cuts
+    /// calls off (they are then charged and made again). Default 10 s.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -227,9 +232,14 @@ impl EffectConfig {
         self
     }
 
-    /// The claimed row's lease: the call's timeout plus 5 s to record its outcome.
+    /// The claimed row's lease: the call's timeout plus the longest its outcome may take to
+    /// be recorded (a connection, then one bounded statement), plus a margin. Only a worker
+    /// that died leaves a row leased that long.
     pub(crate) fn lease(&self) -> Duration {
-        self.timeout + Duration::from_secs(5)
+        self.timeout
+            .saturating_add(worker::POOL_WAIT)
+            .saturating_add(crate::store::DB_TIMEOUT)
+            .saturating_add(Duration::from_secs(5))
     }
 
     /// Rows one claim takes: the concurrency, cut to a tenth of a second at the rate limit.
@@ -246,14 +256,19 @@ impl EffectConfig {
                 "a side effect's kind must be non-empty text without NUL".into(),
             ));
         }
+        const DAY: Duration = Duration::from_secs(24 * 3600);
         if self.concurrency == 0
             || self.timeout.is_zero()
+            || self.timeout > DAY
             || self.poll_interval.is_zero()
-            || self.rate_limit.is_some_and(|r| !(r.is_finite() && r > 0.0))
+            || self.poll_interval > DAY
+            || self
+                .rate_limit
+                .is_some_and(|r| !(r.is_finite() && r >= 0.001))
         {
             return Err(Error::Config(format!(
-                "side effect {}: concurrency, timeout and poll_interval must be positive, and \
-                 rate_limit a positive number of calls per second",
+                "side effect {}: concurrency must be positive, timeout and poll_interval within \
+                 a day, and rate_limit at least 0.001 calls per second",
                 self.kind
             )));
         }

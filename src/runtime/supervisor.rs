@@ -53,7 +53,7 @@ pub(crate) struct ReceiverSlot {
 /// a busy thread, not a wait anyone should see.
 pub(crate) const STOP_WAIT: Duration = Duration::from_secs(1);
 
-/// A side-effect worker, its thread and its actor, restarted like the other children.
+/// A side-effect worker, restarted like the other children, and the thread its calls run on.
 pub(crate) struct EffectSlot {
     spec: EffectSpec,
     thread: actix_rt::Arbiter,
@@ -286,11 +286,9 @@ impl SupervisorActor {
             if slot.addr.is_some() {
                 restarted.push(format!("effect:{}", slot.spec.config.kind));
             }
-            let (pool, spec) = (self.pool.clone(), slot.spec.clone());
-            slot.addr = Some(EffectWorker::start_in_arbiter(
-                &slot.thread.handle(),
-                move |_| EffectWorker::new(pool, spec),
-            ));
+            let worker =
+                EffectWorker::new(self.pool.clone(), slot.spec.clone(), slot.thread.handle());
+            slot.addr = Some(worker.start());
         }
         for child in restarted {
             self.restarted(&child);

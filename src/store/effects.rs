@@ -1,10 +1,7 @@
-//! Side-effect statements (migration `side_effects`). The rule the table keeps: a row is due
-//! when PENDING and `next_attempt_at` has passed. A claim counts the attempt and moves
-//! `next_attempt_at` past its lease, so a worker that dies mid-call leaves a row that comes
-//! due again once the lease ends, already charged; an outcome is recorded only by the claim
-//! whose attempt is still the row's.
+//! Side-effect statements (migration `side_effects`, whose header states the rule the table
+//! keeps).
 
-use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Uuid as SqlUuid};
+use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Uuid as SqlUuid};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
@@ -58,13 +55,14 @@ pub(crate) struct Claimed {
     pub spent: bool,
 }
 
-/// The code of a row whose worker stopped (killed, most likely) during its last attempt.
+/// The code of a row whose worker stopped (killed, most likely) during its last attempt
 /// (`ErrorCode::EFFECT_ATTEMPT_INTERRUPTED`).
 pub(crate) const INTERRUPTED: &str = "EFFECT_ATTEMPT_INTERRUPTED";
 
-/// Claims up to `limit` due rows of `kind` for `lease_ms`. A due row that has used all of
-/// `max_attempts` (its worker died during the last one) is dead-lettered here instead of
-/// being called again: a call that kills its process cannot kill every restart.
+/// Claims due rows of `kind` for `lease_ms`: one interrupted row (still in flight once due:
+/// its worker died during the call) alone, if there is one, else up to `limit`. Claimed
+/// alone, a call that kills its process charges no other row. An interrupted row that has
+/// used all of `max_attempts` is dead-lettered here instead of being called again.
 pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     kind: &str,
@@ -73,25 +71,37 @@ pub(crate) async fn claim(
     max_attempts: i32,
 ) -> Result<Vec<Claimed>> {
     let rows = super::sql(
-        "WITH due AS ( \
-             SELECT id, attempt_count >= $4 AS spent FROM actix_outbox.side_effects \
+        "WITH suspect AS ( \
+             SELECT id FROM actix_outbox.side_effects \
+             WHERE kind = $1 AND status = 'PENDING' AND in_flight AND next_attempt_at <= now() \
+             ORDER BY next_attempt_at, id LIMIT 1 \
+             FOR UPDATE SKIP LOCKED \
+         ), due AS ( \
+             SELECT id FROM actix_outbox.side_effects \
              WHERE kind = $1 AND status = 'PENDING' AND next_attempt_at <= now() \
+               AND NOT EXISTS (SELECT 1 FROM suspect) \
              ORDER BY next_attempt_at, id LIMIT $2 \
              FOR UPDATE SKIP LOCKED \
+         ), picked AS ( \
+             SELECT id FROM suspect UNION ALL SELECT id FROM due \
          ) \
          UPDATE actix_outbox.side_effects e SET \
-             status = CASE WHEN due.spent THEN 'DEAD_LETTER' ELSE 'PENDING' END, \
-             attempt_count = e.attempt_count + CASE WHEN due.spent THEN 0 ELSE 1 END, \
-             next_attempt_at = CASE WHEN due.spent THEN e.next_attempt_at \
-                 ELSE now() + $3 * interval '1 millisecond' END, \
-             error_code = CASE WHEN due.spent THEN $5 ELSE e.error_code END, \
-             last_error = CASE WHEN due.spent \
+             status = CASE WHEN e.in_flight AND e.attempt_count >= $4 \
+                 THEN 'DEAD_LETTER' ELSE 'PENDING' END, \
+             in_flight = NOT (e.in_flight AND e.attempt_count >= $4), \
+             attempt_count = e.attempt_count \
+                 + CASE WHEN e.in_flight AND e.attempt_count >= $4 THEN 0 ELSE 1 END, \
+             next_attempt_at = CASE WHEN e.in_flight AND e.attempt_count >= $4 \
+                 THEN e.next_attempt_at ELSE now() + $3 * interval '1 millisecond' END, \
+             error_code = CASE WHEN e.in_flight AND e.attempt_count >= $4 \
+                 THEN $5 ELSE e.error_code END, \
+             last_error = CASE WHEN e.in_flight AND e.attempt_count >= $4 \
                  THEN 'its worker stopped during its last attempt (killed?)' \
                  ELSE e.last_error END, \
              updated_at = now() \
-         FROM due WHERE e.id = due.id \
+         FROM picked WHERE e.id = picked.id \
          RETURNING e.id, e.key, e.payload, e.event_id, e.correlation_id, e.attempt_count, \
-             due.spent",
+             e.status = 'DEAD_LETTER' AS spent",
     )
     .bind::<Text, _>(kind)
     .bind::<BigInt, _>(limit)
@@ -121,48 +131,29 @@ pub(crate) struct Failed {
     pub message: String,
 }
 
-/// Records outcomes, each only if its claim's attempt is still the row's: a call that
-/// outlived its lease, whose row another worker claimed again, records nothing. Returns how
-/// many were recorded.
-pub(crate) async fn settle(conn: &mut AsyncPgConnection, outcomes: &[Outcome]) -> Result<usize> {
-    let ids: Vec<i64> = outcomes.iter().map(|o| o.id).collect();
-    let attempts: Vec<i32> = outcomes.iter().map(|o| o.attempt).collect();
-    let ok: Vec<bool> = outcomes.iter().map(|o| o.failed.is_none()).collect();
-    let dead: Vec<bool> = outcomes
-        .iter()
-        .map(|o| o.failed.as_ref().is_some_and(|f| f.dead))
-        .collect();
-    let delays: Vec<i64> = outcomes
-        .iter()
-        .map(|o| o.failed.as_ref().map_or(0, |f| f.delay_ms))
-        .collect();
-    let codes: Vec<Option<String>> = outcomes
-        .iter()
-        .map(|o| o.failed.as_ref().map(|f| f.code.clone()))
-        .collect();
-    let messages: Vec<Option<String>> = outcomes
-        .iter()
-        .map(|o| o.failed.as_ref().map(|f| f.message.clone()))
-        .collect();
+/// Records one call's outcome, only if its claim's attempt is still the row's: a call that
+/// outlived its lease, whose row another worker claimed again, records nothing. Returns
+/// whether it was recorded.
+pub(crate) async fn settle(conn: &mut AsyncPgConnection, o: &Outcome) -> Result<bool> {
+    let failed = o.failed.as_ref();
     let n = super::sql(
-        "UPDATE actix_outbox.side_effects e SET \
-             status = CASE WHEN r.ok THEN 'DONE' WHEN r.dead THEN 'DEAD_LETTER' ELSE 'PENDING' END, \
-             next_attempt_at = CASE WHEN r.ok OR r.dead THEN now() \
-                 ELSE now() + r.delay_ms * interval '1 millisecond' END, \
-             done_at = CASE WHEN r.ok THEN now() END, \
-             error_code = r.code, last_error = r.message, updated_at = now() \
-         FROM unnest($1::int8[], $2::int4[], $3::bool[], $4::bool[], $5::int8[], $6::text[], \
-                     $7::text[]) AS r(id, attempt, ok, dead, delay_ms, code, message) \
-         WHERE e.id = r.id AND e.attempt_count = r.attempt AND e.status = 'PENDING'",
+        "UPDATE actix_outbox.side_effects SET \
+             status = CASE WHEN $3 THEN 'DONE' WHEN $4 THEN 'DEAD_LETTER' ELSE 'PENDING' END, \
+             in_flight = false, \
+             next_attempt_at = CASE WHEN $3 OR $4 THEN now() \
+                 ELSE now() + $5 * interval '1 millisecond' END, \
+             done_at = CASE WHEN $3 THEN now() END, \
+             error_code = $6, last_error = $7, updated_at = now() \
+         WHERE id = $1 AND attempt_count = $2 AND status = 'PENDING' AND in_flight",
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<Integer>, _>(attempts)
-    .bind::<Array<Bool>, _>(ok)
-    .bind::<Array<Bool>, _>(dead)
-    .bind::<Array<BigInt>, _>(delays)
-    .bind::<Array<Nullable<Text>>, _>(codes)
-    .bind::<Array<Nullable<Text>>, _>(messages)
+    .bind::<BigInt, _>(o.id)
+    .bind::<Integer, _>(o.attempt)
+    .bind::<Bool, _>(failed.is_none())
+    .bind::<Bool, _>(failed.is_some_and(|f| f.dead))
+    .bind::<BigInt, _>(failed.map_or(0, |f| f.delay_ms))
+    .bind::<Nullable<Text>, _>(failed.map(|f| f.code.as_str()))
+    .bind::<Nullable<Text>, _>(failed.map(|f| f.message.as_str()))
     .execute(conn)
     .await?;
-    Ok(n)
+    Ok(n == 1)
 }

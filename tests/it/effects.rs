@@ -8,6 +8,8 @@ use crate::common;
 
 use std::hash::{Hash, Hasher};
 use std::process::Child;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix_outbox::effects::{self, Effect, EffectConfig, NewEffect};
@@ -28,8 +30,8 @@ fn hash(key: &str, attempt: u32) -> u64 {
 }
 
 /// The fake provider: 10–40 ms per call; one call in ten fails before it does anything (a
-/// 503, retried); otherwise the effect is applied once per key, and a repeated key gets the
-/// first outcome back. Each call is counted with what it answered.
+/// 503, retried); otherwise the effect is applied once per key (a repeated key changes
+/// nothing). Each call is counted with what it asked for.
 async fn provider(pool: &PgPool, e: Effect) -> Result<(), HandlerError> {
     let h = hash(e.key(), e.attempt());
     actix_rt::time::sleep(Duration::from_millis(10 + h % 31)).await;
@@ -45,12 +47,12 @@ async fn provider(pool: &PgPool, e: Effect) -> Result<(), HandlerError> {
         .await?;
         return Err(HandlerError::retry("provider unavailable (503)"));
     }
+    // What this call asks for: a key sent twice with two different requests would have two.
     let outcome = format!("sent:{}", e.payload()["order"].as_str().unwrap_or("?"));
     conn.batch_execute(&format!(
         "INSERT INTO provider_effects (key, outcome) VALUES ('{key}', '{outcome}') \
              ON CONFLICT (key) DO NOTHING;
-         INSERT INTO provider_calls (key, outcome) \
-             SELECT '{key}', outcome FROM provider_effects WHERE key = '{key}'"
+         INSERT INTO provider_calls (key, outcome) VALUES ('{key}', '{outcome}')"
     ))
     .await?;
     Ok(())
@@ -184,17 +186,20 @@ async fn a_thousand_intents_under_five_kills_are_each_called_with_their_own_key(
 }
 
 /// The outcomes, one by one: a permanent failure is dead-lettered at once with its code, a
-/// call past its timeout is retried with `EFFECT_TIMEOUT`, a row whose worker died during its
-/// last attempt is dead-lettered without being called again (`EFFECT_ATTEMPT_INTERRUPTED`),
-/// and recording an intent twice adds nothing.
+/// call past its timeout is retried with `EFFECT_TIMEOUT`, a panic is a failure
+/// (`EFFECT_PANICKED`) that takes no other row with it, a row whose worker died during its last
+/// attempt is dead-lettered without being called again (`EFFECT_ATTEMPT_INTERRUPTED`), one
+/// whose worker died earlier is called again alone, and recording an intent twice adds nothing.
 #[actix_rt::test]
 async fn failures_are_retried_dead_lettered_and_an_intent_is_recorded_once() {
     let db = TestDb::new().await;
     exec(
         &db,
-        "INSERT INTO actix_outbox.side_effects (kind, key, payload, attempt_count)
-         VALUES ('call', 'refused', '{}', 0), ('call', 'slow', '{}', 0),
-                ('call', 'interrupted', '{}', 3), ('call', 'fine', '{}', 0)",
+        "INSERT INTO actix_outbox.side_effects (kind, key, payload, attempt_count, in_flight)
+         VALUES ('call', 'boom', '{}', 0, false), ('call', 'refused', '{}', 0, false),
+                ('call', 'slow', '{}', 0, false), ('call', 'interrupted', '{}', 3, true),
+                ('call', 'suspect', '{}', 1, true), ('call', 'fine', '{}', 0, false),
+                ('call', 'fine2', '{}', 0, false), ('call', 'fine3', '{}', 0, false)",
     )
     .await;
     {
@@ -208,23 +213,33 @@ async fn failures_are_retried_dead_lettered_and_an_intent_is_recorded_once() {
         let err = effects::record(&mut conn, &bad).await.unwrap_err();
         assert_eq!(err.code(), ErrorCode::CONFIG_INVALID);
     }
-    let called = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let seen = called.clone();
+    let called = Arc::new(Mutex::new(Vec::<String>::new()));
+    let running = Arc::new(AtomicUsize::new(0));
+    let suspect_beside = Arc::new(AtomicUsize::new(usize::MAX));
+    let (seen, now, beside) = (called.clone(), running.clone(), suspect_beside.clone());
     let cfg = EffectConfig::new("call")
-        .timeout(Duration::from_millis(200))
+        .timeout(Duration::from_millis(300))
         .poll_interval(Duration::from_millis(20))
-        .retry(RetryPolicy::fixed(3, Duration::from_secs(600)));
+        .retry(RetryPolicy::fixed(3, Duration::from_millis(10)));
     let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
         .effect(cfg, move |e: Effect| {
             seen.lock().unwrap().push(e.key().to_owned());
+            let (now, beside) = (now.clone(), beside.clone());
             async move {
+                let others = now.fetch_add(1, Ordering::SeqCst);
+                if e.key() == "suspect" {
+                    beside.store(others, Ordering::SeqCst);
+                }
+                actix_rt::time::sleep(Duration::from_millis(20)).await;
+                now.fetch_sub(1, Ordering::SeqCst);
                 match e.key() {
+                    "boom" => panic!("the provider's client panicked"),
                     "refused" => Err(HandlerError::permanent(
                         ErrorCode::new("MAIL_REFUSED"),
                         "no such mailbox",
                     )),
-                    "slow" => {
+                    "slow" if e.attempt() == 1 => {
                         actix_rt::time::sleep(Duration::from_secs(60)).await;
                         Ok(())
                     }
@@ -235,23 +250,34 @@ async fn failures_are_retried_dead_lettered_and_an_intent_is_recorded_once() {
         .start()
         .await
         .unwrap();
-    let state = "SELECT count(*) AS n FROM actix_outbox.side_effects WHERE \
+    let state = "SELECT count(*) AS n FROM actix_outbox.side_effects WHERE NOT in_flight AND (\
+        (key = 'boom' AND status = 'DEAD_LETTER' AND error_code = 'EFFECT_PANICKED' AND attempt_count = 3) OR \
         (key = 'refused' AND status = 'DEAD_LETTER' AND error_code = 'MAIL_REFUSED' AND attempt_count = 1) OR \
-        (key = 'slow' AND status = 'PENDING' AND error_code = 'EFFECT_TIMEOUT' AND attempt_count = 1) OR \
+        (key = 'slow' AND status = 'DONE' AND attempt_count = 2) OR \
         (key = 'interrupted' AND status = 'DEAD_LETTER' AND error_code = 'EFFECT_ATTEMPT_INTERRUPTED') OR \
-        (key = 'fine' AND status = 'DONE' AND done_at IS NOT NULL AND payload = '{}')";
-    assert_eq!(db.wait_for(state, 4, WAIT).await, 4);
-    let mut keys = called.lock().unwrap().clone();
-    keys.sort();
+        (key = 'suspect' AND status = 'DONE' AND attempt_count = 2) OR \
+        (key LIKE 'fine%' AND status = 'DONE' AND done_at IS NOT NULL AND attempt_count = 1))";
+    assert_eq!(db.wait_for(state, 8, WAIT).await, 8);
+    let slow_timed_out = "SELECT count(*) AS n FROM actix_outbox.side_effects WHERE key = 'slow' \
+                          AND error_code IS NULL";
+    assert_eq!(db.count(slow_timed_out).await, 1, "DONE clears the error");
+    let keys = called.lock().unwrap().clone();
+    assert!(
+        !keys.contains(&"interrupted".to_owned()),
+        "called again: {keys:?}"
+    );
+    assert_eq!(keys.iter().filter(|k| k.starts_with("fine")).count(), 3);
     assert_eq!(
-        keys,
-        ["fine", "refused", "slow"],
-        "the interrupted row was called again"
+        suspect_beside.load(Ordering::SeqCst),
+        0,
+        "a row whose worker died was called beside others"
     );
     // Not a second kind of the same name, nor a zero concurrency.
     for bad in [
         vec![EffectConfig::new("x"), EffectConfig::new("x")],
         vec![EffectConfig::new("y").concurrency(0)],
+        vec![EffectConfig::new("z").timeout(Duration::MAX)],
+        vec![EffectConfig::new("w").rate_limit(1e-30)],
     ] {
         let mut b = actix_outbox::OutboxRuntime::builder(db.pool.clone());
         for cfg in bad {
@@ -263,9 +289,93 @@ async fn failures_are_retried_dead_lettered_and_an_intent_is_recorded_once() {
     db.finish(&[&rt]).await;
 }
 
+/// Two instances' workers of one kind on one database: each effect is called exactly once,
+/// never by both at once (a claimed row stays leased while its call runs).
+#[actix_rt::test]
+async fn two_instances_call_each_effect_once() {
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO actix_outbox.side_effects (kind, key, payload)
+         SELECT 'twice', 'k' || i, '{}' FROM generate_series(1, 300) i",
+    )
+    .await;
+    let calls = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut runtimes = Vec::new();
+    for _ in 0..2 {
+        let calls = calls.clone();
+        let cfg = EffectConfig::new("twice")
+            .concurrency(20)
+            .poll_interval(Duration::from_millis(10));
+        let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+            .config(fast_runtime())
+            .effect(cfg, move |e: Effect| {
+                calls.lock().unwrap().push(e.key().to_owned());
+                async move {
+                    actix_rt::time::sleep(Duration::from_millis(15)).await;
+                    Ok(())
+                }
+            })
+            .start()
+            .await
+            .unwrap();
+        runtimes.push(rt);
+    }
+    let done = "SELECT count(*) AS n FROM actix_outbox.side_effects WHERE status = 'DONE'";
+    assert_eq!(db.wait_for(done, 300, WAIT).await, 300);
+    let mut keys = calls.lock().unwrap().clone();
+    assert_eq!(keys.len(), 300, "calls beyond one per effect");
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 300);
+    db.finish(&runtimes.iter().collect::<Vec<_>>()).await;
+}
+
+/// A call that blocks its thread (a synchronous client) stops neither the consumers nor the
+/// runtime: a consumer handles its events meanwhile, and the call's timeout still fires.
+#[actix_rt::test]
+async fn a_call_that_blocks_its_thread_stalls_nothing_else() {
+    static RELEASED: AtomicBool = AtomicBool::new(false);
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO actix_outbox.side_effects (kind, key, payload) VALUES ('blocking', 'b', '{}')",
+    )
+    .await;
+    let cfg = EffectConfig::new("blocking")
+        .timeout(Duration::from_millis(300))
+        .retry(RetryPolicy::fixed(5, Duration::from_secs(600)));
+    let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer_fn(consumer("plain", 3), |_d: Delivery| async { Ok(()) })
+        .effect(cfg, |_e: Effect| {
+            while !RELEASED.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            async { Ok(()) }
+        })
+        .start()
+        .await
+        .unwrap();
+    let timed_out = "SELECT count(*) AS n FROM actix_outbox.side_effects \
+                     WHERE error_code = 'EFFECT_TIMEOUT' AND status = 'PENDING'";
+    assert_eq!(
+        db.wait_for(timed_out, 1, WAIT).await,
+        1,
+        "the timeout did not fire"
+    );
+    db.produce_batched(100, 50, "o").await;
+    let handled = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'plain' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(handled, 100, WAIT).await, 100);
+    assert!(!RELEASED.load(Ordering::SeqCst));
+    RELEASED.store(true, Ordering::SeqCst);
+    db.finish(&[&rt]).await;
+}
+
 /// A backlog of effects reaches the provider at the worker's rate limit, not all at once:
 /// 40 calls at 20 a second take at least 1.5 s from the first to the last (counted from the
-/// rows' `done_at`).
+/// rows' `done_at`), with no burst in between.
 #[actix_rt::test]
 async fn a_backlog_of_effects_is_called_at_the_rate_limit() {
     let db = TestDb::new().await;
@@ -275,12 +385,17 @@ async fn a_backlog_of_effects_is_called_at_the_rate_limit() {
          SELECT 'paced', 'k' || i, '{}' FROM generate_series(1, 40) i",
     )
     .await;
+    let times = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let seen = times.clone();
     let cfg = EffectConfig::new("paced")
         .rate_limit(20.0)
         .poll_interval(Duration::from_millis(20));
     let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
-        .effect(cfg, |_e: Effect| async { Ok(()) })
+        .effect(cfg, move |_e: Effect| {
+            seen.lock().unwrap().push(Instant::now());
+            async { Ok(()) }
+        })
         .start()
         .await
         .unwrap();
@@ -290,6 +405,19 @@ async fn a_backlog_of_effects_is_called_at_the_rate_limit() {
                   FROM actix_outbox.side_effects";
     let ms = db.count(spread).await;
     assert!(ms >= 1500, "40 calls at 20/s spread over {ms} ms");
+    // Evenly: a claim takes two (a tenth of a second at 20/s), so no 100 ms hold a burst.
+    let mut at = times.lock().unwrap().clone();
+    at.sort();
+    let burst = at
+        .iter()
+        .map(|t| {
+            at.iter()
+                .filter(|u| **u >= *t && **u - *t < Duration::from_millis(100))
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(burst <= 4, "{burst} calls within 100 ms at 20/s");
     db.finish(&[&rt]).await;
 }
 
