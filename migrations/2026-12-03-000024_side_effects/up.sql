@@ -33,9 +33,12 @@ CREATE TABLE IF NOT EXISTS side_effects (
     UNIQUE (kind, key)
 );
 
-CREATE INDEX IF NOT EXISTS side_effects_due ON side_effects (kind, next_attempt_at)
+CREATE INDEX CONCURRENTLY IF NOT EXISTS side_effects_due ON side_effects (kind, next_attempt_at)
     WHERE status = 'PENDING';
 
 -- The rows whose worker died mid-call, found without walking a backlog of due rows.
-CREATE INDEX IF NOT EXISTS side_effects_interrupted ON side_effects (kind, next_attempt_at)
+CREATE INDEX CONCURRENTLY IF NOT EXISTS side_effects_interrupted ON side_effects (kind, next_attempt_at)
     WHERE status = 'PENDING' AND in_flight;
+
+-- Retention deletes DONE effects by age (`processed_inbox_after`).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS side_effects_done ON side_effects (done_at) WHERE status = 'DONE';

@@ -46,7 +46,8 @@ impl RetentionConfig {
         self
     }
 
-    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted. Default 30 days.
+    /// PROCESSED inbox rows older than this (by `processed_at`) are deleted, and DONE side
+    /// effects (by `done_at`). Default 30 days.
     /// At least `idempotency_keys_after` (checked at start): while the row exists, a
     /// redelivered event is absorbed without its handler running.
     pub fn processed_inbox_after(mut self, processed_inbox_after: Duration) -> Self {
@@ -152,6 +153,8 @@ pub struct RetentionReport {
     pub reconcile_runs_deleted: u64,
     /// Stale-check versions.
     pub aggregate_versions_deleted: u64,
+    /// DONE side effects.
+    pub effects_deleted: u64,
     /// A table had more expired rows than `max_batches` allowed: run again soon.
     pub more_left: bool,
 }
@@ -193,6 +196,9 @@ impl Retention {
             (Expired::AdminAudit, c.audit_after),
             (Expired::ReconcileRuns, c.reconcile_runs_after),
             (Expired::AggregateVersions, c.aggregate_versions_after),
+            // As long as the processed inbox rows: a redelivered event past both records its
+            // effect again, and its call is made again.
+            (Expired::DoneEffects, c.processed_inbox_after),
         ];
         for (what, older_than) in plan {
             let (deleted, more) = self.drain(what, older_than).await?;
@@ -203,6 +209,7 @@ impl Retention {
                 Expired::AdminAudit => report.audit_deleted = deleted,
                 Expired::ReconcileRuns => report.reconcile_runs_deleted = deleted,
                 Expired::AggregateVersions => report.aggregate_versions_deleted = deleted,
+                Expired::DoneEffects => report.effects_deleted = deleted,
             }
             report.more_left |= more;
         }
@@ -214,6 +221,7 @@ impl Retention {
             audit_deleted = report.audit_deleted,
             reconcile_runs_deleted = report.reconcile_runs_deleted,
             aggregate_versions_deleted = report.aggregate_versions_deleted,
+            effects_deleted = report.effects_deleted,
             more_left = report.more_left,
             "retention.completed"
         );

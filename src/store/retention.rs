@@ -26,6 +26,8 @@ pub(crate) enum Expired {
     /// Stale-check versions (`aggregate_versions`), by `updated_at`, once no event that could
     /// be compared with them is left (see the statement).
     AggregateVersions,
+    /// DONE side effects, by `done_at`.
+    DoneEffects,
 }
 
 /// Rows one [`delete_expired`] batch found expired, and those it deleted.
@@ -57,8 +59,8 @@ impl Expiry {
 /// they are an operator's to decide about.
 ///
 /// Expected plans: index scans of `outbox_events_published`, `inbox_events_processed`,
-/// `idempotency_keys_created`, `admin_audit_at`, `reconcile_runs_started` and
-/// `aggregate_versions_updated`.
+/// `idempotency_keys_created`, `admin_audit_at`, `reconcile_runs_started`,
+/// `aggregate_versions_updated` and `side_effects_done`.
 /// For the outbox, `after` is the previous batch's [`Expiry::after`] in this run: the batch
 /// takes rows past it, in `(published_at, id)` order.
 pub(crate) async fn delete_expired(
@@ -120,6 +122,9 @@ pub(crate) async fn delete_expired(
         }
         Expired::IdempotencyKeys => by_age("actix_outbox.idempotency_keys", "key", "created_at", "").into(),
         Expired::AdminAudit => by_age("actix_outbox.admin_audit", "id", "at", "").into(),
+        Expired::DoneEffects => {
+            by_age("actix_outbox.side_effects", "id", "done_at", "AND status = 'DONE'").into()
+        }
         // Never a run still going.
         Expired::ReconcileRuns => {
             by_age("actix_outbox.reconcile_runs", "id", "started_at", "AND finished_at IS NOT NULL").into()

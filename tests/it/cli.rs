@@ -199,6 +199,34 @@ async fn every_cli_command_acts_through_the_api_audits_and_exits_with_its_code()
     let ignored = "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'IGNORED'";
     assert_eq!(db.count(ignored).await, 1);
 
+    // A side effect whose calls failed: listed, retried, then set aside.
+    exec(
+        &db,
+        "INSERT INTO actix_outbox.side_effects (id, kind, key, payload, status, attempt_count, error_code)
+         VALUES (77, 'sms', 'mail:o1', '{}', 'DEAD_LETTER', 5, 'SMS_REFUSED')",
+    )
+    .await;
+    let (code, v) = json(&db, &["dead-letters", "list", "--effects", "--kind", "sms"]);
+    assert_eq!(
+        (code, &v["items"][0]["error_code"]),
+        (0, &Value::from("SMS_REFUSED")),
+        "{v}"
+    );
+    let (code, _) = json(&db, &["retry", "effect", "77", "--reason", "on call"]);
+    assert_eq!(code, 0);
+    assert_eq!(audit(&db, "effect.retry").await, 1);
+    let pending =
+        "SELECT count(*) AS n FROM actix_outbox.side_effects WHERE id = 77 AND status = 'PENDING'";
+    assert_eq!(db.count(pending).await, 1);
+    let (code, _) = json(&db, &["ignore", "effect", "77", "--reason", "on call"]);
+    assert_eq!(code, 0);
+    assert_eq!(audit(&db, "effect.ignore").await, 1);
+    let (code, v) = json(&db, &["retry", "effect", "77", "--reason", "on call"]);
+    assert_eq!(
+        (code, &v["error"]["code"]),
+        (65, &Value::from("NOT_A_DEAD_LETTER"))
+    );
+
     // pause until a time, resume.
     let (code, v) = json(
         &db,

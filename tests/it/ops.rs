@@ -393,7 +393,8 @@ async fn retention_deletes_only_expired_delivered_rows_in_bounded_batches() {
 
 /// The history tables are bounded too: old audit rows, finished reconcile runs and
 /// stale-check versions go, young ones stay; a version stays while an event it may be compared
-/// with is still on its way (a retry, a dead letter, an event not yet fanned out).
+/// with is still on its way (a retry, a dead letter, an event not yet fanned out). DONE side
+/// effects go after the processed inbox rows' period; others stay.
 #[actix_rt::test]
 async fn retention_bounds_the_audit_trail_reconcile_runs_and_versions() {
     let db = TestDb::new().await;
@@ -418,6 +419,11 @@ async fn retention_bounds_the_audit_trail_reconcile_runs_and_versions() {
          VALUES (gen_random_uuid(), 'mail', 'T', 1, 'order', 'retrying', '{}', 'c', now(), 'RETRY_PENDING'),
                 (gen_random_uuid(), 'mail', 'T', 1, 'order', 'dead', '{}', 'c', now(), 'DEAD_LETTER'),
                 (gen_random_uuid(), 'mail', 'T', 1, 'order', 'idle', '{}', 'c', now(), 'PROCESSED');
+         INSERT INTO actix_outbox.side_effects (kind, key, payload, status, done_at, created_at)
+         VALUES ('mail', 'old', '{}', 'DONE', now() - interval '40 days', now() - interval '40 days'),
+                ('mail', 'young', '{}', 'DONE', now() - interval '2 days', now() - interval '2 days'),
+                ('mail', 'dead', '{}', 'DEAD_LETTER', NULL, now() - interval '40 days'),
+                ('mail', 'pending', '{}', 'PENDING', NULL, now() - interval '40 days');
          INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, aggregate_id, payload,
              correlation_id, status)
          VALUES (gen_random_uuid(), 'T', 'order', 'pending', '{}', 'c', 'PENDING');",
@@ -432,9 +438,16 @@ async fn retention_bounds_the_audit_trail_reconcile_runs_and_versions() {
         (
             report.audit_deleted,
             report.reconcile_runs_deleted,
-            report.aggregate_versions_deleted
+            report.aggregate_versions_deleted,
+            report.effects_deleted
         ),
-        (2, 1, 2)
+        (2, 1, 2, 1)
+    );
+    let effects = "SELECT count(*) AS n FROM actix_outbox.side_effects WHERE key <> 'old'";
+    assert_eq!(
+        db.count(effects).await,
+        3,
+        "a young DONE effect, a dead letter, a pending one"
     );
     let text = |sql: &'static str| db.count(sql);
     assert_eq!(

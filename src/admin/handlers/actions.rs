@@ -5,10 +5,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
-use actix_web::{web, FromRequest};
+use actix_web::web;
 use chrono::{DateTime, Utc};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -18,45 +17,14 @@ use crate::admin::State;
 use crate::event::ConsumerName;
 use crate::inbox::{pause_consumer, resume_consumer, unsubscribe};
 use crate::store::admin as stmt;
+use crate::store::effects;
 
+/// Side effects an operator may set aside: dead letters, and effects still waiting (one whose
+/// call is running is held, `ROW_BUSY`).
+const EFFECT_IGNORABLE: &[&str] = &["DEAD_LETTER", "PENDING"];
+
+use super::input::{parse_body, reason, Body};
 use super::*;
-
-/// An action's body, read up to [`MAX_BODY`] bytes. Past that, a JSON 413 `BODY_TOO_LARGE`
-/// (actix's own limit would answer in plain text, without a code).
-pub(super) struct Body(pub(super) web::Bytes);
-
-impl FromRequest for Body {
-    type Error = AdminError;
-    type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, AdminError>>;
-
-    fn from_request(
-        _: &actix_web::HttpRequest,
-        payload: &mut actix_web::dev::Payload,
-    ) -> Self::Future {
-        use futures_util::StreamExt;
-        let mut payload = payload.take();
-        Box::pin(async move {
-            let mut buf = web::BytesMut::new();
-            while let Some(chunk) = payload.next().await {
-                let chunk = chunk.map_err(|e| {
-                    AdminError::bad_request(
-                        INVALID_BODY,
-                        format!("the body could not be read: {e}"),
-                    )
-                })?;
-                if buf.len() + chunk.len() > MAX_BODY {
-                    return Err(AdminError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        BODY_TOO_LARGE,
-                        format!("a body is at most {MAX_BODY} bytes"),
-                    ));
-                }
-                buf.extend_from_slice(&chunk);
-            }
-            Ok(Body(buf.freeze()))
-        })
-    }
-}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -83,37 +51,6 @@ fn pace(rate: Option<u32>) -> Result<Option<u32>, AdminError> {
             INVALID_BODY,
             "\"rate\" is rows made due per second, 1 to 10000",
         )),
-    }
-}
-
-/// Parses an optional JSON body: an empty body is the default (no reason, no ids).
-pub(super) fn parse_body<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, AdminError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(T::default());
-    }
-    serde_json::from_slice(body).map_err(|e| {
-        AdminError::bad_request(
-            INVALID_BODY,
-            format!("the body is not valid for this action: {e}"),
-        )
-    })
-}
-
-pub(super) fn reason(v: Option<String>, required: bool) -> Result<Option<String>, AdminError> {
-    match given(v) {
-        None if required => Err(AdminError::bad_request(
-            REASON_REQUIRED,
-            "this action needs a non-empty \"reason\", kept in the audit trail",
-        )),
-        Some(r) if r.chars().count() > MAX_REASON_CHARS => Err(AdminError::bad_request(
-            REASON_TOO_LONG,
-            format!("a reason is at most {MAX_REASON_CHARS} characters"),
-        )),
-        Some(r) if r.contains('\0') => Err(AdminError::bad_request(
-            INVALID_BODY,
-            "a reason must not hold a NUL character",
-        )),
-        r => Ok(r),
     }
 }
 
@@ -152,6 +89,8 @@ pub(super) fn check_bulk(ids: &[String], confirm: Option<&str>) -> Result<(), Ad
 pub(super) enum Ids {
     Inbox(Vec<i64>),
     Outbox(Vec<uuid::Uuid>),
+    /// Side effects (`side_effects` ids).
+    Effect(Vec<i64>),
 }
 
 impl Ids {
@@ -159,11 +98,12 @@ impl Ids {
         match self {
             Ids::Inbox(_) => "inbox",
             Ids::Outbox(_) => "outbox",
+            Ids::Effect(_) => "effect",
         }
     }
     fn as_strings(&self) -> Vec<String> {
         match self {
-            Ids::Inbox(v) => v.iter().map(i64::to_string).collect(),
+            Ids::Inbox(v) | Ids::Effect(v) => v.iter().map(i64::to_string).collect(),
             Ids::Outbox(v) => v.iter().map(uuid::Uuid::to_string).collect(),
         }
     }
@@ -209,6 +149,9 @@ pub(super) async fn apply(
     let table = ids.table();
     let (name, allowed, wrong_code, verb) = match change {
         Change::Retry { .. } => ("retry", stmt::RETRYABLE, NOT_A_DEAD_LETTER, "retried"),
+        Change::Ignore if matches!(ids, Ids::Effect(_)) => {
+            ("ignore", EFFECT_IGNORABLE, NOT_IGNORABLE, "ignored")
+        }
         Change::Ignore => ("ignore", stmt::IGNORABLE, NOT_IGNORABLE, "ignored"),
     };
     // e.g. inbox.retry, outbox.retry_set, inbox.ignore
@@ -263,6 +206,10 @@ pub(super) async fn apply(
                 }
                 (Ids::Inbox(v), Change::Ignore) => stmt::ignore_inbox(conn, v[0]).await?,
                 (Ids::Outbox(v), Change::Ignore) => stmt::ignore_outbox(conn, v[0]).await?,
+                (Ids::Effect(v), Change::Retry { per_second }) => {
+                    effects::retry(conn, v, per_second).await?
+                }
+                (Ids::Effect(v), Change::Ignore) => effects::ignore(conn, v[0]).await?,
             };
             let pace = match change {
                 Change::Retry {
@@ -308,6 +255,7 @@ pub(super) async fn lock_rows(
         let (rows, existing) = match ids {
             Ids::Inbox(v) => stmt::lock_inbox(conn, v, in_flight_matters).await?,
             Ids::Outbox(v) => stmt::lock_outbox(conn, v).await?,
+            Ids::Effect(v) => effects::lock(conn, v).await?,
         };
         if rows.len() as i64 >= existing {
             return Ok(rows);
@@ -368,26 +316,31 @@ pub(super) async fn retry_outbox_one(
 }
 
 pub(super) async fn retry_inbox_set(op: Operator, st: web::Data<State>, Body(body): Body) -> Reply {
-    let body: BulkBody<i64> = parse_body(&body)?;
+    retry_numbered_set(op, st, &body, "an inbox row id", Ids::Inbox).await
+}
+
+/// A bulk retry of rows whose ids are positive integers (`what`, for the error): inbox rows,
+/// side effects.
+pub(super) async fn retry_numbered_set(
+    op: Operator,
+    st: web::Data<State>,
+    body: &[u8],
+    what: &str,
+    ids: fn(Vec<i64>) -> Ids,
+) -> Reply {
+    let body: BulkBody<i64> = parse_body(body)?;
     let strings: Vec<String> = body.ids.iter().map(i64::to_string).collect();
     check_bulk(&strings, body.confirm.as_deref())?;
     if let Some(bad) = body.ids.iter().find(|id| **id <= 0) {
         return Err(AdminError::bad_request(
             INVALID_ID,
-            format!("{bad} is not an inbox row id (a positive integer)"),
+            format!("{bad} is not {what} (a positive integer)"),
         ));
     }
     let reason = reason(body.reason, false)?;
     let per_second = pace(body.rate)?;
-    let out = apply(
-        &st,
-        &op.0,
-        Ids::Inbox(body.ids),
-        Change::Retry { per_second },
-        reason,
-        true,
-    )
-    .await?;
+    let change = Change::Retry { per_second };
+    let out = apply(&st, &op.0, ids(body.ids), change, reason, true).await?;
     Ok(ok_json(out))
 }
 

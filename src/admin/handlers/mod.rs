@@ -5,7 +5,7 @@
 //! Here: the routes and what they share. `reads.rs`: health, overview, metrics, lists,
 //! timeline, audit. `charts.rs`: each consumer's throughput and lag over the last hour.
 //! `actions.rs`: retry, ignore, pause, resume, unsubscribe. `replays.rs`: ask for, list and
-//! cancel replays.
+//! cancel replays. `effects.rs`: side effects' list, retry and ignore.
 
 use std::time::Duration;
 
@@ -20,6 +20,8 @@ use crate::store::status::{InboxStatus, OutboxStatus};
 
 mod actions;
 mod charts;
+mod effects;
+mod input;
 mod reads;
 mod replays;
 
@@ -69,6 +71,7 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .service(get("/audit", audit))
         .service(get("/timeline/{correlation_id}", timeline))
         .service(get("/replays", replays::list))
+        .service(get("/effects", effects::list))
         // The fixed paths come before `/{id}/…` so that `retry` is never read as an id.
         .service(post("/inbox/retry", retry_inbox_set))
         .service(post("/outbox/retry", retry_outbox_set))
@@ -80,6 +83,9 @@ pub(crate) fn scope(path: &str, state: State) -> Scope {
         .service(post("/consumers/{name}/resume", resume))
         .service(post("/consumers/{name}/replay", replays::replay))
         .service(post("/replays/{id}/cancel", replays::cancel))
+        .service(post("/effects/retry", effects::retry_set))
+        .service(post("/effects/{id}/retry", effects::retry_one))
+        .service(post("/effects/{id}/ignore", effects::ignore_one))
         .service(post(
             "/consumers/{name}/subscriptions/{event_type}/remove",
             remove_subscription,

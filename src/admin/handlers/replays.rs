@@ -12,7 +12,8 @@ use crate::admin::error::*;
 use crate::admin::State;
 use crate::inbox::{cancel_replay, replay as ask, replays, ReplayRange};
 
-use super::actions::{consumer_name, parse_body, reason, Body};
+use super::actions::consumer_name;
+use super::input::{parse_body, reason, Body};
 use super::reads::given;
 use super::*;
 

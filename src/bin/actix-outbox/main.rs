@@ -100,11 +100,17 @@ enum DeadLetters {
     /// Dead-lettered rows, newest first.
     List {
         /// The outbox's dead letters (publishing failed) instead of the inbox's.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "effects")]
         outbox: bool,
+        /// Side effects' dead letters (their calls failed) instead of the inbox's.
+        #[arg(long)]
+        effects: bool,
         /// Only this consumer's (inbox).
-        #[arg(long, conflicts_with = "outbox")]
+        #[arg(long, conflicts_with_all = ["outbox", "effects"])]
         consumer: Option<String>,
+        /// Only this kind of side effect (with --effects).
+        #[arg(long, requires = "effects")]
+        kind: Option<String>,
         /// Only this event type.
         #[arg(long = "type")]
         event_type: Option<String>,
@@ -126,6 +132,8 @@ struct EventArg {
 enum Table {
     Inbox,
     Outbox,
+    /// Side effects (`side_effects`).
+    Effect,
 }
 
 impl Table {
@@ -133,15 +141,16 @@ impl Table {
         match self {
             Table::Inbox => "inbox",
             Table::Outbox => "outbox",
+            Table::Effect => "effects",
         }
     }
 }
 
 #[derive(Debug, Args)]
 struct RetryArgs {
-    /// The rows' table: inbox (a consumer's row) or outbox (publishing).
+    /// The rows' table: inbox (a consumer's row), outbox (publishing) or effect (a call).
     table: Table,
-    /// The rows: inbox row ids, or event ids for the outbox.
+    /// The rows: inbox row or side effect ids, or event ids for the outbox.
     #[arg(required = true)]
     ids: Vec<String>,
     /// Why, kept in the audit trail. Required.
@@ -154,9 +163,9 @@ struct RetryArgs {
 
 #[derive(Debug, Args)]
 struct IgnoreArgs {
-    /// The row's table: inbox or outbox.
+    /// The row's table: inbox, outbox or effect.
     table: Table,
-    /// The row: an inbox row id, or an event id for the outbox.
+    /// The row: an inbox row or side effect id, or an event id for the outbox.
     id: String,
     /// Why, kept in the audit trail. Required.
     #[arg(long)]
@@ -401,18 +410,24 @@ fn plan(command: &Command) -> Result<Request, (&'static str, &'static str)> {
         Command::Stats => Request::get("/overview".into(), Shape::Stats),
         Command::DeadLetters(DeadLetters::List {
             outbox,
+            effects,
             consumer,
+            kind,
             event_type,
             limit,
         }) => {
-            let table = if *outbox { "outbox" } else { "inbox" };
+            let (table, shape) = match (*outbox, *effects) {
+                (true, _) => ("outbox", Shape::Outbox),
+                (_, true) => ("effects", Shape::Effects),
+                _ => ("inbox", Shape::Inbox),
+            };
             let q = query(&[
                 ("status", Some("DEAD_LETTER".into())),
                 ("consumer", consumer.clone()),
+                ("kind", kind.clone()),
                 ("type", event_type.clone()),
                 ("limit", limit.map(|l| l.to_string())),
             ]);
-            let shape = if *outbox { Shape::Outbox } else { Shape::Inbox };
             Request::get(format!("/{table}{q}"), shape)
         }
         Command::DeadLetters(DeadLetters::Show(e)) | Command::Show(e) => {
@@ -429,12 +444,17 @@ fn plan(command: &Command) -> Result<Request, (&'static str, &'static str)> {
             }
             // Several rows: the API's bulk retry, whose confirmation this command gives.
             let ids: Vec<Value> = match a.table {
-                Table::Inbox => a
+                Table::Inbox | Table::Effect => a
                     .ids
                     .iter()
                     .map(|i| i.trim().parse::<i64>().map(Value::from))
                     .collect::<Result<_, _>>()
-                    .map_err(|_| ("INVALID_ID", "an inbox row id is a positive integer"))?,
+                    .map_err(|_| {
+                        (
+                            "INVALID_ID",
+                            "an inbox row or side effect id is a positive integer",
+                        )
+                    })?,
                 Table::Outbox => a.ids.iter().map(|i| Value::from(i.as_str())).collect(),
             };
             let body = json!({

@@ -9,6 +9,7 @@ pub enum Shape {
     Stats,
     Inbox,
     Outbox,
+    Effects,
     Event,
     Timeline,
     List,
@@ -35,6 +36,16 @@ const OUTBOX: &[&str] = &[
     "attempt_count",
     "error_code",
     "updated_at",
+];
+const EFFECTS: &[&str] = &[
+    "id",
+    "kind",
+    "key",
+    "status",
+    "attempt_count",
+    "error_code",
+    "last_error",
+    "created_at",
 ];
 const FANOUT: &[&str] = &[
     "consumer",
@@ -70,6 +81,7 @@ pub fn answer(json_out: bool, v: &Value, shape: Shape) {
         match (shape, key) {
             (Shape::Inbox, "items") => Some(INBOX),
             (Shape::Outbox, "items") => Some(OUTBOX),
+            (Shape::Effects, "items") => Some(EFFECTS),
             (Shape::Event, "consumers") => Some(FANOUT),
             (Shape::Health, "reasons") => Some(REASONS),
             (Shape::Timeline, "entries") => Some(TIMELINE),
