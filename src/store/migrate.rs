@@ -82,6 +82,7 @@ const LEGACY: &[(&str, &str, &str, Option<&str>)] = &[
     ("TABLE", "contract_findings", "20261202000015", None),
     ("TABLE", "replays", "20261202000016", None),
     ("TABLE", "nats_bindings", "20261203000021", None),
+    ("TABLE", "side_effects", "20261203000024", None),
 ];
 
 /// How [`migrate_with`] treats a live database.

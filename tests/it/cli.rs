@@ -275,6 +275,10 @@ async fn every_cli_command_acts_through_the_api_audits_and_exits_with_its_code()
     );
     let (code, v) = json(&db, &["cancel", &replay.to_string()]);
     assert_eq!((code, &v["status"]), (0, &Value::from("CANCELLED")), "{v}");
+    assert_eq!(audit(&db, "consumer.replay").await, 1);
+    let cancelled = "SELECT count(*) AS n FROM actix_outbox.admin_audit \
+                     WHERE who = 'alice' AND action = 'consumer.replay.cancel'";
+    assert_eq!(db.count(cancelled).await, 1);
     let (code, _) = json(&db, &["replay", "nobody", "--reason", "on call"]);
     assert_eq!(code, 66, "an unknown consumer");
 

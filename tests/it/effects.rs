@@ -217,8 +217,9 @@ async fn failures_are_retried_dead_lettered_and_an_intent_is_recorded_once() {
     let running = Arc::new(AtomicUsize::new(0));
     let suspect_beside = Arc::new(AtomicUsize::new(usize::MAX));
     let (seen, now, beside) = (called.clone(), running.clone(), suspect_beside.clone());
+    // Far above the 20 ms a call takes, so that only `slow` times out on a loaded machine.
     let cfg = EffectConfig::new("call")
-        .timeout(Duration::from_millis(300))
+        .timeout(Duration::from_secs(2))
         .poll_interval(Duration::from_millis(20))
         .retry(RetryPolicy::fixed(3, Duration::from_millis(10)));
     let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
