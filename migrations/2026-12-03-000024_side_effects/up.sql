@@ -42,3 +42,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS side_effects_interrupted ON side_effects
 
 -- Retention deletes DONE effects by age (`processed_inbox_after`).
 CREATE INDEX CONCURRENTLY IF NOT EXISTS side_effects_done ON side_effects (done_at) WHERE status = 'DONE';
+
+-- Health counts the dead letters per kind.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS side_effects_dead ON side_effects (kind)
+    WHERE status = 'DEAD_LETTER';

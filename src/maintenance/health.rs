@@ -283,6 +283,9 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
             ),
         );
     }
+    for e in &current.effects {
+        effect_reasons(cfg, e, &mut report);
+    }
     if o.dead_letter > 0 {
         report.push(
             HealthState::Warning,
@@ -445,6 +448,44 @@ pub(crate) fn transition(
     }
 }
 
+/// A kind of side effect: dead letters wait for an operator (`EFFECTS_DEAD_LETTERED`), and
+/// calls due past the inbox's thresholds mean no worker makes them, or not fast enough
+/// (`EFFECTS_LATE`: a kind no instance registers waits for ever).
+fn effect_reasons(
+    cfg: &HealthConfig,
+    e: &crate::store::effects::EffectGauges,
+    report: &mut HealthReport,
+) {
+    if e.dead_letter > 0 {
+        report.push(
+            HealthState::Warning,
+            "EFFECTS_DEAD_LETTERED",
+            None,
+            format!(
+                "{} of kind {} failed for good and {} a decision (GET /effects?status=DEAD_LETTER)",
+                plural(e.dead_letter, "side effect"),
+                e.kind,
+                if e.dead_letter == 1 { "needs" } else { "need" }
+            ),
+        );
+    }
+    let late = cfg.inbox_warn_after;
+    if let Some(state) = lag_state(e.oldest_due_age_seconds, late, cfg.inbox_critical_after) {
+        report.push(
+            state,
+            "EFFECTS_LATE",
+            None,
+            format!(
+                "{} of kind {} due, the oldest for {}: is a worker for it running \
+                 (OutboxBuilder::effect) on some instance?",
+                plural(e.due, "side effect"),
+                e.kind,
+                human(e.oldest_due_age_seconds)
+            ),
+        );
+    }
+}
+
 fn lag_state(age_seconds: f64, warn: Duration, critical: Duration) -> Option<HealthState> {
     if age_seconds >= critical.as_secs_f64() && age_seconds > 0.0 {
         Some(HealthState::Critical)
@@ -568,6 +609,7 @@ mod tests {
             instance: None,
             contract: Vec::new(),
             snapshots: Vec::new(),
+            effects: Vec::new(),
         }
     }
 
@@ -870,6 +912,32 @@ mod tests {
             (r.state, codes(&r)),
             (HealthState::Critical, vec!["CONSUMER_LATE"])
         );
+    }
+
+    #[test]
+    fn side_effects_dead_lettered_or_late_are_named_by_kind() {
+        let cfg = HealthConfig::default();
+        let gauges = |kind: &str, due, age, dead| crate::store::effects::EffectGauges {
+            kind: kind.into(),
+            due,
+            oldest_due_age_seconds: age,
+            dead_letter: dead,
+        };
+        let mut s = sample(0, OutboxGauges::default(), vec![]);
+        s.effects = vec![
+            gauges("sms", 0, 0.0, 2),
+            gauges("emial", 40, 3600.0, 0),
+            gauges("email", 3, 1.0, 0),
+        ];
+        let r = assess(&cfg, &s, &[]);
+        assert_eq!(r.state, HealthState::Critical);
+        assert_eq!(codes(&r), vec!["EFFECTS_LATE", "EFFECTS_DEAD_LETTERED"]);
+        assert!(
+            r.reasons[0].message.contains("kind emial"),
+            "{:?}",
+            r.reasons
+        );
+        assert!(r.reasons[1].message.contains("2 side effects of kind sms"));
     }
 
     #[test]

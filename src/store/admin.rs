@@ -10,6 +10,8 @@
 
 #![cfg(feature = "admin")]
 
+pub(crate) mod effects;
+
 use super::status::InboxStatus;
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{

@@ -79,6 +79,9 @@ pub(crate) struct Sample {
     /// Sessions of this database holding a snapshot open past the floor, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub snapshots: Vec<super::snapshots::HeldSnapshot>,
+    /// Side effects waiting or dead-lettered, per kind (none when every call is made).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub effects: Vec<super::effects::EffectGauges>,
 }
 
 #[derive(QueryableByName)]
@@ -110,6 +113,7 @@ pub(crate) async fn snapshot(conn: &mut AsyncPgConnection, hold_floor: Duration)
     let consumers = consumer_gauges(conn).await?;
     let contract = crate::store::contract::all(conn).await?;
     let snapshots = super::snapshots::held(conn, hold_floor).await?;
+    let effects = super::effects::gauges(conn).await?;
     Ok(Sample {
         at,
         outbox,
@@ -117,6 +121,7 @@ pub(crate) async fn snapshot(conn: &mut AsyncPgConnection, hold_floor: Duration)
         instance: None,
         contract,
         snapshots,
+        effects,
     })
 }
 

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix_outbox::effects::{self, Effect, EffectConfig, NewEffect};
+use actix_outbox::health::{StatsConfig, StatsSampler};
 use actix_outbox::{ConsumerConfig, Delivery, ErrorCode, HandlerError, PgPool, RetryPolicy};
 use common::*;
 use diesel_async::SimpleAsyncConnection;
@@ -272,6 +273,27 @@ async fn failures_are_retried_dead_lettered_and_an_intent_is_recorded_once() {
         suspect_beside.load(Ordering::SeqCst),
         0,
         "a row whose worker died was called beside others"
+    );
+    // Health names the kind with dead letters, and a kind no worker runs once it is late.
+    exec(
+        &db,
+        "INSERT INTO actix_outbox.side_effects (kind, key, payload, next_attempt_at)
+         VALUES ('emial', 'typo', '{}', now() - interval '1 hour')",
+    )
+    .await;
+    let sampler = StatsSampler::new(db.pool.clone(), StatsConfig::default()).unwrap();
+    let report = sampler.run_once().await.unwrap();
+    let reasons: Vec<(String, String)> = report
+        .reasons
+        .iter()
+        .filter(|r| r.code.starts_with("EFFECTS_"))
+        .map(|r| (r.code.to_string(), r.message.clone()))
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(reasons[0].0 == "EFFECTS_LATE" && reasons[0].1.contains("kind emial"));
+    assert!(
+        reasons[1].0 == "EFFECTS_DEAD_LETTERED"
+            && reasons[1].1.contains("3 side effects of kind call")
     );
     // Not a second kind of the same name, nor a zero concurrency.
     for bad in [

@@ -17,7 +17,7 @@ use crate::admin::State;
 use crate::event::ConsumerName;
 use crate::inbox::{pause_consumer, resume_consumer, unsubscribe};
 use crate::store::admin as stmt;
-use crate::store::effects;
+use crate::store::admin::effects;
 
 /// Side effects an operator may set aside: dead letters, and effects still waiting (one whose
 /// call is running is held, `ROW_BUSY`).

@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use crate::admin::auth::Operator;
 use crate::admin::State;
-use crate::store::effects;
+use crate::store::admin::effects;
 
 use super::actions::{act_on_one, retry_numbered_set, Change, Ids};
 use super::input::Body;
