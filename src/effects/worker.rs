@@ -65,10 +65,17 @@ impl Actor for EffectWorker {
             async move {
                 let idle = spec.config.poll_interval;
                 while !draining.get() {
+                    let started = tokio::time::Instant::now();
                     busy.set(true);
-                    let full = run_batch(&pool, &spec, &calls, &draining).await;
+                    let batch = run_batch(&pool, &spec, &calls).await;
                     busy.set(false);
-                    match full {
+                    // The pace: this batch's share of a second at the rate limit, before the
+                    // next claim. Not busy meanwhile: a drain need not wait for it.
+                    if let (Some(rate), Ok((_, rows))) = (spec.config.rate_limit, &batch) {
+                        let share = Duration::from_secs_f64((*rows).max(1) as f64 / rate);
+                        tokio::time::sleep_until(started + share).await;
+                    }
+                    match batch.map(|(full, _)| full) {
                         Ok(true) => {}
                         Ok(false) => tokio::time::sleep(idle).await,
                         Err(e) => {
@@ -101,15 +108,13 @@ impl Handler<Drain> for EffectWorker {
 }
 
 /// Claims one batch and makes its calls, each recording its outcome as it ends. Returns
-/// whether the batch was full (more are likely due).
+/// whether the batch was full (more are likely due), and how many rows it claimed.
 async fn run_batch(
     pool: &PgPool,
     spec: &EffectSpec,
     calls: &ArbiterHandle,
-    draining: &Cell<bool>,
-) -> Result<bool> {
+) -> Result<(bool, usize)> {
     let cfg = &spec.config;
-    let started = tokio::time::Instant::now();
     let limit = cfg.claim_size();
     let max_attempts = i32::try_from(cfg.retry.max_attempts).unwrap_or(i32::MAX);
     let lease_ms = store::millis(cfg.lease());
@@ -125,12 +130,7 @@ async fn run_batch(
             .map(|row| call_and_settle(pool, spec, calls, row)),
     )
     .await;
-    // The pace: this batch's share of a second at the rate limit, before the next claim.
-    if let (Some(rate), false) = (cfg.rate_limit, draining.get()) {
-        let share = Duration::from_secs_f64(rows.max(1) as f64 / rate);
-        tokio::time::sleep_until(started + share).await;
-    }
-    Ok(full)
+    Ok((full, rows))
 }
 
 /// Makes one call (unless the claim dead-lettered its row) and records its outcome.
