@@ -315,6 +315,14 @@ async fn every_cli_command_acts_through_the_api_audits_and_exits_with_its_code()
         assert!(String::from_utf8_lossy(&help.stdout).contains("Usage: actix-outbox"));
     }
     assert_eq!(cli(&db, &["bogus"]).status.code(), Some(64));
+    let (code, v) = json(
+        &db,
+        &["pause", "mail", "--reason", "on call", "--operator", " "],
+    );
+    assert_eq!(
+        (code, &v["error"]["code"]),
+        (65, &Value::from("CONFIG_INVALID"))
+    );
     assert_eq!(
         cli(&db, &["retry", "sideways", "1"]).status.code(),
         Some(64)

@@ -302,6 +302,9 @@ async fn run(cli: Cli) -> i32 {
             std::env::var("USER").unwrap_or_else(|_| "unknown".into())
         )
     });
+    if operator.trim().is_empty() || operator.contains('\0') {
+        return refuse(cli.json, "CONFIG_INVALID", "--operator must name someone");
+    }
     let config = AdminConfig::new(pool).guard(move |_| Some(operator.clone()));
     let app = test::init_service(actix_web::App::new().service(admin_scope("/ops", config))).await;
     let mut req = if request.post {
