@@ -69,12 +69,6 @@ pub(crate) async fn list(
     Ok(rows)
 }
 
-#[derive(QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
 /// Locks those of the rows `ids` that no call holds (a row claimed and not past its lease is
 /// held: its call may be running), for the caller's transaction; returns their state and how
 /// many of `ids` exist.
@@ -91,7 +85,11 @@ pub(crate) async fn lock(
     .bind::<Array<BigInt>, _>(ids)
     .load(conn)
     .await?;
-    let existing: Count =
+    if rows.len() == ids.len() {
+        // Every row locked (the ids are distinct): no need to count what exists.
+        return Ok((rows, ids.len() as i64));
+    }
+    let existing: super::Count =
         sql("SELECT count(*) AS n FROM actix_outbox.side_effects WHERE id = ANY($1)")
             .bind::<Array<BigInt>, _>(ids)
             .get_result(conn)
