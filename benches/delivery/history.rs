@@ -31,6 +31,8 @@ pub(super) async fn time_claims(
             .bind::<Nullable<Text>, _>(None::<&str>)
             // No per-event rows, as with `info` logging.
             .bind::<diesel::sql_types::Bool, _>(false)
+            // From the start of the due index, as a claim after a short one.
+            .bind::<BigInt, _>(i64::MIN)
             .load(conn)
             .await?;
         let ms = t.elapsed().as_secs_f64() * 1e3;

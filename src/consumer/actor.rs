@@ -2,6 +2,7 @@
 //! rows are always claimed from the database, so a wake-up lost to a full mailbox or a restart
 //! costs latency (until the next poll), never an event.
 
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,6 +15,8 @@ use super::lend::Hung;
 use super::threads::{HandlerFactory, Handlers, SlotUse};
 use super::{reap, replay, ConsumerConfig, Delivery, DeliveryBatch};
 use crate::messages::{Drain, Wake};
+use crate::store::inbox::Place;
+use crate::store::scan::ScanStart;
 use crate::store::PgPool;
 
 /// The user's handler actor, by the message it handles.
@@ -64,6 +67,9 @@ pub(crate) struct ConsumerActor {
     /// Set after a batch whose every event failed, for one poll interval: the consumer claims
     /// nothing meanwhile (see [`batch_loop`]).
     resting: bool,
+    /// Where this consumer's claims start reading its due index (`store::scan`), shared by
+    /// its loops.
+    scan: Rc<ScanStart<Place>>,
 }
 
 impl ConsumerActor {
@@ -79,6 +85,7 @@ impl ConsumerActor {
             pool,
             handlers: Handlers::new(factory, threads),
             resting: false,
+            scan: Rc::new(ScanStart::new()),
             hung,
             in_flight: 0,
             reaping: false,
@@ -142,8 +149,9 @@ impl ConsumerActor {
         let (pool, cfg, hung) = (self.pool.clone(), self.cfg.clone(), self.hung.clone());
         let draining = self.draining.clone();
         let me = ctx.address().recipient();
+        let scan = self.scan.clone();
         let run = async move {
-            let looped = batch_loop(&pool, &cfg, &handler, &hung, &draining, &me, &used);
+            let looped = batch_loop(&pool, &cfg, &handler, &hung, &draining, &me, &used, &scan);
             looped.await
         };
         ctx.spawn(run.into_actor(self).map(move |outcome, act, ctx| {
@@ -260,6 +268,7 @@ struct LoopOutcome {
 /// on something down (a service, a credential, a bug in this build): at full speed its
 /// retries would take the database's time from every other consumer and gain nothing. Its
 /// events are retried all the same, a few per loop and poll (`decide::gives_up`).
+#[allow(clippy::too_many_arguments)] // each a different piece of the consumer actor's state
 async fn batch_loop(
     pool: &PgPool,
     cfg: &ConsumerConfig,
@@ -268,11 +277,12 @@ async fn batch_loop(
     draining: &AtomicBool,
     me: &Recipient<Backlog>,
     used: &SlotUse,
+    scan: &ScanStart<Place>,
 ) -> LoopOutcome {
     let mut out = LoopOutcome::default();
     while !draining.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        let batch = batch::run_batch(pool, cfg, handler, hung, draining, used).await;
+        let batch = batch::run_batch(pool, cfg, handler, hung, draining, used, scan).await;
         if let (Some(rate), Ok(b)) = (cfg.rate_limit, &batch) {
             // Pace this loop to its share of the consumer's rate: a backlog after an outage
             // drains at a steady rate instead of as a storm on whatever the handler calls.

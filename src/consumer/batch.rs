@@ -34,7 +34,8 @@ use super::threads::SlotUse;
 use super::{decide, log, ConsumerConfig};
 use crate::error::Result;
 use crate::event::redact::Redactor;
-use crate::store::inbox::{self, InboxRow, Outcome, Settle};
+use crate::store::inbox::{self, InboxRow, Outcome, Place, Settle};
+use crate::store::scan::ScanStart;
 use crate::store::{self, OwnedConn, PgPool, DB_TIMEOUT};
 use crate::telemetry::metrics;
 
@@ -63,6 +64,7 @@ pub(crate) async fn run_batch(
     hung: &Hung,
     draining: &AtomicBool,
     used: &SlotUse,
+    scan: &ScanStart<Place>,
 ) -> Result<BatchOutcome> {
     // Before the claim: the lease starts at the claim's `now()`, not after its answer.
     let started = Instant::now();
@@ -71,12 +73,26 @@ pub(crate) async fn run_batch(
     let token = inbox::new_token();
     let limit = i64::from(cfg.batch_size);
     let name = cfg.name.as_str();
+    // An ordered consumer's ordering test skips rows that then lie behind the last row taken.
+    let after = if cfg.ordered { None } else { scan.next() };
     let claimed = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-        inbox::claim(c, name, limit, lease_ms, token, !cfg.skip_dead_letters).await
+        inbox::claim(
+            c,
+            name,
+            limit,
+            lease_ms,
+            token,
+            !cfg.skip_dead_letters,
+            after,
+        )
+        .await
     })
     .await;
     let rows = match claimed {
-        Ok(rows) => rows,
+        Ok(claimed) => {
+            scan.took(claimed.last, claimed.rows.len() as i64 >= limit);
+            claimed.rows
+        }
         Err(e) => {
             // The claim may have committed with its answer lost.
             expire(pool, cfg, token).await;
@@ -102,6 +118,10 @@ pub(crate) async fn run_batch(
         .run(pool, hung, conn, rows)
         .await
         .map(|o| BatchOutcome { alone, ..o });
+    if !matches!(&out, Ok(o) if o.processed == o.claimed) {
+        // Rows failed or were given back behind the next claim's start.
+        scan.reset();
+    }
     // Settled, or left to the reaper on purpose.
     unsettled.rows.clear();
     if let Err(e) = &out {

@@ -21,6 +21,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::messages::{Drain, InboxRowsWritten, Wake, INBOX_CHANNEL};
+use crate::store::scan::ScanStart;
 use crate::store::{self, lease, PgPool};
 use crate::telemetry::metrics;
 
@@ -63,6 +64,8 @@ pub(crate) struct PublisherActor {
     /// Set by `Drain`; shared with the claim loop so it stops after the current claim.
     draining: Arc<AtomicBool>,
     drained: Vec<oneshot::Sender<()>>,
+    /// Where the in-process claims start reading the due index (`store::scan`).
+    scan: Rc<ScanStart<i64>>,
 }
 
 impl PublisherActor {
@@ -89,6 +92,7 @@ impl PublisherActor {
             again: false,
             draining: Arc::new(AtomicBool::new(false)),
             drained: Vec::new(),
+            scan: Rc::new(ScanStart::new()),
         }
     }
 
@@ -130,9 +134,11 @@ impl PublisherActor {
                 let registry = self.registry.clone();
                 let limit = i64::from(self.batch_size);
                 let notify_as = self.notify_as.clone();
+                let scan = self.scan.clone();
                 Box::pin(async move {
                     while !draining.load(Ordering::Relaxed) {
-                        if !claim_in_process(&pool, &registry, limit, notify_as.as_deref()).await {
+                        let notify_as = notify_as.as_deref();
+                        if !claim_in_process(&pool, &registry, limit, notify_as, &scan).await {
                             return;
                         }
                     }
@@ -176,6 +182,7 @@ async fn claim_in_process(
     registry: &Recipient<InboxRowsWritten>,
     limit: i64,
     notify_as: Option<&str>,
+    scan: &ScanStart<i64>,
 ) -> bool {
     // The per-event lines cost a row each in the claim's answer: asked for only when they
     // would be written.
@@ -190,7 +197,8 @@ async fn claim_in_process(
     };
     let channel = store::schema::channel(INBOX_CHANNEL);
     let notify = notify_as.map(|me| (channel.as_str(), me));
-    let claim = store::outbox::claim_and_fan_out(&mut conn, limit, notify, detail);
+    let after = scan.next();
+    let claim = store::outbox::claim_and_fan_out(&mut conn, limit, after, notify, detail);
     let fan_out = match store::timed(store::DB_TIMEOUT, claim).await {
         Ok(fan_out) => fan_out,
         Err(t) => {
@@ -214,6 +222,7 @@ async fn claim_in_process(
             }
             log_fan_out(&f);
             let full = f.published as i64 >= limit;
+            scan.took(f.last_seq, full);
             if !f.delivered.is_empty() {
                 registry.do_send(InboxRowsWritten {
                     consumers: f.delivered,

@@ -10,10 +10,10 @@
 -- The answer, one row per `kind`: `count` per subscribed consumer (rows wanted, rows written),
 -- one `total` (rows published; notifications sent), `duplicate` per inbox row that already
 -- existed (always: rare, and logged at `info`), and with $4 `event` per event published and
--- `received` per inbox row written.
+-- `received` per inbox row written. `last_seq`, on the `total` row: the highest seq published.
 WITH due AS (
     SELECT id FROM actix_outbox.outbox_events
-    WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now()
+    WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() AND seq > $5
     ORDER BY seq LIMIT (SELECT $1::int8)
     FOR UPDATE SKIP LOCKED
 ), published AS (
@@ -59,19 +59,19 @@ WITH due AS (
 )
 SELECT 'count' AS kind, consumer, NULL::uuid AS event_id, wanted, rows,
        NULL::text AS event_type, NULL::text AS aggregate_id, NULL::text AS correlation_id,
-       NULL::text AS causation_id
+       NULL::text AS causation_id, NULL::int8 AS last_seq
 FROM counted
 -- The `total` row: rows published, and (as `wanted`) notifications sent; naming `notified` here
 -- is what makes PostgreSQL run it.
 UNION ALL SELECT 'total', NULL, NULL, (SELECT count(*) FROM notified), count(*),
-       NULL, NULL, NULL, NULL FROM published
+       NULL, NULL, NULL, NULL, max(seq) FROM published
 UNION ALL SELECT 'duplicate', s.consumer, p.id, p.attempt_count, 0, p.event_type,
-       p.aggregate_id, p.correlation_id, p.causation_id
+       p.aggregate_id, p.correlation_id, p.causation_id, NULL
     FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
     WHERE EXISTS (SELECT FROM counted WHERE wanted > rows)
       AND NOT EXISTS (SELECT FROM delivered d WHERE d.event_id = p.id AND d.consumer = s.consumer)
 UNION ALL SELECT 'event', NULL, p.id, p.attempt_count, 0, p.event_type, p.aggregate_id,
-       p.correlation_id, p.causation_id
+       p.correlation_id, p.causation_id, NULL
     FROM published p WHERE $4::bool
-UNION ALL SELECT 'received', d.consumer, d.event_id, 0, 0, NULL, NULL, NULL, NULL
+UNION ALL SELECT 'received', d.consumer, d.event_id, 0, 0, NULL, NULL, NULL, NULL, NULL
     FROM delivered d WHERE $4::bool

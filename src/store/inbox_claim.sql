@@ -23,7 +23,10 @@
 -- takes at most one row per aggregate, and the next only after this one's outcome has
 -- committed. The same test is written in `one` and in `due`.
 -- The ORDER BY is the partial index `inbox_events_due` column for column, so PostgreSQL reads
--- it in order and stops at the limit, skipping rows a lease names. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
+-- it in order and stops at the limit, skipping rows a lease names. `due` reads it past
+-- ($7, $8), the last row of the previous full claim, or from the start ($7 NULL)
+-- (`store::scan`); an ordered consumer's claims always read from the start, since rows its
+-- ordering test skipped lie behind the last row taken. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
 -- test runs exactly this text.
 WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
@@ -54,6 +57,7 @@ WITH paused AS (
     SELECT i.* FROM actix_outbox.inbox_events i
     WHERE i.consumer = $1 AND i.status IN ('RECEIVED', 'RETRY_PENDING')
       AND i.next_attempt_at <= now() AND i.id NOT IN (SELECT id FROM leased)
+      AND (i.next_attempt_at, i.id) > (coalesce($7, '-infinity'), $8)
       AND NOT i.alone AND NOT EXISTS (SELECT FROM paused) AND NOT EXISTS (SELECT FROM one)
       AND (NOT i.ordered OR (
           NOT EXISTS (
@@ -75,9 +79,9 @@ WITH paused AS (
     FROM (SELECT id FROM one UNION ALL SELECT id FROM due) p HAVING count(*) > 0
 )
 -- In claim order; `attempt_count`: the attempts before this one; `backend`, the session the
--- rows' handlers will write in.
+-- rows' handlers will write in; `next_attempt_at`, with the id where the next claim may start.
 SELECT p.id, p.event_id, p.event_type, p.event_version, p.aggregate_type, p.aggregate_id,
     p.aggregate_version, p.payload, p.metadata, p.correlation_id, p.causation_id,
     p.event_created_at, p.attempt_count, $5 AS lease_token, p.alone,
-    pg_backend_pid() AS backend
+    pg_backend_pid() AS backend, p.next_attempt_at
 FROM (SELECT * FROM one UNION ALL SELECT * FROM due) p ORDER BY p.next_attempt_at, p.id

@@ -15,6 +15,7 @@ pub(crate) mod migrate;
 pub(crate) mod outbox;
 pub(crate) mod replay;
 pub(crate) mod retention;
+pub(crate) mod scan;
 pub(crate) mod schema;
 pub(crate) mod snapshots;
 pub(crate) mod stats;

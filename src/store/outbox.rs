@@ -165,6 +165,8 @@ struct FanOutRow {
     correlation_id: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
     causation_id: Option<String>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    last_seq: Option<i64>,
 }
 
 /// One event a claim published, for its log lines.
@@ -207,6 +209,8 @@ pub(crate) struct FanOut {
     /// With `detail`: each event published, and each (event, consumer) inbox row written.
     pub events: Vec<Published>,
     pub received: Vec<(String, uuid::Uuid)>,
+    /// The highest seq published, where the next claim may start (`store::scan`).
+    pub last_seq: Option<i64>,
 }
 
 /// Sent before the claim in its transaction: the [`PLAN_GUARD`](store::PLAN_GUARD)'s settings
@@ -241,6 +245,9 @@ pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 /// plan then scans the table); the [`PLAN_GUARD`](store::PLAN_GUARD) sent before it does.
 /// `tests/plan.rs` asserts the plan on an empty, a fresh, a large and a backlogged table.
 ///
+/// With `after_seq`, the claim reads the due index past that seq ([`scan`](store::scan) says
+/// when); without, from the start.
+///
 /// With `detail`, the answer also names each event published and each inbox row written, for
 /// the per-event log lines; without, those parts of the statement do not run.
 ///
@@ -250,6 +257,7 @@ pub(crate) const CLAIM_SQL: &str = include_str!("claim.sql");
 pub(crate) async fn claim_and_fan_out(
     conn: &mut AsyncPgConnection,
     limit: i64,
+    after_seq: Option<i64>,
     notify: Option<(&str, &str)>,
     detail: bool,
 ) -> Result<FanOut> {
@@ -271,7 +279,8 @@ pub(crate) async fn claim_and_fan_out(
                 .bind::<BigInt, _>(limit)
                 .bind::<Nullable<Text>, _>(notify.map(|n| n.0))
                 .bind::<Nullable<Text>, _>(notify.map(|n| n.1))
-                .bind::<diesel::sql_types::Bool, _>(detail),
+                .bind::<diesel::sql_types::Bool, _>(detail)
+                .bind::<BigInt, _>(after_seq.unwrap_or(i64::MIN)),
         )
         .load::<FanOutRow>(&mut c);
         futures_util::future::join4(
@@ -307,7 +316,10 @@ pub(crate) async fn claim_and_fan_out(
                     out.delivered.push((consumer, row.rows as usize));
                 }
             }
-            ("total", _) => out.published = row.rows as usize,
+            ("total", _) => {
+                out.published = row.rows as usize;
+                out.last_seq = row.last_seq;
+            }
             ("duplicate", Some(consumer)) => out.duplicate_events.push((consumer, published(row))),
             ("event", _) => out.events.push(published(row)),
             ("received", Some(consumer)) => out

@@ -109,20 +109,22 @@ async fn explain_unguarded(conn: &mut AsyncPgConnection) -> [(Vec<Node>, &'stati
         .bind::<Nullable<Text>, _>(None::<&str>)
         .bind::<Nullable<Text>, _>(None::<&str>)
         .bind::<Bool, _>(false)
+        .bind::<BigInt, _>(i64::MIN)
         .get_result(conn)
         .await
         .expect("EXPLAIN the claim");
     conn.batch_execute(&format!(
-        "PREPARE claim_plan_test (int8, text, text, bool) AS {}; SET plan_cache_mode = force_generic_plan",
+        "PREPARE claim_plan_test (int8, text, text, bool, int8) AS {}; SET plan_cache_mode = force_generic_plan",
         CLAIM_SQL
     ))
     .await
     .expect("PREPARE the claim");
-    let generic: ExplainRow =
-        diesel::sql_query("EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500, NULL, NULL, false)")
-            .get_result(conn)
-            .await
-            .expect("EXPLAIN the prepared claim");
+    let generic: ExplainRow = diesel::sql_query(
+        "EXPLAIN (FORMAT JSON) EXECUTE claim_plan_test (500, NULL, NULL, false, 0)",
+    )
+    .get_result(conn)
+    .await
+    .expect("EXPLAIN the prepared claim");
     conn.batch_execute("DEALLOCATE claim_plan_test; SET plan_cache_mode = auto")
         .await
         .unwrap();
@@ -241,6 +243,7 @@ async fn claim_uses_the_due_index_on_a_fresh_unanalyzed_table() {
         .bind::<Nullable<Text>, _>(None::<&str>)
         .bind::<Nullable<Text>, _>(None::<&str>)
         .bind::<Bool, _>(true)
+        .bind::<BigInt, _>(i64::MIN)
         .execute(&mut conn)
         .await
         .expect("run the claim");
@@ -340,19 +343,19 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         "ALTER TABLE actix_outbox.inbox_events SET (autovacuum_enabled = off);
          INSERT INTO actix_outbox.consumer_states (consumer) VALUES ('c1');
          SET enable_seqscan = off; SET enable_bitmapscan = off;
-         PREPARE inbox_claim_test (text, int8, int8, text, int8, bool) AS {INBOX_CLAIM_SQL};"
+         PREPARE inbox_claim_test (text, int8, int8, text, int8, bool, timestamptz, int8) AS {INBOX_CLAIM_SQL};"
     ))
     .await
     .unwrap();
     // Six runs on the empty table make PostgreSQL settle on a generic plan and keep it.
     for _ in 0..6 {
-        conn.batch_execute("EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7, true)")
+        conn.batch_execute("EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7, true, NULL, 0)")
             .await
             .unwrap();
     }
     let explain = async |conn: &mut AsyncPgConnection, case: &str| {
         let row: ExplainRow = diesel::sql_query(
-            "EXPLAIN (FORMAT JSON) EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7, true)",
+            "EXPLAIN (FORMAT JSON) EXECUTE inbox_claim_test ('c1', 500, 60000, 'p', 7, true, NULL, 0)",
         )
         .get_result(conn)
         .await
@@ -424,6 +427,8 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         .bind::<diesel::sql_types::Text, _>("p")
         .bind::<diesel::sql_types::BigInt, _>(7)
         .bind::<diesel::sql_types::Bool, _>(true)
+        .bind::<Nullable<diesel::sql_types::Timestamptz>, _>(None::<chrono::DateTime<chrono::Utc>>)
+        .bind::<diesel::sql_types::BigInt, _>(i64::MIN)
         .execute(&mut conn)
         .await
         .unwrap();
@@ -439,6 +444,143 @@ async fn the_consumers_claim_reads_its_due_index_in_order_whatever_the_statistic
         "the lease names the 500 rows, still due"
     );
     drop(conn);
+    db.finish(&[]).await;
+}
+
+/// Shared blocks the node reading `index` touched, summed over the plan of an
+/// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`.
+fn blocks_read_through(plan: &Value, index: &str) -> i64 {
+    let mine = if plan.get("Index Name").and_then(Value::as_str) == Some(index) {
+        ["Shared Hit Blocks", "Shared Read Blocks"]
+            .iter()
+            .filter_map(|k| plan.get(*k).and_then(Value::as_i64))
+            .sum()
+    } else {
+        0
+    };
+    mine + plan
+        .get("Plans")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|p| blocks_read_through(p, index))
+        .sum::<i64>()
+}
+
+/// `store::scan`: while another session holds a snapshot open, nothing can remove, or even
+/// mark, the due-index entries of rows already delivered, and a claim that reads from the
+/// start walks every one of them. A claim started past the last row the previous claim took
+/// descends the index to it instead. Counted in blocks the claim reads, both claims'
+/// (the publisher's and a consumer's), each from the start and from the start it is given.
+#[actix_rt::test]
+async fn under_a_held_snapshot_a_claim_started_past_delivered_rows_does_not_walk_them() {
+    let db = TestDb::new().await;
+    let mut conn = db.pool.get().await.unwrap();
+    prepare(&mut conn).await;
+    conn.batch_execute(&format!(
+        "ALTER TABLE actix_outbox.inbox_events SET (autovacuum_enabled = off); {}; \
+         INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version, \
+             aggregate_type, aggregate_id, payload, correlation_id, event_created_at, \
+             next_attempt_at, status) \
+         SELECT gen_random_uuid(), 'c1', 'ORDER_STATUS_CHANGED', 1, 'order', 'o-' || g, '{{}}', \
+             'c-' || g, now(), now() - interval '1 hour' + g * interval '1 ms', 'RECEIVED' \
+         FROM generate_series(1, 20000) AS g",
+        insert_rows(20_000, "PENDING")
+    ))
+    .await
+    .unwrap();
+    let mut holder = db.pool.get().await.unwrap();
+    holder
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM actix_outbox.outbox_events")
+        .await
+        .unwrap();
+    // 19,000 of each delivered behind the held snapshot.
+    conn.batch_execute(
+        "UPDATE actix_outbox.outbox_events SET status = 'PUBLISHED', published_at = now() \
+         WHERE seq <= (SELECT min(seq) + 18999 FROM actix_outbox.outbox_events); \
+         UPDATE actix_outbox.inbox_events SET status = 'PROCESSED', processed_at = now() \
+         WHERE id <= (SELECT min(id) + 18999 FROM actix_outbox.inbox_events)",
+    )
+    .await
+    .unwrap();
+    #[derive(QueryableByName)]
+    struct Last {
+        #[diesel(sql_type = BigInt)]
+        seq: i64,
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Text)]
+        at: String,
+    }
+    let last: Last = diesel::sql_query(
+        "SELECT (SELECT max(seq) FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED') AS seq, \
+             i.id, i.next_attempt_at::text AS at FROM actix_outbox.inbox_events i \
+         WHERE i.id = (SELECT max(id) FROM actix_outbox.inbox_events WHERE status = 'PROCESSED')",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+
+    let analyze = async |conn: &mut AsyncPgConnection, sql: String, index: &str| {
+        conn.batch_execute("BEGIN").await.unwrap();
+        let row: ExplainRow =
+            diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"))
+                .get_result(conn)
+                .await
+                .expect("EXPLAIN ANALYZE the claim");
+        conn.batch_execute("ROLLBACK").await.unwrap();
+        blocks_read_through(&row.plan[0]["Plan"], index)
+    };
+    let outbox = |after: i64| {
+        CLAIM_SQL
+            .replace("$1", "250")
+            .replace("$2", "NULL::text")
+            .replace("$3", "NULL::text")
+            .replace("$4", "false")
+            .replace("$5", &after.to_string())
+    };
+    let inbox = |after: &str, id: i64| {
+        INBOX_CLAIM_SQL
+            .replace("$1", "'c1'")
+            .replace("$2", "250")
+            .replace("$3", "60000")
+            .replace("$4", "'p'")
+            .replace("$5", "7")
+            .replace("$6", "true")
+            .replace("$7", after)
+            .replace("$8", &id.to_string())
+    };
+    let cases = [
+        (
+            "the publisher's claim",
+            analyze(&mut conn, outbox(i64::MIN), "outbox_events_due").await,
+            analyze(&mut conn, outbox(last.seq), "outbox_events_due").await,
+        ),
+        (
+            "a consumer's claim",
+            analyze(
+                &mut conn,
+                inbox("NULL::timestamptz", i64::MIN),
+                "inbox_events_due",
+            )
+            .await,
+            analyze(
+                &mut conn,
+                inbox(&format!("'{}'::timestamptz", last.at), last.id),
+                "inbox_events_due",
+            )
+            .await,
+        ),
+    ];
+    holder.batch_execute("COMMIT").await.unwrap();
+    for (claim, from_start, started) in cases {
+        assert!(
+            from_start > 20 * started.max(1),
+            "{claim}: from the start it read {from_start} blocks of its due index, started past \
+             the delivered rows {started}: the start is not read by the index"
+        );
+    }
+    drop((conn, holder));
     db.finish(&[]).await;
 }
 

@@ -1,6 +1,8 @@
 //! The claim of a batch: one lease row naming the rows it takes.
 
-use diesel::sql_types::{Array, BigInt, Bool, Text};
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
@@ -20,6 +22,10 @@ use super::{guarded, InboxRow};
 /// process's turn to take a suspect is tried the same way): the claim
 /// writes no row it leases, so nothing else would keep two claims from leasing the same row.
 /// A claim is one short statement; only claims of the same consumer wait for each other.
+///
+/// `after`: read the due rows past this place (`(next_attempt_at, id)`, see
+/// [`scan`](store::scan)); `None`, from the start. The answer's [`Claimed::last`] is the
+/// place of the last row taken past it.
 pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -27,8 +33,10 @@ pub(crate) async fn claim(
     lease_ms: i64,
     token: i64,
     dead_blocks: bool,
-) -> Result<Vec<InboxRow>> {
+    after: Option<Place>,
+) -> Result<Claimed> {
     let process = store::process_id();
+    let (after_at, after_id) = (after.map(|a| a.0), after.map_or(i64::MIN, |a| a.1));
     let claim = Prepared(
         crate::store::sql(include_str!("../inbox_claim.sql"))
             .bind::<Text, _>(consumer)
@@ -36,7 +44,9 @@ pub(crate) async fn claim(
             .bind::<BigInt, _>(lease_ms)
             .bind::<Text, _>(process)
             .bind::<BigInt, _>(token)
-            .bind::<Bool, _>(dead_blocks),
+            .bind::<Bool, _>(dead_blocks)
+            .bind::<Nullable<Timestamptz>, _>(after_at)
+            .bind::<BigInt, _>(after_id),
     );
     let turn = Prepared(
         crate::store::sql(
@@ -66,14 +76,42 @@ pub(crate) async fn claim(
         let (turn, suspect_turn, rows) = futures_util::future::join3(
             turn.execute(&mut a),
             suspect_turn.execute(&mut b),
-            claim.load(&mut d),
+            claim.load::<ClaimedRow>(&mut d),
         )
         .await;
         turn?;
         suspect_turn?;
-        rows.map_err(Into::into)
+        let rows = rows?;
+        let last = rows
+            .iter()
+            .filter(|r| !r.inbox.alone)
+            .map(|r| (r.next_attempt_at, r.inbox.id))
+            .next_back();
+        Ok(Claimed {
+            rows: rows.into_iter().map(|r| r.inbox).collect(),
+            last,
+        })
     })
     .await
+}
+
+/// A row's place in a consumer's due index: `(next_attempt_at, id)`.
+pub(crate) type Place = (DateTime<Utc>, i64);
+
+/// What a [`claim`] leased.
+pub(crate) struct Claimed {
+    /// In claim order.
+    pub rows: Vec<InboxRow>,
+    /// The place of the last row taken from the due index (a row claimed alone is not).
+    pub last: Option<Place>,
+}
+
+#[derive(QueryableByName)]
+struct ClaimedRow {
+    #[diesel(embed)]
+    inbox: InboxRow,
+    #[diesel(sql_type = Timestamptz)]
+    next_attempt_at: DateTime<Utc>,
 }
 
 /// A new lease token: 63 bits of a UUIDv7 (a millisecond clock and random bits), unique for

@@ -14,7 +14,7 @@ mod claim;
 mod reap;
 mod settle;
 
-pub(crate) use claim::{claim, new_token, reload};
+pub(crate) use claim::{claim, new_token, reload, Place};
 pub(crate) use reap::{end_session, expire, extend, judge_dead, judged, ExpiredRow};
 pub(crate) use settle::{settle_and_commit, settle_now, Failure, Outcome, Settle};
 
