@@ -307,6 +307,8 @@ async fn batch_loop(
                 handler_lost,
                 alone,
                 kept,
+                more,
+                ..
             }) => {
                 out.next_retry = match (out.next_retry, next_retry) {
                     (Some(a), Some(b)) => Some(a.min(b)),
@@ -330,11 +332,13 @@ async fn batch_loop(
                     // behind the ones just processed are due now.
                     continue;
                 }
-                if claimed < cfg.batch_size as usize {
+                if !more {
                     return out;
                 }
-                // A full batch: more rows are probably due; let another loop help.
-                let _ = me.try_send(Backlog);
+                if claimed >= cfg.batch_size as usize {
+                    // A full batch: more rows are probably due; let another loop help.
+                    let _ = me.try_send(Backlog);
+                }
             }
             Err(e) => {
                 // The database is unreachable or a statement failed; the poll tries again. The

@@ -45,6 +45,11 @@ pub(crate) struct BatchOutcome {
     pub claimed: usize,
     pub processed: usize,
     pub failed: usize,
+    /// Rows given back unhandled, due again in their place in line: behind the next claim's
+    /// start.
+    pub given_back: usize,
+    /// Claim again at once, whatever the batch held ([`ScanStart::more`]).
+    pub more: bool,
     /// The soonest retry this batch scheduled (or a row it gave back), so the actor can wake
     /// for it.
     pub next_retry: Option<std::time::Duration>,
@@ -73,8 +78,7 @@ pub(crate) async fn run_batch(
     let token = inbox::new_token();
     let limit = i64::from(cfg.batch_size);
     let name = cfg.name.as_str();
-    // An ordered consumer's ordering test skips rows that then lie behind the last row taken.
-    let after = if cfg.ordered { None } else { scan.next() };
+    let after = scan.next();
     let claimed = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
         inbox::claim(
             c,
@@ -88,10 +92,11 @@ pub(crate) async fn run_batch(
         .await
     })
     .await;
-    let rows = match claimed {
+    let (rows, more) = match claimed {
         Ok(claimed) => {
-            scan.took(claimed.last, claimed.rows.len() as i64 >= limit);
-            claimed.rows
+            let full = claimed.rows.len() as i64 >= limit;
+            scan.took(claimed.last, full);
+            (claimed.rows, ScanStart::more(after, full))
         }
         Err(e) => {
             // The claim may have committed with its answer lost.
@@ -100,7 +105,10 @@ pub(crate) async fn run_batch(
         }
     };
     if rows.is_empty() {
-        return Ok(BatchOutcome::default());
+        return Ok(BatchOutcome {
+            more,
+            ..Default::default()
+        });
     }
     let alone = rows.iter().any(|r| r.alone);
     let mut unsettled = Unsettled {
@@ -117,9 +125,10 @@ pub(crate) async fn run_batch(
     let out = batch
         .run(pool, hung, conn, rows)
         .await
-        .map(|o| BatchOutcome { alone, ..o });
-    if !matches!(&out, Ok(o) if o.processed == o.claimed) {
-        // Rows failed or were given back behind the next claim's start.
+        .map(|o| BatchOutcome { alone, more, ..o });
+    if !matches!(&out, Ok(o) if o.given_back == 0 && !o.kept) {
+        // Rows were given back, or will be, behind the next claim's start. (Rows that failed
+        // fall due later, ahead of it.)
         scan.reset();
     }
     // Settled, or left to the reaper on purpose.
@@ -361,6 +370,7 @@ fn record(
     let count = |f: fn(&Settle) -> bool| settled.iter().filter(|o| f(&o.settle)).count();
     let done = count(|s| matches!(s, Settle::Processed | Settle::Stale(_)));
     let failed = count(|s| matches!(s, Settle::Failed(_)));
+    out.given_back = count(|s| matches!(s, Settle::Release));
     let dead = count(|s| matches!(s, Settle::Failed(f) if f.dead));
     // Stale rows are marked PROCESSED too (with `EVENT_STALE`).
     metrics::inbox_processed(consumer, done as u64);

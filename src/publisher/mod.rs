@@ -176,7 +176,7 @@ impl PublisherActor {
 }
 
 /// One in-process claim: claim, fan out and mark in one statement, then wake the consumers
-/// that got rows. Returns whether the batch was full (more rows are probably due).
+/// that got rows. Returns whether to claim again at once ([`ScanStart::more`]).
 async fn claim_in_process(
     pool: &PgPool,
     registry: &Recipient<InboxRowsWritten>,
@@ -223,12 +223,13 @@ async fn claim_in_process(
             log_fan_out(&f);
             let full = f.published as i64 >= limit;
             scan.took(f.last_seq, full);
+            let more = ScanStart::more(after, full);
             if !f.delivered.is_empty() {
                 registry.do_send(InboxRowsWritten {
                     consumers: f.delivered,
                 });
             }
-            full
+            more
         }
         Err(e) => {
             metrics::outbox_publish_failed(1);

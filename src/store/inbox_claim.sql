@@ -79,9 +79,12 @@ WITH paused AS (
     FROM (SELECT id FROM one UNION ALL SELECT id FROM due) p HAVING count(*) > 0
 )
 -- In claim order; `attempt_count`: the attempts before this one; `backend`, the session the
--- rows' handlers will write in; `next_attempt_at`, with the id where the next claim may start.
+-- rows' handlers will write in; `place_at`, with the id where the next claim may start: its
+-- `next_attempt_at`, NULL for '-infinity' (which `$7` reads back as such); `ordered`, whether
+-- the ordering test applied to it.
 SELECT p.id, p.event_id, p.event_type, p.event_version, p.aggregate_type, p.aggregate_id,
     p.aggregate_version, p.payload, p.metadata, p.correlation_id, p.causation_id,
     p.event_created_at, p.attempt_count, $5 AS lease_token, p.alone,
-    pg_backend_pid() AS backend, p.next_attempt_at
+    pg_backend_pid() AS backend, p.ordered,
+    CASE WHEN p.next_attempt_at > '-infinity' THEN p.next_attempt_at END AS place_at
 FROM (SELECT * FROM one UNION ALL SELECT * FROM due) p ORDER BY p.next_attempt_at, p.id

@@ -10,11 +10,16 @@
 //!
 //! So a claim may start past the last row the previous claim of the same actor took, which
 //! PostgreSQL finds by descending the index. The rule, in one sentence: **a claim starts past
-//! the previous claim's last row only while claims come back full, and one claim a second
-//! still reads from the start**; so a due row that lies behind the start (rows given back, a
-//! lease that expired, an event whose transaction committed after a claim passed its place)
-//! waits at most a second longer, and only while a backlog lasts. When claims come back short
-//! (no backlog) every claim reads from the start, as before.
+//! the last row the latest claim took only when that claim came back full and a claim read
+//! from the start less than a second ago; every other claim reads from the start, and a short
+//! claim that started past it is followed by one that does not** ([`ScanStart::more`]). So a
+//! due row that lies behind the start (an event whose transaction committed after a claim
+//! passed its place, a lease that expired) waits at most a second longer, and only while a
+//! backlog lasts; rows given back by the actor itself send its next claim to the start
+//! ([`ScanStart::reset`]). When claims come back short (no backlog) every claim reads from
+//! the start, as before. A consumer's claim that took a row under the ordering test names no
+//! last row (the events it holds back lie behind it), so an ordered consumer's claims always
+//! read from the start.
 //!
 //! Nothing rests on it but speed: every test of what a claim may take is in its statement,
 //! and the start only narrows where the statement looks.
@@ -28,13 +33,13 @@ const FROM_START_EVERY: Duration = Duration::from_secs(1);
 /// The start of one actor's claims, in the order of the index they read. Its claims run on
 /// the actor's thread.
 pub(crate) struct ScanStart<K: Copy> {
-    /// The last row the previous full claims took; `None`: read from the start.
+    /// The last row the latest claim took, when it came back full; `None`: read from the start.
     after: Cell<Option<K>>,
     /// When a claim last read from the start.
     from_start: Cell<Option<Instant>>,
 }
 
-impl<K: Copy + PartialOrd> ScanStart<K> {
+impl<K: Copy> ScanStart<K> {
     pub(crate) fn new() -> Self {
         ScanStart {
             after: Cell::new(None),
@@ -45,32 +50,43 @@ impl<K: Copy + PartialOrd> ScanStart<K> {
     /// Where the next claim starts: past `Some(k)`, or from the start (`None`), which is then
     /// recorded as done now.
     pub(crate) fn next(&self) -> Option<K> {
+        self.next_at(Instant::now())
+    }
+
+    fn next_at(&self, now: Instant) -> Option<K> {
         let recent = self
             .from_start
             .get()
-            .is_some_and(|at| at.elapsed() < FROM_START_EVERY);
+            .is_some_and(|at| now.saturating_duration_since(at) < FROM_START_EVERY);
         match self.after.get() {
             Some(k) if recent => Some(k),
             _ => {
-                self.from_start.set(Some(Instant::now()));
+                self.from_start.set(Some(now));
                 None
             }
         }
     }
 
     /// A claim's answer: the last row it took in index order, and whether it took as many as
-    /// it asked for. A short claim sends the next back to the start.
+    /// it asked for. The next claim starts past that row when it did, from the start when not.
+    /// An answer that overtook a concurrent claim's moves the start back, at most over the
+    /// rows those claims took: a bounded walk, where keeping the furthest start would leave a
+    /// backlog found behind it to the once-a-second claims.
     pub(crate) fn took(&self, last: Option<K>, full: bool) {
-        self.after.set(match (full, last, self.after.get()) {
-            (true, Some(k), Some(a)) if a > k => Some(a),
-            (true, Some(k), _) => Some(k),
-            _ => None,
-        });
+        self.after.set(if full { last } else { None });
     }
 
-    /// The next claim reads from the start: rows were given back, or failed, behind it.
+    /// The next claim reads from the start: rows were given back behind it.
     pub(crate) fn reset(&self) {
         self.after.set(None);
+    }
+
+    /// Whether to claim again at once after a claim that started at `after` and came back
+    /// `full` or not: when full (more rows are probably due), and after a short claim that
+    /// started past the start, so that rows behind it are found now rather than at the next
+    /// poll.
+    pub(crate) fn more(after: Option<K>, full: bool) -> bool {
+        full || after.is_some()
     }
 }
 
@@ -81,26 +97,55 @@ mod tests {
     #[test]
     fn claims_start_past_the_last_full_claim_and_from_the_start_once_a_second() {
         let s = ScanStart::<i64>::new();
-        assert_eq!(s.next(), None, "the first claim reads from the start");
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        assert_eq!(
+            s.next_at(at(0)),
+            None,
+            "the first claim reads from the start"
+        );
         s.took(Some(250), true);
-        assert_eq!(s.next(), Some(250));
-        // An answer that comes back after a later one does not move the start back.
+        assert_eq!(s.next_at(at(10)), Some(250));
         s.took(Some(500), true);
-        s.took(Some(400), true);
-        assert_eq!(s.next(), Some(500));
+        assert_eq!(s.next_at(at(20)), Some(500));
         s.took(Some(600), false);
-        assert_eq!(s.next(), None, "a short claim sends the next to the start");
+        assert_eq!(
+            s.next_at(at(30)),
+            None,
+            "a short claim sends the next to the start"
+        );
         s.took(Some(700), true);
         s.reset();
-        assert_eq!(s.next(), None, "rows given back send the next to the start");
-        s.took(Some(800), true);
-        s.from_start
-            .set(Instant::now().checked_sub(FROM_START_EVERY + Duration::from_millis(1)));
         assert_eq!(
-            s.next(),
+            s.next_at(at(40)),
+            None,
+            "rows given back send the next to the start"
+        );
+        s.took(Some(800), true);
+        assert_eq!(s.next_at(at(50)), Some(800));
+        s.took(Some(900), true);
+        assert_eq!(
+            s.next_at(at(1040)),
             None,
             "a second after the last read from the start"
         );
-        assert_eq!(s.next(), Some(800), "then past the last full claim again");
+        // That claim found a backlog behind the start: the next claims walk it, rather than
+        // return to where the start was and leave it to one claim a second.
+        s.took(Some(100), true);
+        assert_eq!(s.next_at(at(1050)), Some(100));
+    }
+
+    #[test]
+    fn a_short_claim_past_the_start_is_followed_by_one_from_it() {
+        assert!(ScanStart::<i64>::more(None, true));
+        assert!(ScanStart::more(Some(1), true));
+        assert!(
+            ScanStart::more(Some(1), false),
+            "rows may lie behind the start"
+        );
+        assert!(
+            !ScanStart::<i64>::more(None, false),
+            "the claim read everything due"
+        );
     }
 }

@@ -15,7 +15,7 @@ use actix_outbox::health::{HealthConfig, StatsConfig, StatsSampler};
 use actix_outbox::ops::{pause_consumer, resume_consumer};
 use actix_outbox::{ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime};
 use common::*;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 fn order(aggregate: &str) -> NewEvent {
     NewEvent::new(
@@ -593,4 +593,63 @@ async fn an_operators_ignore_of_a_row_in_flight_is_refused_and_its_batch_settles
                         OR attempt_count <> CASE WHEN aggregate_id = 'a' THEN 2 ELSE 1 END)";
     assert_eq!(db.count(charged).await, 0);
     rt.shutdown().await;
+}
+
+/// An event whose transaction took its place in line (`seq`) before a backlog's but commits
+/// while the publisher drains that backlog lies behind where the drain's claims start. It is
+/// published when the drain ends, not at the next poll (an hour away here): a short claim made
+/// past the start is followed by one from it. The drain is held at its fifth claim (by an
+/// uncommitted inbox row that claim must write) while the late transaction commits, so that
+/// every later claim starts past it; before, the event waited for the poll.
+#[actix_rt::test]
+async fn an_event_committed_behind_a_drains_start_is_published_when_the_drain_ends() {
+    let db = TestDb::new().await;
+    let config = fast_runtime()
+        .poll_interval(Duration::from_secs(3600))
+        .publish_batch_size(10);
+    let cfg = consumer("late", 3);
+    let rt = start_with(db.pool.clone(), config, vec![(cfg, Behaviour::default())]).await;
+    let mut late = db.pool.get().await.unwrap();
+    late.batch_execute("BEGIN").await.unwrap();
+    actix_outbox::enqueue_many(&late, &[order("late")])
+        .await
+        .unwrap();
+    let events: Vec<NewEvent> = (0..100).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue(&db, &events).await;
+    let mut stall = db.pool.get().await.unwrap();
+    stall
+        .batch_execute(
+            "BEGIN; \
+             INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
+                 event_version, aggregate_type, aggregate_id, payload, correlation_id, \
+                 event_created_at, event_seq) \
+             SELECT id, 'late', event_type, event_version, aggregate_type, aggregate_id, payload, \
+                 correlation_id, created_at, seq \
+             FROM actix_outbox.outbox_events WHERE aggregate_id = 'o-45'",
+        )
+        .await
+        .unwrap();
+    rt.handle().wake();
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
+    assert_eq!(
+        db.wait_for(published, 40, WAIT).await,
+        40,
+        "the drain did not stop at its fifth claim"
+    );
+    late.batch_execute("COMMIT").await.unwrap();
+    stall.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        db.wait_for(published, 101, Duration::from_secs(30)).await,
+        101,
+        "the event behind the drain's start waited for the poll"
+    );
+    let effects = "SELECT count(*) AS n FROM effects WHERE consumer = 'late'";
+    assert_eq!(db.wait_for(effects, 101, WAIT).await, 101);
+    let twice = "SELECT count(*) AS n FROM (SELECT event_id FROM effects \
+                 WHERE consumer = 'late' GROUP BY event_id HAVING count(*) > 1) d";
+    assert_eq!(db.count(twice).await, 0);
+    drop((late, stall));
+    rt.shutdown().await;
+    db.finish(&[]).await;
 }

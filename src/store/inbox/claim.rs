@@ -36,7 +36,7 @@ pub(crate) async fn claim(
     after: Option<Place>,
 ) -> Result<Claimed> {
     let process = store::process_id();
-    let (after_at, after_id) = (after.map(|a| a.0), after.map_or(i64::MIN, |a| a.1));
+    let (after_at, after_id) = (after.and_then(|a| a.0), after.map_or(i64::MIN, |a| a.1));
     let claim = Prepared(
         crate::store::sql(include_str!("../inbox_claim.sql"))
             .bind::<Text, _>(consumer)
@@ -82,11 +82,14 @@ pub(crate) async fn claim(
         turn?;
         suspect_turn?;
         let rows = rows?;
-        let last = rows
-            .iter()
-            .filter(|r| !r.inbox.alone)
-            .map(|r| (r.next_attempt_at, r.inbox.id))
-            .next_back();
+        // The ordering test skips rows that its claim's own rows make due once processed:
+        // they lie behind any start past those, so the next claim reads from the start.
+        let last = if rows.iter().any(|r| r.ordered) {
+            None
+        } else {
+            let mut taken = rows.iter().filter(|r| !r.inbox.alone);
+            taken.next_back().map(|r| (r.place_at, r.inbox.id))
+        };
         Ok(Claimed {
             rows: rows.into_iter().map(|r| r.inbox).collect(),
             last,
@@ -95,14 +98,16 @@ pub(crate) async fn claim(
     .await
 }
 
-/// A row's place in a consumer's due index: `(next_attempt_at, id)`.
-pub(crate) type Place = (DateTime<Utc>, i64);
+/// A row's place in a consumer's due index: `(next_attempt_at, id)`, `None` for a
+/// `next_attempt_at` of `-infinity` (which no `DateTime` holds).
+pub(crate) type Place = (Option<DateTime<Utc>>, i64);
 
 /// What a [`claim`] leased.
 pub(crate) struct Claimed {
     /// In claim order.
     pub rows: Vec<InboxRow>,
-    /// The place of the last row taken from the due index (a row claimed alone is not).
+    /// The place of the last row taken from the due index (a row claimed alone is not);
+    /// `None` when a row the ordering test applied to was taken.
     pub last: Option<Place>,
 }
 
@@ -110,8 +115,10 @@ pub(crate) struct Claimed {
 struct ClaimedRow {
     #[diesel(embed)]
     inbox: InboxRow,
-    #[diesel(sql_type = Timestamptz)]
-    next_attempt_at: DateTime<Utc>,
+    #[diesel(sql_type = Bool)]
+    ordered: bool,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    place_at: Option<DateTime<Utc>>,
 }
 
 /// A new lease token: 63 bits of a UUIDv7 (a millisecond clock and random bits), unique for
