@@ -653,3 +653,61 @@ async fn an_event_committed_behind_a_drains_start_is_published_when_the_drain_en
     rt.shutdown().await;
     db.finish(&[]).await;
 }
+
+/// Many producers whose transactions stall between the event's INSERT and the COMMIT (so
+/// events commit out of their `seq` order, many behind where the publisher's claims start),
+/// beside producers that commit at once, with no poll to fall back on (an hour away for the
+/// publisher and both consumers): every event reaches each of two consumers exactly once, on
+/// the wake-ups alone. Producers call `wake` after each commit, as the README says.
+#[actix_rt::test]
+async fn events_committed_late_by_stalled_producers_reach_every_consumer_once_on_wake_ups() {
+    const PRODUCERS: usize = 16;
+    const EACH: usize = 40;
+    let db = TestDb::new().await;
+    let config = fast_runtime()
+        .poll_interval(Duration::from_secs(3600))
+        .publish_batch_size(10);
+    let hour = Duration::from_secs(3600);
+    let consumers = ["gap_a", "gap_b"]
+        .map(|name| (consumer(name, 3).poll_interval(hour), Behaviour::default()));
+    let rt = start_with(db.pool.clone(), config, consumers.into()).await;
+    let handle = rt.handle();
+    let producers = (0..PRODUCERS).map(|p| {
+        let (url, handle) = (db.url.clone(), handle.clone());
+        async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            for i in 0..EACH {
+                conn.batch_execute("BEGIN").await.unwrap();
+                actix_outbox::enqueue_many(&conn, &[order(&format!("p{p}-{i}"))])
+                    .await
+                    .unwrap();
+                if p % 2 == 1 {
+                    // Stalled mid-commit: up to 60 ms, varied so that commits interleave.
+                    let ms = ((i * 7 + p * 13) % 61) as u64;
+                    actix_rt::time::sleep(Duration::from_millis(ms)).await;
+                }
+                conn.batch_execute("COMMIT").await.unwrap();
+                handle.wake();
+            }
+        }
+    });
+    within(WAIT, futures_util::future::join_all(producers)).await;
+    let total = (PRODUCERS * EACH) as i64;
+    for name in ["gap_a", "gap_b"] {
+        let done =
+            format!("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = '{name}'");
+        assert_eq!(
+            db.wait_for(&done, total, Duration::from_secs(30)).await,
+            total,
+            "{name}: events were left behind with no poll to find them"
+        );
+        let all = format!("SELECT count(*) AS n FROM effects WHERE consumer = '{name}'");
+        assert_eq!(
+            db.count(&all).await,
+            total,
+            "{name}: an effect was applied twice"
+        );
+    }
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
