@@ -260,8 +260,9 @@ struct LoopOutcome {
     failing: bool,
 }
 
-/// Runs batches until one comes back short (a full batch means more rows are probably due),
-/// one fails every event it handed over, or a drain begins.
+/// Runs batches until one whose claim read from the start comes back short (a full batch
+/// means more rows are probably due, and a short one that started past the start leaves rows
+/// behind it: [`ScanStart::more`]), one fails every event it handed over, or a drain begins.
 ///
 /// A batch that failed every event it handed over ends the loop, and its consumer then claims
 /// nothing until a poll interval has passed, whatever wakes it. Such a consumer usually waits
@@ -319,7 +320,10 @@ async fn batch_loop(
                     out.handler_lost = true;
                     return out;
                 }
-                if failed > 0 && processed == 0 {
+                // A short claim past the start is followed by one from it before the consumer
+                // rests: rows behind the start may not fail.
+                let behind = more && claimed < cfg.batch_size as usize;
+                if failed > 0 && processed == 0 && !behind {
                     out.failing = true;
                     return out;
                 }

@@ -95,7 +95,12 @@ pub(crate) async fn run_batch(
     let (rows, more) = match claimed {
         Ok(claimed) => {
             let full = claimed.rows.len() as i64 >= limit;
-            scan.took(claimed.last, full);
+            // A suspect is claimed alone, from no place in the due index: its claim says
+            // nothing about the rows past the start (and a crash's many suspects would each
+            // send the other loops back to the start).
+            if !claimed.rows.iter().all(|r| r.alone) || claimed.rows.is_empty() {
+                scan.took(claimed.last, full);
+            }
             (claimed.rows, ScanStart::more(after, full))
         }
         Err(e) => {

@@ -2,7 +2,8 @@
 //!
 //! It wakes on an in-process poke after a commit ([`OutboxHandle::wake`](crate::OutboxHandle::wake))
 //! and on a poll tick, the backstop for rows committed by other processes or while it was down.
-//! Each wake runs claims until a claim comes back short, so a backlog drains in batches of
+//! Each wake runs claims until a claim that read from the start comes back short (see
+//! [`ScanStart::more`]), so a backlog drains in batches of
 //! `publish_batch_size` without a storm of wake-ups. Claim loops start at least `publish_gap`
 //! apart, so a steady stream of commits is claimed several events at a time rather than one
 //! claim per commit.

@@ -24,10 +24,10 @@
 -- committed. The same test is written in `one` and in `due`.
 -- The ORDER BY is the partial index `inbox_events_due` column for column, so PostgreSQL reads
 -- it in order and stops at the limit, skipping rows a lease names. `due` reads it past
--- ($7, $8), the last row of the previous full claim, or from the start ($7 NULL)
--- (`store::scan`); an ordered consumer's claims always read from the start, since rows its
--- ordering test skipped lie behind the last row taken. Run behind the plan guard; `tests/plan.rs` checks, and its own file so that the
--- test runs exactly this text.
+-- ($7, $8), the last row the latest claim took, or from the start ($8 the least int8)
+-- (`store::scan`); a claim that took a row under the ordering test names no last row (rows
+-- the test skipped lie behind it), so the next reads from the start. Run behind the plan
+-- guard; `tests/plan.rs` checks, and its own file so that the test runs exactly this text.
 WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())

@@ -1,6 +1,7 @@
 //! Where a claim starts reading its due index.
 //!
-//! The publisher's claim reads `outbox_events_due` in `seq` order and a consumer's reads
+//! The publisher's claim (the in-process route's; an external transport's leased claim still
+//! reads from the start) reads `outbox_events_due` in `seq` order and a consumer's reads
 //! `inbox_events_due` in `(next_attempt_at, id)` order, each from the start. A row that leaves
 //! the due state leaves a dead entry behind until vacuum removes it, and a session that holds
 //! a snapshot open (a long report, `pg_dump`) keeps vacuum, and every scan, from removing or
@@ -16,7 +17,8 @@
 //! due row that lies behind the start (an event whose transaction committed after a claim
 //! passed its place, a lease that expired) waits at most a second longer, and only while a
 //! backlog lasts; rows given back by the actor itself send its next claim to the start
-//! ([`ScanStart::reset`]). When claims come back short (no backlog) every claim reads from
+//! ([`ScanStart::reset`]; with several loops, another loop's full claim may set a start
+//! again first, and the second bounds that wait too). When claims come back short (no backlog) every claim reads from
 //! the start, as before. A consumer's claim that took a row under the ordering test names no
 //! last row (the events it holds back lie behind it), so an ordered consumer's claims always
 //! read from the start.

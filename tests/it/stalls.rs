@@ -604,11 +604,7 @@ async fn an_operators_ignore_of_a_row_in_flight_is_refused_and_its_batch_settles
 #[actix_rt::test]
 async fn an_event_committed_behind_a_drains_start_is_published_when_the_drain_ends() {
     let db = TestDb::new().await;
-    let config = fast_runtime()
-        .poll_interval(Duration::from_secs(3600))
-        .publish_batch_size(10);
-    let cfg = consumer("late", 3);
-    let rt = start_with(db.pool.clone(), config, vec![(cfg, Behaviour::default())]).await;
+    // All set up before the runtime starts: its first claim begins the drain.
     let mut late = db.pool.get().await.unwrap();
     late.batch_execute("BEGIN").await.unwrap();
     actix_outbox::enqueue_many(&late, &[order("late")])
@@ -629,6 +625,11 @@ async fn an_event_committed_behind_a_drains_start_is_published_when_the_drain_en
         )
         .await
         .unwrap();
+    let config = fast_runtime()
+        .poll_interval(Duration::from_secs(3600))
+        .publish_batch_size(10);
+    let cfg = consumer("late", 3);
+    let rt = start_with(db.pool.clone(), config, vec![(cfg, Behaviour::default())]).await;
     rt.handle().wake();
     let published =
         "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
@@ -708,6 +709,45 @@ async fn events_committed_late_by_stalled_producers_reach_every_consumer_once_on
             "{name}: an effect was applied twice"
         );
     }
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// Rows due since `-infinity` (an operator's "due now", written by hand) are claimed like any
+/// other, and a full claim of them names its last row's place, which the next claim starts
+/// past. Before, that place could not be read back: the claim's answer failed after the claim
+/// had committed, and its rows were given back and isolated, each then claimed alone.
+#[actix_rt::test]
+async fn rows_due_since_minus_infinity_are_claimed_and_processed_once() {
+    let db = TestDb::new().await;
+    let cfg = consumer("inf", 3).batch_size(10);
+    let rt = start(&db, vec![(cfg, Behaviour::default())]).await;
+    pause(&db, "inf").await;
+    let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'inf'";
+    assert_eq!(db.wait_for(rows, 30, WAIT).await, 30);
+    exec(
+        &db,
+        "UPDATE actix_outbox.inbox_events SET next_attempt_at = '-infinity' \
+         WHERE consumer = 'inf'",
+    )
+    .await;
+    resume(&db, "inf").await;
+    let done = "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'inf'";
+    assert_eq!(db.wait_for(done, 30, Duration::from_secs(30)).await, 30);
+    let all = "SELECT count(*) AS n FROM effects WHERE consumer = 'inf'";
+    assert_eq!(db.count(all).await, 30, "an effect was applied twice");
+    // No batch failed: none of its rows was charged, or isolated as a suspect.
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'inf' \
+                     AND (status <> 'PROCESSED' OR attempt_count <> 1 OR alone)";
+    assert_eq!(
+        db.count(charged).await,
+        0,
+        "a batch failed: its rows were charged or isolated"
+    );
     rt.shutdown().await;
     db.finish(&[]).await;
 }
