@@ -8,26 +8,30 @@ use crate::error::{ErrorCode, Result};
 use crate::event::OutboxEvent;
 use crate::store::inbox::Failure;
 use crate::store::lease::{self, LeasedRow};
+use crate::store::scan::ScanStart;
 use crate::store::{self, PgPool};
 use crate::telemetry::metrics;
 use futures_util::future::join_all;
 
-/// Leases and publishes one batch. Returns whether more rows are probably due: the batch was
-/// full, or it was a row leased alone (others may be waiting to be published alone too).
+/// Leases and publishes one batch. Returns whether to claim again at once: the batch was full,
+/// or started past the start of the due index and came back short ([`ScanStart::more`]), or
+/// it was a row leased alone (others may be waiting to be published alone too).
 pub(crate) async fn publish_batch(
     pool: &PgPool,
     transport: &dyn Transport,
     cfg: &ExternalConfig,
+    scan: &ScanStart<i64>,
 ) -> Result<bool> {
     let lease_ms = crate::store::millis(cfg.lease);
     let started = tokio::time::Instant::now();
+    let after = scan.next();
     let rows = {
         let mut conn = pool.get().await?;
         let limit = i64::from(cfg.claim_size());
         // On time-out the claim may have committed: its rows are then PROCESSING under a lease
         // nobody will mark, and the reaper returns them once it expires.
         let claimed = store::bounded(&mut conn, store::DB_TIMEOUT, async |c| {
-            lease::claim_leased(c, &cfg.owner, limit, lease_ms).await
+            lease::claim_leased(c, &cfg.owner, limit, lease_ms, after).await
         })
         .await;
         if claimed.as_ref().is_err_and(timed_out) {
@@ -36,7 +40,13 @@ pub(crate) async fn publish_batch(
         }
         claimed?
     };
-    let more = rows.len() == cfg.claim_size() as usize || rows.iter().any(|r| r.alone);
+    let full = rows.len() == cfg.claim_size() as usize;
+    let alone = rows.iter().any(|r| r.alone);
+    if !alone {
+        // A row leased alone is claimed from no place in the due index.
+        scan.took(rows.iter().map(|r| r.seq).max(), full);
+    }
+    let more = ScanStart::more(after, full) || alone;
     let published = rows.len();
     // Concurrently, so a whole batch finishes within one publish timeout and so within the
     // lease (validated to be longer); one at a time, a slow broker would make later rows of

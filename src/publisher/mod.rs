@@ -65,7 +65,7 @@ pub(crate) struct PublisherActor {
     /// Set by `Drain`; shared with the claim loop so it stops after the current claim.
     draining: Arc<AtomicBool>,
     drained: Vec<oneshot::Sender<()>>,
-    /// Where the in-process claims start reading the due index (`store::scan`).
+    /// Where the claims start reading the due index (`store::scan`).
     scan: Rc<ScanStart<i64>>,
 }
 
@@ -147,9 +147,10 @@ impl PublisherActor {
             }
             Route::External(transport, cfg) => {
                 let (transport, cfg) = (transport.clone(), cfg.clone());
+                let scan = self.scan.clone();
                 Box::pin(async move {
                     while !draining.load(Ordering::Relaxed) {
-                        match external::publish_batch(&pool, &*transport, &cfg).await {
+                        match external::publish_batch(&pool, &*transport, &cfg, &scan).await {
                             Ok(true) => continue,
                             Ok(false) => return,
                             Err(e) => {

@@ -47,45 +47,29 @@ pub(crate) struct LeasedRow {
     /// Leased on its own: its earlier lease expired together with others'.
     #[diesel(sql_type = Bool)]
     pub alone: bool,
+    /// Its place in the due index.
+    #[diesel(sql_type = BigInt)]
+    pub seq: i64,
 }
 
-/// Claims up to `limit` due rows for `owner` with a lease of `lease_ms`, in one statement.
-/// The attempt is counted here, so a publisher that dies mid-publish still used an attempt.
-/// A due row marked `alone` by the reaper is claimed on its own, before any other (see the
-/// migration `outbox_alone`).
+/// Claims up to `limit` due rows for `owner` with a lease of `lease_ms`, in one statement
+/// (`lease_claim.sql`), reading the due index past seq `after` (`None`: from the start; see
+/// [`scan`](crate::store::scan)). The attempt is counted here, so a publisher that dies
+/// mid-publish still used an attempt. A due row marked `alone` by the reaper is claimed on its
+/// own, before any other (see the migration `outbox_alone`).
 pub(crate) async fn claim_leased(
     conn: &mut AsyncPgConnection,
     owner: &str,
     limit: i64,
     lease_ms: i64,
+    after: Option<i64>,
 ) -> Result<Vec<LeasedRow>> {
     let rows = Prepared(
-        crate::store::sql(
-            "WITH one AS ( \
-             SELECT id FROM actix_outbox.outbox_events \
-             WHERE alone AND status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
-             ORDER BY seq LIMIT 1 \
-             FOR UPDATE SKIP LOCKED \
-         ), due AS ( \
-             SELECT id FROM actix_outbox.outbox_events \
-             WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() \
-               AND NOT alone AND NOT EXISTS (SELECT FROM one) \
-             ORDER BY seq LIMIT $1 \
-             FOR UPDATE SKIP LOCKED \
-         ) \
-         UPDATE actix_outbox.outbox_events o \
-         SET status = 'PROCESSING', locked_by = $2, \
-             locked_until = now() + $3 * interval '1 millisecond', \
-             lease_token = nextval('actix_outbox.outbox_lease_token_seq'), \
-             attempt_count = o.attempt_count + 1, updated_at = now() \
-         FROM (SELECT id FROM one UNION ALL SELECT id FROM due) c WHERE o.id = c.id \
-         RETURNING o.id, o.lease_token, o.event_type, o.event_version, o.aggregate_type, \
-             o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
-             o.causation_id, o.created_at, o.attempt_count, o.alone",
-        )
-        .bind::<BigInt, _>(limit)
-        .bind::<Text, _>(owner)
-        .bind::<BigInt, _>(lease_ms),
+        crate::store::sql(include_str!("lease_claim.sql"))
+            .bind::<BigInt, _>(limit)
+            .bind::<Text, _>(owner)
+            .bind::<BigInt, _>(lease_ms)
+            .bind::<BigInt, _>(after.unwrap_or(i64::MIN)),
     )
     .load(conn)
     .await?;

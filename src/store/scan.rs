@@ -1,7 +1,7 @@
 //! Where a claim starts reading its due index.
 //!
-//! The publisher's claim (the in-process route's; an external transport's leased claim still
-//! reads from the start) reads `outbox_events_due` in `seq` order and a consumer's reads
+//! The publisher's claim (either route's) reads `outbox_events_due` in `seq` order and a
+//! consumer's reads
 //! `inbox_events_due` in `(next_attempt_at, id)` order, each from the start. A row that leaves
 //! the due state leaves a dead entry behind until vacuum removes it, and a session that holds
 //! a snapshot open (a long report, `pg_dump`) keeps vacuum, and every scan, from removing or

@@ -27,6 +27,8 @@ use serde_json::Value;
 
 /// The claim statement exactly as the library runs it.
 const CLAIM_SQL: &str = include_str!("../../src/store/claim.sql");
+/// The external route's claim, exactly as the library runs it.
+const LEASE_CLAIM_SQL: &str = include_str!("../../src/store/lease_claim.sql");
 /// What the library runs before it in the same transaction.
 const PLAN_GUARD: &str = include_str!("../../src/store/plan_guard.sql");
 /// The consumer's claim on the inbox, exactly as the library runs it (without a guard).
@@ -525,7 +527,7 @@ async fn under_a_held_snapshot_a_claim_started_past_delivered_rows_does_not_walk
     // values and as the generic plan a cached statement may switch to: in both, the start
     // must be a condition of the index scan, not a filter applied to every entry walked.
     let analyze = async |conn: &mut AsyncPgConnection, sql: &str, types: &str, args: &str| {
-        let index = if sql == CLAIM_SQL {
+        let index = if sql == CLAIM_SQL || sql == LEASE_CLAIM_SQL {
             "outbox_events_due"
         } else {
             "inbox_events_due"
@@ -552,6 +554,8 @@ async fn under_a_held_snapshot_a_claim_started_past_delivered_rows_does_not_walk
         blocks
     };
     const OUTBOX_TYPES: &str = "int8, text, text, bool, int8";
+    const LEASE_TYPES: &str = "int8, text, int8, int8";
+    let leased = |after: i64| format!("250, 'p', 60000, {after}");
     const INBOX_TYPES: &str = "text, int8, int8, text, int8, bool, timestamptz, int8";
     let outbox = |after: i64| format!("250, NULL, NULL, false, {after}");
     let inbox = |after: &str, id: i64| format!("'c1', 250, 60000, 'p', 7, true, {after}, {id}");
@@ -562,6 +566,11 @@ async fn under_a_held_snapshot_a_claim_started_past_delivered_rows_does_not_walk
             "the publisher's claim",
             analyze(&mut conn, CLAIM_SQL, OUTBOX_TYPES, &outbox(i64::MIN)).await,
             analyze(&mut conn, CLAIM_SQL, OUTBOX_TYPES, &outbox(last.seq)).await,
+        ),
+        (
+            "the external route's claim",
+            analyze(&mut conn, LEASE_CLAIM_SQL, LEASE_TYPES, &leased(i64::MIN)).await,
+            analyze(&mut conn, LEASE_CLAIM_SQL, LEASE_TYPES, &leased(last.seq)).await,
         ),
         (
             "a consumer's claim",

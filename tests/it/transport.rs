@@ -494,3 +494,81 @@ async fn a_backlog_drains_at_the_publishers_rate_limit_after_an_outage() {
     assert_eq!(db.wait_for(done, 10_000, WAIT).await, 10_000);
     db.finish(&[&rt]).await;
 }
+
+/// Holds every publish of one aggregate until released; publishes the others through the
+/// scripted transport.
+#[derive(Clone)]
+struct HoldingTransport {
+    held: &'static str,
+    released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    inner: ScriptedTransport,
+}
+
+impl actix_outbox::transport::Transport for HoldingTransport {
+    fn publish<'a>(
+        &'a self,
+        event: &'a actix_outbox::transport::OutboxEvent,
+    ) -> actix_outbox::transport::BoxFuture<'a, Result<(), actix_outbox::transport::TransportError>>
+    {
+        Box::pin(async move {
+            while event.aggregate_id == self.held
+                && !self.released.load(std::sync::atomic::Ordering::SeqCst)
+            {
+                actix_rt::time::sleep(Duration::from_millis(5)).await;
+            }
+            actix_outbox::transport::Transport::publish(&self.inner, event).await
+        })
+    }
+}
+
+/// The external route's drain passes the place of an event whose transaction took its `seq`
+/// before the backlog's and commits while the drain is held at its fifth batch (by a publish
+/// the transport holds). The event is published when the drain ends, not at the next poll (an
+/// hour away): a short claim that started past the start is followed by one from it.
+#[actix_rt::test]
+async fn an_event_committed_behind_the_external_drains_start_is_published_when_it_ends() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let transport = HoldingTransport {
+        held: "o-45",
+        released: released.clone(),
+        inner: ScriptedTransport::new(db.pool.clone()),
+    };
+    // All set up before the runtime starts: its first claim begins the drain.
+    let mut late = db.pool.get().await.unwrap();
+    late.batch_execute("BEGIN").await.unwrap();
+    actix_outbox::enqueue_many(&late, &[order_event("late")])
+        .await
+        .unwrap();
+    db.produce_batched(100, 100, "o").await;
+    let cfg = external(10_000, 5_000, 3).batch_size(10);
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime().poll_interval(Duration::from_secs(3600)))
+        .consumer(consumer("c1", 5), || Recorder {
+            name: "c1".into(),
+            behaviour: Behaviour::default(),
+        })
+        .external_transport(transport.clone(), cfg)
+        .start()
+        .await
+        .expect("start runtime");
+    assert_eq!(
+        db.wait_for(PUBLISHED, 49, WAIT).await,
+        49,
+        "the drain did not stop at its fifth batch"
+    );
+    late.batch_execute("COMMIT").await.unwrap();
+    released.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        db.wait_for(PUBLISHED, 101, Duration::from_secs(30)).await,
+        101,
+        "the event behind the drain's start waited for the poll"
+    );
+    let effects = "SELECT count(DISTINCT event_id) AS n FROM effects";
+    assert_eq!(db.wait_for(effects, 101, WAIT).await, 101);
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 101);
+    drop(late);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
