@@ -92,16 +92,17 @@ pub(crate) async fn run_batch(
         .await
     })
     .await;
-    let (rows, more) = match claimed {
+    let (rows, alone, more) = match claimed {
         Ok(claimed) => {
             let full = claimed.rows.len() as i64 >= limit;
-            // A suspect is claimed alone, from no place in the due index: its claim says
-            // nothing about the rows past the start (and a crash's many suspects would each
-            // send the other loops back to the start).
-            if !claimed.rows.iter().all(|r| r.alone) || claimed.rows.is_empty() {
+            // A suspect is claimed alone (the claim's only row), from no place in the due
+            // index: its claim says nothing about the rows past the start (and a crash's many
+            // suspects would each send the other loops back to the start).
+            let alone = claimed.rows.iter().any(|r| r.alone);
+            if !alone {
                 scan.took(claimed.last, full);
             }
-            (claimed.rows, ScanStart::more(after, full))
+            (claimed.rows, alone, ScanStart::more(after, full))
         }
         Err(e) => {
             // The claim may have committed with its answer lost.
@@ -115,7 +116,6 @@ pub(crate) async fn run_batch(
             ..Default::default()
         });
     }
-    let alone = rows.iter().any(|r| r.alone);
     let mut unsettled = Unsettled {
         pool: pool.clone(),
         rows: rows.iter().map(|r| (r.id, r.lease_token)).collect(),

@@ -87,8 +87,7 @@ pub(crate) async fn claim(
         let last = if rows.iter().any(|r| r.ordered) {
             None
         } else {
-            let mut taken = rows.iter().filter(|r| !r.inbox.alone);
-            taken.next_back().map(|r| (r.place_at, r.inbox.id))
+            rows.last().map(|r| (r.place_at, r.inbox.id))
         };
         Ok(Claimed {
             rows: rows.into_iter().map(|r| r.inbox).collect(),
@@ -106,8 +105,8 @@ pub(crate) type Place = (Option<DateTime<Utc>>, i64);
 pub(crate) struct Claimed {
     /// In claim order.
     pub rows: Vec<InboxRow>,
-    /// The place of the last row taken from the due index (a row claimed alone is not);
-    /// `None` when a row the ordering test applied to was taken.
+    /// The place of the last row taken; `None` when a row the ordering test applied to was
+    /// taken. (A row claimed alone is taken from no place: its caller does not use it.)
     pub last: Option<Place>,
 }
 
