@@ -7,8 +7,9 @@
 //! thread delays the handlers on that thread only; the engine sees a call that takes long,
 //! bounded by the handler's timeout as any other.
 //!
-//! The connection lent to a handler stays driven by the runtime's thread, where the pool
-//! opened it: a blocked handler cannot stall the statements of any other.
+//! Every pooled connection is driven by the runtime's thread, where the pool opens it, even
+//! one a handler asks the pool for itself (`ConnectionConfig::manager`): a blocked handler
+//! cannot stall the statements of anyone the pool lends a connection to next.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -52,6 +53,7 @@ impl HandlerThreads {
                 let arbiter = Arbiter::try_new().map_err(|e| {
                     Error::Config(format!("could not start a handler thread for {group}: {e}"))
                 })?;
+                crate::store::open_connections_here_for(&arbiter.handle());
                 handles.push(arbiter.handle());
                 threads.0.push(arbiter);
             }

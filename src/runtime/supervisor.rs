@@ -68,6 +68,7 @@ impl EffectSlot {
                 spec.config.kind
             ))
         })?;
+        crate::store::open_connections_here_for(&thread.handle());
         Ok(EffectSlot {
             spec,
             thread,

@@ -7,11 +7,26 @@
 
 use std::time::Duration;
 
+use actix_rt::ArbiterHandle;
 use diesel::ConnectionError;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
 use crate::error::{Error, Result};
+
+thread_local! {
+    /// On a thread where user code runs beside the runtime (a handler's, a side effect's):
+    /// the runtime's thread, which opens the connections this thread asks the pool for.
+    static DRIVER: std::cell::RefCell<Option<ArbiterHandle>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Makes `thread` (one of the runtime's handler or side-effect threads) have the connections
+/// it asks a pool for (of a manager built by [`ConnectionConfig::manager`]) opened on the
+/// calling thread, the runtime's. Runs before anything sent to `thread` after it.
+pub(crate) fn open_connections_here_for(thread: &ArbiterHandle) {
+    let runtime = actix_rt::Arbiter::current();
+    thread.spawn_fn(move || DRIVER.with(|d| *d.borrow_mut() = Some(runtime)));
+}
 
 /// Network settings for the connections of a pool built by [`connect_with`](crate::db::connect_with)
 /// (and [`connect`](crate::connect), with the defaults).
@@ -159,14 +174,48 @@ impl ConnectionConfig {
     /// A connection manager for `database_url` that applies these settings: the client-side
     /// ones through [`ConnectionConfig::url`], the server-side ones with one statement when a
     /// connection is established, and the whole of establishing bounded by `connect_timeout`.
+    ///
+    /// A connection is opened on the runtime's thread even when a handler's thread (or a side
+    /// effect's) asked the pool for it: its I/O is driven for its whole life by the thread
+    /// that opened it, and the pool lends it to anyone afterwards. Opened on a handler's
+    /// thread, it would stop answering whoever borrows it next (the publisher, another
+    /// consumer, a web request) whenever that handler blocks its thread.
     pub fn manager(&self, database_url: &str) -> AsyncDieselConnectionManager<AsyncPgConnection> {
         let cfg = self.clone();
         let mut manager = ManagerConfig::default();
         manager.custom_setup = Box::new(move |url| {
             let (url, cfg) = (url.to_owned(), cfg.clone());
-            Box::pin(async move { cfg.establish(&url).await })
+            // Read on the thread that asks: the pool's task runs on the borrower's thread.
+            let driver = DRIVER.with(|d| d.borrow().clone());
+            Box::pin(async move {
+                match driver {
+                    Some(driver) => cfg.establish_on(&driver, url).await,
+                    None => cfg.establish(&url).await,
+                }
+            })
         });
         AsyncDieselConnectionManager::new_with_config(self.url(database_url), manager)
+    }
+
+    /// [`establish`](Self::establish) run on `driver`'s thread (fails if that thread is gone:
+    /// its runtime stopped, and this thread goes with it).
+    async fn establish_on(
+        &self,
+        driver: &ArbiterHandle,
+        url: String,
+    ) -> diesel::ConnectionResult<AsyncPgConnection> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let cfg = self.clone();
+        // Not sent (the thread is gone): `tx` is dropped, and so is the answer.
+        driver.spawn(async move {
+            let _ = tx.send(cfg.establish(&url).await);
+        });
+        match rx.await {
+            Ok(opened) => opened,
+            Err(_) => Err(ConnectionError::BadConnection(
+                "the runtime's thread stopped while a connection was being opened".into(),
+            )),
+        }
     }
 
     async fn establish(&self, url: &str) -> diesel::ConnectionResult<AsyncPgConnection> {

@@ -32,6 +32,7 @@ use diesel_async::{
     TransactionManager,
 };
 
+pub(crate) use connection::open_connections_here_for;
 pub use connection::ConnectionConfig;
 pub(crate) use schema::sql;
 

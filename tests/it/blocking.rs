@@ -304,3 +304,123 @@ async fn a_thread_a_parked_call_blocks_is_given_to_no_loop() {
     );
     rt.shutdown().await;
 }
+
+/// On its first call, takes 20 of the pool's connections at once (so the pool opens new ones
+/// while this handler's thread asks for them), gives them back, then blocks its thread until
+/// released: a handler that reads with a pool connection of its own, then makes a synchronous
+/// call.
+#[derive(Clone)]
+struct OpensThenBlocks {
+    pool: actix_outbox::PgPool,
+    blocker: Blocker,
+}
+
+impl Actor for OpensThenBlocks {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for OpensThenBlocks {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let (pool, blocker) = (self.pool.clone(), self.blocker.clone());
+        let first = d.aggregate_id() == "first";
+        Box::pin(async move {
+            if first {
+                let taken = futures_util::future::join_all((0..20).map(|_| pool.get_owned()));
+                let taken: Vec<_> = taken.await.into_iter().map(|c| c.unwrap()).collect();
+                drop(taken);
+                blocker.started.fetch_add(1, Ordering::SeqCst);
+                let deadline = Instant::now() + Duration::from_secs(120);
+                while !blocker.released.load(Ordering::SeqCst) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                blocker.ended.fetch_add(1, Ordering::SeqCst);
+            }
+            let _ = d;
+            Ok(())
+        })
+    }
+}
+
+/// The connections a pool opens while a handler's thread asks for them are driven by a thread
+/// no handler runs on: once that handler blocks its thread, the publisher and another
+/// consumer, which the pool lends those connections to, still publish and apply every event,
+/// none charged an attempt. Were such a connection driven by the handler's thread, whoever
+/// borrows it would wait for the block (or a database timeout, charging its rows).
+#[actix_rt::test]
+async fn connections_a_handler_thread_asks_the_pool_for_do_not_block_with_it() {
+    const N: i64 = 200;
+    let db = TestDb::new().await;
+    let blocker = Blocker::default();
+    let handler = OpensThenBlocks {
+        pool: db.pool.clone(),
+        blocker: blocker.clone(),
+    };
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("opens-then-blocks", 3).handler_timeout(Duration::from_secs(180)),
+            move || handler.clone(),
+        )
+        .consumer(consumer("beside-opener", 3).batch_size(20), || Recorder {
+            name: "beside-opener".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .expect("start runtime");
+    let conn = db.pool.get().await.unwrap();
+    let first = actix_outbox::NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        "first",
+        serde_json::json!({}),
+    );
+    actix_outbox::enqueue(&conn, &first).await.unwrap();
+    drop(conn);
+    rt.handle().wake();
+    let deadline = Instant::now() + WAIT;
+    while blocker.started.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        blocker.started.load(Ordering::SeqCst),
+        1,
+        "the handler blocks"
+    );
+
+    db.produce_batched(N as usize, 10, "o").await;
+    rt.handle().wake();
+    let healthy = "SELECT count(*) AS n FROM effects WHERE consumer = 'beside-opener'";
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
+    let deadline = Instant::now() + WAIT;
+    let (mut healthy_n, mut published_n) = (0, 0);
+    while Instant::now() < deadline && (healthy_n < N + 1 || published_n < N + 1) {
+        healthy_n = db.count(healthy).await;
+        published_n = db.count(published).await;
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        blocker.ended.load(Ordering::SeqCst),
+        0,
+        "the block ended first"
+    );
+    assert_eq!(published_n, N + 1, "the publisher published every event");
+    assert_eq!(healthy_n, N + 1, "the other consumer applied every event");
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'beside-opener' \
+                   AND (attempt_count <> 1 OR error_code IS NOT NULL)";
+    assert_eq!(
+        db.count(charged).await,
+        0,
+        "an event beside the block was charged"
+    );
+
+    blocker.released.store(true, Ordering::SeqCst);
+    let blocked_done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                        WHERE consumer = 'opens-then-blocks' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(blocked_done, N + 1, WAIT).await, N + 1);
+    rt.shutdown().await;
+}
