@@ -448,3 +448,58 @@ async fn exec(db: &TestDb, sql: &str) {
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(sql).await.unwrap();
 }
+
+/// A call that takes pool connections of its own (so the pool opens new ones while the
+/// effect's thread asks), gives them back, then blocks its thread: the connections it made the
+/// pool open do not block with it, so a consumer and this test's own queries, which borrow
+/// them next, go on.
+#[actix_rt::test]
+async fn connections_an_effect_thread_asks_the_pool_for_do_not_block_with_it() {
+    static RELEASED: AtomicBool = AtomicBool::new(false);
+    static BLOCKING: AtomicBool = AtomicBool::new(false);
+    static ENDED: AtomicBool = AtomicBool::new(false);
+    let db = TestDb::new().await;
+    exec(
+        &db,
+        "INSERT INTO actix_outbox.side_effects (kind, key, payload) VALUES ('opens', 'b', '{}')",
+    )
+    .await;
+    let cfg = EffectConfig::new("opens").timeout(Duration::from_secs(300));
+    let pool = db.pool.clone();
+    let rt = actix_outbox::OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer_fn(consumer("beside-effect", 3), |_d: Delivery| async {
+            Ok(())
+        })
+        .effect(cfg, move |_e: Effect| {
+            let pool = pool.clone();
+            async move {
+                let taken = futures_util::future::join_all((0..20).map(|_| pool.get_owned()));
+                let taken: Vec<_> = taken.await.into_iter().map(|c| c.unwrap()).collect();
+                drop(taken);
+                BLOCKING.store(true, Ordering::SeqCst);
+                let deadline = Instant::now() + Duration::from_secs(120);
+                while !RELEASED.load(Ordering::SeqCst) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                ENDED.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+        })
+        .start()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    while !BLOCKING.load(Ordering::SeqCst) && Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(BLOCKING.load(Ordering::SeqCst), "the call blocks");
+    db.produce_batched(100, 10, "o").await;
+    let handled = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'beside-effect' AND status = 'PROCESSED' \
+                   AND attempt_count = 1";
+    assert_eq!(db.wait_for(handled, 100, WAIT).await, 100);
+    assert!(!ENDED.load(Ordering::SeqCst), "the block ended first");
+    RELEASED.store(true, Ordering::SeqCst);
+    db.finish(&[&rt]).await;
+}
