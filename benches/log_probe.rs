@@ -6,7 +6,8 @@
 //!
 //! ```text
 //! cargo bench --bench log_probe -- [--events N] [--consumers C] [--parts P] [--batch B]
-//!     [--stamp S] [--stamp-by update|move|ranges] [--hold-snapshot] [--effects-per-batch]
+//!     [--stamp S] [--stamp-by update|move|ranges] [--stampers K] [--stall-ms M]
+//!     [--hold-snapshot] [--effects-per-batch]
 //! ```
 //!
 //! - A backlog of N events is written first, 500 per transaction, into `probe_log` (the
@@ -15,8 +16,10 @@
 //!   stamping mode reads by).
 //! - Then one stamper gives the committed unstamped rows positions, S per transaction, from a
 //!   one-row counter (`UPDATE probe_head SET last = last + n`), whose row lock is held until
-//!   the stamp commits: the invariant the design rests on (this probe runs one stamper and
-//!   never stalls it; it measures cost, not the invariant). `--stamp-by`: how (see [`Mode`]); `update`
+//!   the stamp commits: the invariant the design rests on. `--stampers K` runs K stampers at
+//!   once (each takes the rows the others have not locked), and `--stall-ms M` holds every
+//!   other stamp's transaction open M ms after its stamp, before its COMMIT: a cursor that
+//!   passed a stalled stamp's positions would miss its events, which the count below shows. `--stamp-by`: how (see [`Mode`]); `update`
 //!   by default.
 //! - Meanwhile C consumers × P partitions of loops each run batches in one transaction: lock
 //!   the partition's cursor row, read up to B stamped rows past it, write one effect row per
@@ -36,7 +39,7 @@
 mod url;
 use url::with_database;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -54,6 +57,8 @@ struct Opts {
     hold_snapshot: bool,
     effects_per_batch: bool,
     mode: Mode,
+    stampers: usize,
+    stall_ms: u64,
 }
 
 /// How a stamp gives committed events their positions.
@@ -80,6 +85,8 @@ fn opts() -> Res<Opts> {
         hold_snapshot: false,
         effects_per_batch: false,
         mode: Mode::InPlace,
+        stampers: 1,
+        stall_ms: 0,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -92,6 +99,8 @@ fn opts() -> Res<Opts> {
             "--stamp" => o.stamp = value()?.parse()?,
             "--hold-snapshot" => o.hold_snapshot = true,
             "--effects-per-batch" => o.effects_per_batch = true,
+            "--stampers" => o.stampers = value()?.parse()?,
+            "--stall-ms" => o.stall_ms = value()?.parse()?,
             "--stamp-by" => {
                 o.mode = match value()?.as_str() {
                     "update" => Mode::InPlace,
@@ -107,7 +116,13 @@ fn opts() -> Res<Opts> {
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
-    if o.events < 1 || o.consumers < 1 || o.parts < 1 || o.batch < 1 || o.stamp < 1 {
+    if o.events < 1
+        || o.consumers < 1
+        || o.parts < 1
+        || o.batch < 1
+        || o.stamp < 1
+        || o.stampers < 1
+    {
         return Err("every count must be positive".into());
     }
     Ok(o)
@@ -264,10 +279,21 @@ async fn probe(url: &str, o: &Opts) -> Res<()> {
 
     let started = Instant::now();
     let stamped_all = Arc::new(AtomicBool::new(false));
-    let stamper = {
-        let (url, o, done) = (url.to_owned(), o.clone(), stamped_all.clone());
-        tokio::spawn(async move { stamp(&url, &o, &done).await })
-    };
+    let live = Arc::new(AtomicUsize::new(o.stampers));
+    let stampers: Vec<_> = (0..o.stampers)
+        .map(|_| {
+            let (url, o, done, live) =
+                (url.to_owned(), o.clone(), stamped_all.clone(), live.clone());
+            tokio::spawn(async move {
+                let stamped = stamp(&url, &o).await;
+                // The last stamper out: every stamp has committed.
+                if live.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    done.store(true, Ordering::SeqCst);
+                }
+                stamped
+            })
+        })
+        .collect();
     let mut loops = Vec::new();
     for c in 1..=o.consumers {
         for p in 0..o.parts {
@@ -277,7 +303,11 @@ async fn probe(url: &str, o: &Opts) -> Res<()> {
             }));
         }
     }
-    let (stamps, stamp_ms) = stamper.await??;
+    let (mut stamps, mut stamp_ms) = (0, 0.0);
+    for s in stampers {
+        let (n, ms) = s.await??;
+        (stamps, stamp_ms) = (stamps + n, stamp_ms + ms);
+    }
     let mut batches = 0;
     for l in loops {
         batches += l.await??;
@@ -343,17 +373,18 @@ async fn probe(url: &str, o: &Opts) -> Res<()> {
     Ok(())
 }
 
-/// Stamps every committed unstamped row, `stamp` per transaction, until none is left (the
-/// backlog is complete before the drain starts). Returns the stamps and their total time in ms.
-async fn stamp(url: &str, o: &Opts, done: &AtomicBool) -> Res<(u64, f64)> {
-    let db = client(url).await?;
+/// Stamps committed unstamped rows that no other stamper holds, `stamp` per transaction, until
+/// none is left (the backlog is complete before the drain starts). Returns the stamps and
+/// their total time in ms, stalls included.
+async fn stamp(url: &str, o: &Opts) -> Res<(u64, f64)> {
+    let mut db = client(url).await?;
     // One statement: lock the next rows, take their positions from the counter (its row lock
     // held until COMMIT), write them.
     let moving = db
         .prepare(
             "WITH moved AS (
                  DELETE FROM probe_outbox WHERE seq = ANY (ARRAY(
-                     SELECT seq FROM probe_outbox ORDER BY seq LIMIT $1 FOR UPDATE))
+                     SELECT seq FROM probe_outbox ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED))
                  RETURNING *
              ), head AS (
                  UPDATE probe_head SET last = last + (SELECT count(*) FROM moved)
@@ -372,7 +403,7 @@ async fn stamp(url: &str, o: &Opts, done: &AtomicBool) -> Res<(u64, f64)> {
         .prepare(
             "WITH q AS (
                  DELETE FROM probe_queue WHERE seq = ANY (ARRAY(
-                     SELECT seq FROM probe_queue ORDER BY seq LIMIT $1 FOR UPDATE))
+                     SELECT seq FROM probe_queue ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED))
                  RETURNING seq
              ), head AS (
                  UPDATE probe_head SET last = last + 1 RETURNING last
@@ -388,7 +419,7 @@ async fn stamp(url: &str, o: &Opts, done: &AtomicBool) -> Res<(u64, f64)> {
             "WITH todo AS (
                  SELECT id, row_number() OVER (ORDER BY seq) AS k
                  FROM (SELECT id, seq FROM probe_log WHERE position IS NULL
-                       ORDER BY seq LIMIT $1 FOR UPDATE) t
+                       ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) t
              ), head AS (
                  UPDATE probe_head SET last = last + (SELECT count(*) FROM todo)
                  RETURNING last - (SELECT count(*) FROM todo) AS base
@@ -400,15 +431,24 @@ async fn stamp(url: &str, o: &Opts, done: &AtomicBool) -> Res<(u64, f64)> {
     let (mut stamps, mut ms) = (0u64, 0f64);
     loop {
         let t = Instant::now();
+        let tx = db.transaction().await?;
         let n = match o.mode {
-            Mode::Move => db.execute(&moving, &[&o.stamp, &o.parts]).await?,
-            Mode::InPlace => db.execute(&stamp, &[&o.stamp]).await?,
-            Mode::Ranges => db.execute(&ranges, &[&o.stamp]).await?,
+            Mode::Move => tx.execute(&moving, &[&o.stamp, &o.parts]).await?,
+            Mode::InPlace => tx.execute(&stamp, &[&o.stamp]).await?,
+            Mode::Ranges => tx.execute(&ranges, &[&o.stamp]).await?,
         };
+        if o.stall_ms > 0 && n > 0 && stamps % 2 == 1 {
+            // Positions taken, not yet visible: the counter row stays locked meanwhile.
+            tx.execute(
+                "SELECT pg_sleep($1::float8 / 1000)",
+                &[&(o.stall_ms as f64)],
+            )
+            .await?;
+        }
+        tx.commit().await?;
         ms += t.elapsed().as_secs_f64() * 1e3;
         stamps += 1;
         if n == 0 {
-            done.store(true, Ordering::SeqCst);
             return Ok((stamps, ms));
         }
     }
