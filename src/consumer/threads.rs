@@ -7,9 +7,10 @@
 //! thread delays the handlers on that thread only; the engine sees a call that takes long,
 //! bounded by the handler's timeout as any other.
 //!
-//! Every pooled connection is driven by the runtime's thread, where the pool opens it, even
-//! one a handler asks the pool for itself (`ConnectionConfig::manager`): a blocked handler
-//! cannot stall the statements of anyone the pool lends a connection to next.
+//! The connection lent to a handler is driven by the runtime's thread, where the pool opened
+//! it, and so is every connection a handler's thread asks the pool for itself
+//! (`ConnectionConfig::manager` opens those on the runtime's thread): a blocked handler cannot
+//! stall the statements of anyone the pool lends one of them to next.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;

@@ -24,8 +24,15 @@ thread_local! {
 /// it asks a pool for (of a manager built by [`ConnectionConfig::manager`]) opened on the
 /// calling thread, the runtime's. Runs before anything sent to `thread` after it.
 pub(crate) fn open_connections_here_for(thread: &ArbiterHandle) {
-    let runtime = actix_rt::Arbiter::current();
-    thread.spawn_fn(move || DRIVER.with(|d| *d.borrow_mut() = Some(runtime)));
+    match actix_rt::Arbiter::try_current() {
+        Some(runtime) => {
+            thread.spawn_fn(move || DRIVER.with(|d| *d.borrow_mut() = Some(runtime)));
+        }
+        None => tracing::warn!(
+            "the runtime was started outside an actix arbiter: connections a handler's thread \
+             asks the pool for are opened, and driven, on that thread"
+        ),
+    }
 }
 
 /// Network settings for the connections of a pool built by [`connect_with`](crate::db::connect_with)
@@ -210,11 +217,17 @@ impl ConnectionConfig {
         driver.spawn(async move {
             let _ = tx.send(cfg.establish(&url).await);
         });
-        match rx.await {
-            Ok(opened) => opened,
-            Err(_) => Err(ConnectionError::BadConnection(
+        // `connect_timeout` runs on the runtime's thread; this bounds the wait when that thread
+        // is blocked or no longer runs. A connection that comes later is closed there.
+        let waited = self.connect_timeout + std::time::Duration::from_secs(1);
+        match tokio::time::timeout(waited, rx).await {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(_)) => Err(ConnectionError::BadConnection(
                 "the runtime's thread stopped while a connection was being opened".into(),
             )),
+            Err(_) => Err(ConnectionError::BadConnection(format!(
+                "the runtime's thread opened no connection within {waited:?}"
+            ))),
         }
     }
 
