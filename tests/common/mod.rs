@@ -444,6 +444,19 @@ impl Handler<DeliveryBatch> for BatchRecorder {
     }
 }
 
+/// Takes `n` of `pool`'s connections at once and gives them back, asserting that the pool
+/// opened new ones meanwhile: opened while the calling thread asked, not lying idle before.
+pub async fn make_pool_open(pool: &actix_outbox::PgPool, n: usize) {
+    let opened = pool.state().statistics.connections_created;
+    let taken = futures_util::future::join_all((0..n).map(|_| pool.get_owned()));
+    let taken: Vec<_> = taken.await.into_iter().map(|c| c.unwrap()).collect();
+    drop(taken);
+    assert!(
+        pool.state().statistics.connections_created > opened,
+        "the pool opened no connection while the thread asked"
+    );
+}
+
 /// A consumer config for tests: fast polls and millisecond retries.
 pub fn consumer(name: &str, max_attempts: u32) -> ConsumerConfig {
     ConsumerConfig::new(name)
