@@ -219,7 +219,7 @@ impl ConnectionConfig {
         });
         // `connect_timeout` runs on the runtime's thread; this bounds the wait when that thread
         // is blocked or no longer runs. A connection that comes later is closed there.
-        let waited = self.connect_timeout + std::time::Duration::from_secs(1);
+        let waited = self.connect_timeout + Duration::from_secs(1);
         match tokio::time::timeout(waited, rx).await {
             Ok(Ok(opened)) => opened,
             Ok(Err(_)) => Err(ConnectionError::BadConnection(
