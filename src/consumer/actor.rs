@@ -262,7 +262,7 @@ struct LoopOutcome {
 
 /// Runs batches until one whose claim read from the start comes back short (a full batch
 /// means more rows are probably due, and a short one that started past the start leaves rows
-/// behind it: [`ScanStart::more`]), one fails every event it handed over, or a drain begins.
+/// behind it: [`ScanStart::answered`]), one fails every event it handed over, or a drain begins.
 ///
 /// A batch that failed every event it handed over ends the loop, and its consumer then claims
 /// nothing until a poll interval has passed, whatever wakes it. Such a consumer usually waits

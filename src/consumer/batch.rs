@@ -48,7 +48,7 @@ pub(crate) struct BatchOutcome {
     /// Rows given back unhandled, due again in their place in line: behind the next claim's
     /// start.
     pub given_back: usize,
-    /// Claim again at once, whatever the batch held ([`ScanStart::more`]).
+    /// Claim again at once, whatever the batch held ([`ScanStart::answered`]).
     pub more: bool,
     /// The soonest retry this batch scheduled (or a row it gave back), so the actor can wake
     /// for it.
@@ -95,14 +95,9 @@ pub(crate) async fn run_batch(
     let (rows, alone, more) = match claimed {
         Ok(claimed) => {
             let full = claimed.rows.len() as i64 >= limit;
-            // A suspect is claimed alone (the claim's only row), from no place in the due
-            // index: its claim says nothing about the rows past the start (and a crash's many
-            // suspects would each send the other loops back to the start).
             let alone = claimed.rows.iter().any(|r| r.alone);
-            if !alone {
-                scan.took(claimed.last, full);
-            }
-            (claimed.rows, alone, ScanStart::more(after, full))
+            let more = scan.answered(after, claimed.last, full, alone);
+            (claimed.rows, alone, more)
         }
         Err(e) => {
             // The claim may have committed with its answer lost.

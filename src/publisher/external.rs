@@ -14,7 +14,7 @@ use crate::telemetry::metrics;
 use futures_util::future::join_all;
 
 /// Leases and publishes one batch. Returns whether to claim again at once: the batch was full,
-/// or started past the start of the due index and came back short ([`ScanStart::more`]), or
+/// or started past the start of the due index and came back short ([`ScanStart::answered`]), or
 /// it was a row leased alone (others may be waiting to be published alone too).
 pub(crate) async fn publish_batch(
     pool: &PgPool,
@@ -42,11 +42,8 @@ pub(crate) async fn publish_batch(
     };
     let full = rows.len() == cfg.claim_size() as usize;
     let alone = rows.iter().any(|r| r.alone);
-    if !alone {
-        // A row leased alone is claimed from no place in the due index.
-        scan.took(rows.iter().map(|r| r.seq).max(), full);
-    }
-    let more = ScanStart::more(after, full) || alone;
+    let last = rows.iter().map(|r| r.seq).max();
+    let more = scan.answered(after, last, full, alone) || alone;
     let published = rows.len();
     // Concurrently, so a whole batch finishes within one publish timeout and so within the
     // lease (validated to be longer); one at a time, a slow broker would make later rows of

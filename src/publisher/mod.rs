@@ -3,7 +3,7 @@
 //! It wakes on an in-process poke after a commit ([`OutboxHandle::wake`](crate::OutboxHandle::wake))
 //! and on a poll tick, the backstop for rows committed by other processes or while it was down.
 //! Each wake runs claims until a claim that read from the start comes back short (see
-//! [`ScanStart::more`]), so a backlog drains in batches of
+//! [`ScanStart::answered`]), so a backlog drains in batches of
 //! `publish_batch_size` without a storm of wake-ups. Claim loops start at least `publish_gap`
 //! apart, so a steady stream of commits is claimed several events at a time rather than one
 //! claim per commit.
@@ -178,7 +178,7 @@ impl PublisherActor {
 }
 
 /// One in-process claim: claim, fan out and mark in one statement, then wake the consumers
-/// that got rows. Returns whether to claim again at once ([`ScanStart::more`]).
+/// that got rows. Returns whether to claim again at once ([`ScanStart::answered`]).
 async fn claim_in_process(
     pool: &PgPool,
     registry: &Recipient<InboxRowsWritten>,
@@ -224,8 +224,7 @@ async fn claim_in_process(
             }
             log_fan_out(&f);
             let full = f.published as i64 >= limit;
-            scan.took(f.last_seq, full);
-            let more = ScanStart::more(after, full);
+            let more = scan.answered(after, f.last_seq, full, false);
             if !f.delivered.is_empty() {
                 registry.do_send(InboxRowsWritten {
                     consumers: f.delivered,

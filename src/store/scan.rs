@@ -13,7 +13,7 @@
 //! PostgreSQL finds by descending the index. The rule, in one sentence: **a claim starts past
 //! the last row the latest claim took only when that claim came back full and a claim read
 //! from the start less than a second ago; every other claim reads from the start, and a short
-//! claim that started past it is followed by one that does not** ([`ScanStart::more`]). So a
+//! claim that started past it is followed by one that does not** ([`ScanStart::answered`]). So a
 //! due row that lies behind the start (an event whose transaction committed after a claim
 //! passed its place, a lease that expired) waits at most a second longer, and only while a
 //! backlog lasts; rows given back by the actor itself send its next claim to the start
@@ -69,12 +69,32 @@ impl<K: Copy> ScanStart<K> {
         }
     }
 
+    /// Records the answer of a claim that started at `after` (from [`ScanStart::next`]): the
+    /// last row it took in index order, whether it took as many as it asked for, and whether
+    /// it was a row claimed alone (a suspect, taken from no place in the index: its answer
+    /// says nothing about the rows past the start, and a crash's many suspects would each
+    /// send the other loops back to it). Returns whether to claim again at once: when full
+    /// (more rows are probably due), and after a short claim that started past the start, so
+    /// that rows behind it are found now rather than at the next poll.
+    pub(crate) fn answered(
+        &self,
+        after: Option<K>,
+        last: Option<K>,
+        full: bool,
+        alone: bool,
+    ) -> bool {
+        if !alone {
+            self.took(last, full);
+        }
+        Self::more(after, full)
+    }
+
     /// A claim's answer: the last row it took in index order, and whether it took as many as
     /// it asked for. The next claim starts past that row when it did, from the start when not.
     /// An answer that overtook a concurrent claim's moves the start back, at most over the
     /// rows those claims took: a bounded walk, where keeping the furthest start would leave a
     /// backlog found behind it to the once-a-second claims.
-    pub(crate) fn took(&self, last: Option<K>, full: bool) {
+    fn took(&self, last: Option<K>, full: bool) {
         self.after.set(if full { last } else { None });
     }
 
@@ -84,10 +104,8 @@ impl<K: Copy> ScanStart<K> {
     }
 
     /// Whether to claim again at once after a claim that started at `after` and came back
-    /// `full` or not: when full (more rows are probably due), and after a short claim that
-    /// started past the start, so that rows behind it are found now rather than at the next
-    /// poll.
-    pub(crate) fn more(after: Option<K>, full: bool) -> bool {
+    /// `full` or not ([`ScanStart::answered`]).
+    fn more(after: Option<K>, full: bool) -> bool {
         full || after.is_some()
     }
 }
