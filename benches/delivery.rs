@@ -9,7 +9,7 @@
 //! Scenarios: `drain`, `single`, `batched`, `paced`, `fanout`, `history`, `noisy-neighbour`
 //! (all, in that order, by default). `--quick` puts 500,000 rows instead of 5,000,000 under
 //! `history`. Tuning flags for experiments: `--events N`, `--consumer-batch N`, `--concurrency
-//! N`, `--pipeline N`, `--threads N`, `--ordered`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`.
+//! N`, `--pipeline N`, `--threads N`, `--ordered`, `--cursor`, `--publish-batch N`, `--listen on|off`, `--publish-gap-us N`.
 //! `--beside-blocking` adds, to every scenario's runtime, a consumer of the same events that
 //! blocks its thread 200 ms per event. `--hold-snapshot` has another session hold a `REPEATABLE READ` snapshot open for the whole
 //! of `drain` (issue 30: a held snapshot stops vacuum, and each claim walks the dead entries of
@@ -136,6 +136,8 @@ struct Opts {
     threads: Option<u32>,
     /// `ConsumerConfig::ordered` (`--ordered`): each aggregate's events in enqueue order.
     ordered: bool,
+    /// `ConsumerConfig::cursor` (`--cursor`): storage v2's first step, no inbox row per event.
+    cursor: bool,
     /// `--hold-snapshot`: during `drain`, another session holds a `REPEATABLE READ` snapshot
     /// open from before the runtime starts until the drain is done, as a long report or
     /// `pg_dump` would: vacuum can then remove nothing the drain leaves dead.
@@ -173,6 +175,7 @@ impl Opts {
             pipeline: 1,
             threads: None,
             ordered: false,
+            cursor: false,
             hold_snapshot: false,
             beside_blocking: false,
             one_statement: true,
@@ -209,6 +212,7 @@ impl Opts {
                 "--pipeline" => o.pipeline = value()?.parse()?,
                 "--threads" => o.threads = Some(value()?.parse()?),
                 "--ordered" => o.ordered = true,
+                "--cursor" => o.cursor = true,
                 "--hold-snapshot" => o.hold_snapshot = true,
                 "--beside-blocking" => o.beside_blocking = true,
                 "--listen" => o.listen = Some(value()? != "off"),
@@ -288,6 +292,7 @@ impl Opts {
             .concurrency(self.concurrency)
             .pipeline(self.pipeline)
             .ordered(self.ordered)
+            .cursor(self.cursor)
             .mailbox_capacity(64)
             .poll_interval(Duration::from_millis(100));
         match self.threads {
@@ -307,13 +312,14 @@ impl Opts {
         let rc = self.runtime_config();
         format!(
             "config | pool {} | runtime: {rc:?} | consumer: batch_size {} concurrency \
-             {} pipeline {} ordered {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
+             {} pipeline {} ordered {} cursor {} poll 100ms mailbox 64 handler {} | producer: own thread + connection, {} events ({} per tx \
              batched; one-event tx as {}; payload padding {} B), paced {} at {}/s | history {} rows",
             self.pool_size(),
             self.consumer_batch,
             self.concurrency,
             self.pipeline,
             self.ordered,
+            self.cursor,
             if self.batch_handler { "batch" } else { "each" },
             self.events,
             self.batch_per_tx,
@@ -504,7 +510,8 @@ const SCHEMA: &str = "
 /// Every table a scenario writes, emptied so the next one starts on fresh tables.
 const RESET: &str =
     "TRUNCATE actix_outbox.outbox_events, actix_outbox.inbox_events, actix_outbox.consumer_subscriptions, actix_outbox.consumer_states, \
-     actix_outbox.outbox_stats_samples, bench_orders, bench_effects RESTART IDENTITY CASCADE";
+     actix_outbox.outbox_stats_samples, actix_outbox.log_stamps, actix_outbox.consumer_cursors, \
+     actix_outbox.inbox_leases, bench_orders, bench_effects RESTART IDENTITY CASCADE";
 
 #[derive(QueryableByName)]
 struct Lsn {

@@ -71,6 +71,15 @@ pub(crate) async fn run_batch(
     used: &SlotUse,
     scan: &ScanStart<Place>,
 ) -> Result<BatchOutcome> {
+    // A cursor consumer reads its cursor first, and its inbox (its exceptions) first one turn
+    // in eight, and whenever the cursor has nothing: a backlog past the cursor never holds
+    // its retries up for long.
+    let cursor_first = cfg.cursor && !TURN.fetch_add(1, Ordering::Relaxed).is_multiple_of(8);
+    if cursor_first {
+        if let Some(out) = run_cursor(pool, cfg, handler, hung, draining, used).await? {
+            return Ok(out);
+        }
+    }
     // Before the claim: the lease starts at the claim's `now()`, not after its answer.
     let started = Instant::now();
     let mut conn: OwnedConn = pool.get_owned().await?;
@@ -106,6 +115,12 @@ pub(crate) async fn run_batch(
         }
     };
     if rows.is_empty() {
+        if cfg.cursor && !cursor_first {
+            drop(conn);
+            if let Some(out) = run_cursor(pool, cfg, handler, hung, draining, used).await? {
+                return Ok(out);
+            }
+        }
         return Ok(BatchOutcome {
             more,
             ..Default::default()
@@ -114,6 +129,7 @@ pub(crate) async fn run_batch(
     let mut unsettled = Unsettled {
         pool: pool.clone(),
         rows: rows.iter().map(|r| (r.id, r.lease_token)).collect(),
+        cursor: None,
     };
     let batch = Batch {
         cfg,
@@ -121,6 +137,7 @@ pub(crate) async fn run_batch(
         started,
         draining,
         used,
+        cursor: false,
     };
     let out = batch
         .run(pool, hung, conn, rows)
@@ -144,6 +161,70 @@ pub(crate) async fn run_batch(
         expire(pool, cfg, token).await;
     }
     out
+}
+
+/// Turns of cursor consumers' batches in this process: which source a batch reads first.
+static TURN: AtomicUsize = AtomicUsize::new(0);
+
+/// A cursor consumer's batch of the events past its cursor (`inbox::cursor`): `None` when
+/// the cursor has nothing for it. Its rows are handed over as the inbox's are; the batch
+/// commits them all processed with the cursor's move, or first gives them inbox rows
+/// (promotes its lease) and settles them as an inbox batch.
+async fn run_cursor(
+    pool: &PgPool,
+    cfg: &ConsumerConfig,
+    handler: &HandlerRef,
+    hung: &Hung,
+    draining: &AtomicBool,
+    used: &SlotUse,
+) -> Result<Option<BatchOutcome>> {
+    let started = Instant::now();
+    let mut conn: OwnedConn = pool.get_owned().await?;
+    let lease_ms = store::millis(cfg.lease_period());
+    let token = inbox::new_token();
+    let limit = i64::from(cfg.batch_size);
+    let claimed = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+        inbox::cursor::claim(c, cfg.name.as_str(), limit, lease_ms, token).await
+    })
+    .await;
+    let claimed = match claimed {
+        Ok(claimed) => claimed,
+        Err(e) => {
+            expire(pool, cfg, token).await;
+            return Err(e);
+        }
+    };
+    if claimed.rows.is_empty() {
+        return Ok(claimed.more.then(|| BatchOutcome {
+            more: true,
+            ..Default::default()
+        }));
+    }
+    let mut unsettled = Unsettled {
+        pool: pool.clone(),
+        rows: Vec::new(),
+        cursor: Some((cfg.name.as_str().to_owned(), token)),
+    };
+    let batch = Batch {
+        cfg,
+        handler,
+        started,
+        draining,
+        used,
+        cursor: true,
+    };
+    let out = batch
+        .run(pool, hung, conn, claimed.rows)
+        .await
+        .map(|o| BatchOutcome {
+            more: claimed.more,
+            ..o
+        });
+    unsettled.cursor = None;
+    if out.is_err() {
+        expire(pool, cfg, token).await;
+    }
+    out.map(Some)
 }
 
 /// Makes lease `token` look expired, so that the next reap judges it as a death now rather
@@ -176,6 +257,8 @@ async fn expire(pool: &PgPool, cfg: &ConsumerConfig, token: i64) {
 struct Unsettled {
     pool: PgPool,
     rows: Vec<(i64, i64)>,
+    /// A cursor batch's consumer and lease, given back whole.
+    cursor: Option<(String, i64)>,
 }
 
 /// Give-backs of cut-off batches not yet written, in this process.
@@ -191,7 +274,8 @@ pub(crate) async fn given_back(limit: Duration) {
 
 impl Drop for Unsettled {
     fn drop(&mut self) {
-        if self.rows.is_empty() {
+        let cursor = self.cursor.take();
+        if self.rows.is_empty() && cursor.is_none() {
             return;
         }
         let outcomes: Vec<Outcome> = self
@@ -217,9 +301,14 @@ impl Drop for Unsettled {
             arbiter.spawn(async move {
                 let _counted = counted;
                 if let Ok(mut conn) = pool.get().await {
-                    let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                    let _ = store::bounded(&mut conn, DB_TIMEOUT, async |c| match &cursor {
+                        Some((consumer, token)) => {
+                            inbox::cursor::give_back(c, consumer, *token).await
+                        }
                         // Rows given back store no message: nothing to redact.
-                        inbox::settle_now(c, &outcomes, &Redactor::default()).await
+                        None => inbox::settle_now(c, &outcomes, &Redactor::default())
+                            .await
+                            .map(drop),
                     })
                     .await;
                 }
@@ -236,6 +325,9 @@ struct Batch<'a> {
     /// The handler slot the loop uses; a parked call keeps a use of it until its handler lets
     /// go.
     used: &'a SlotUse,
+    /// A cursor batch: until it is promoted, its rows' ids are event seqs, which no inbox
+    /// statement may see.
+    cursor: bool,
 }
 
 impl Batch<'_> {
@@ -252,7 +344,8 @@ impl Batch<'_> {
             ..Default::default()
         };
         let token = rows[0].lease_token;
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let mut ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let mut cursor = self.cursor;
         // Outcomes decided outside the transaction they will commit with (a row charged
         // before a careful pass), settled with the next commit.
         let mut decided: Vec<Outcome> = Vec::new();
@@ -267,24 +360,48 @@ impl Batch<'_> {
             };
             let again = match pass.run(conn, rows, &mut out).await? {
                 PassEnd::Commit(mut back, outcomes, processed) => {
-                    let all: Vec<Outcome> = decided.iter().cloned().chain(outcomes).collect();
-                    let committed = store::bounded(&mut back, DB_TIMEOUT, async |c| {
-                        inbox::settle_and_commit(c, &all, &cfg.redact).await
-                    });
-                    match committed.await {
-                        Ok(()) => {
-                            record(cfg, &processed, &all, &mut out);
-                            return Ok(out);
+                    let outcomes = if cursor {
+                        let end = cursor_commit(cfg, &mut back, token, outcomes, ids.len()).await;
+                        match end? {
+                            CursorEnd::Committed(outcomes) => {
+                                record(cfg, &processed, &outcomes, &mut out);
+                                return Ok(out);
+                            }
+                            // Still a cursor batch until this commit: one refused rolls the
+                            // promotion back with it.
+                            CursorEnd::Promoted(outcomes) => Some(outcomes),
+                            // A handler left the transaction failed: a careful pass finds which.
+                            CursorEnd::Refused => None,
                         }
-                        // A handler returned Ok from a transaction it had left failed (it
-                        // swallowed a failed statement): the commit rolled back. A careful
-                        // pass finds which, by its savepoint.
-                        Err(crate::Error::Database(e))
-                            if !careful && refused_by_server(&e) && !in_transaction(&mut back) =>
-                        {
-                            back
+                    } else {
+                        Some(outcomes)
+                    };
+                    match outcomes {
+                        None => back,
+                        Some(outcomes) => {
+                            let all: Vec<Outcome> =
+                                decided.iter().cloned().chain(outcomes).collect();
+                            let committed = store::bounded(&mut back, DB_TIMEOUT, async |c| {
+                                inbox::settle_and_commit(c, &all, &cfg.redact).await
+                            });
+                            match committed.await {
+                                Ok(()) => {
+                                    record(cfg, &processed, &all, &mut out);
+                                    return Ok(out);
+                                }
+                                // A handler returned Ok from a transaction it had left failed (it
+                                // swallowed a failed statement): the commit rolled back. A careful
+                                // pass finds which, by its savepoint.
+                                Err(crate::Error::Database(e))
+                                    if !careful
+                                        && refused_by_server(&e)
+                                        && !in_transaction(&mut back) =>
+                                {
+                                    back
+                                }
+                                Err(e) => return Err(e),
+                            }
                         }
-                        Err(e) => return Err(e),
                     }
                 }
                 PassEnd::Again(back, charged) => {
@@ -293,6 +410,31 @@ impl Batch<'_> {
                 }
                 PassEnd::Kept(slot, backend, outcomes, mut parked) => {
                     decided.extend(outcomes);
+                    if cursor {
+                        // The events get inbox rows, and the hung call's stay leased to it.
+                        let promoted = async {
+                            let mut conn = pool.get_owned().await?;
+                            store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                                inbox::cursor::promote(c, token, true, true).await
+                            })
+                            .await
+                        };
+                        match promoted.await {
+                            Ok(p) => {
+                                decided = p.remap(decided);
+                                parked = p.remap(parked);
+                            }
+                            Err(e) => {
+                                // Nothing is settled here: the lease expires, and the reaper
+                                // promotes and judges it.
+                                tracing::warn!(consumer = %cfg.name, error = %e,
+                                    "could not give a hung cursor batch's events inbox rows");
+                                decided.clear();
+                                parked.clear();
+                                expire(pool, cfg, token).await;
+                            }
+                        }
+                    }
                     // First the lease is taken off the handler's session (which may end from
                     // now on: the engine ends it past the grace) and renewed. Then the batch's
                     // other rows, given back (or charged) at once: they must not wait, leased,
@@ -326,6 +468,16 @@ impl Batch<'_> {
             };
             careful = true;
             conn = again;
+            if cursor {
+                // A careful pass settles an inbox batch: the events get inbox rows first.
+                let promoted = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+                    inbox::cursor::promote(c, token, true, true).await
+                })
+                .await?;
+                cursor = false;
+                decided = promoted.remap(decided);
+                ids = ids.iter().filter_map(|&seq| promoted.id(seq)).collect();
+            }
             let left: Vec<i64> = ids
                 .iter()
                 .copied()
@@ -336,6 +488,46 @@ impl Batch<'_> {
             })
             .await?;
         }
+    }
+}
+
+/// How a cursor batch's fast pass ended ([`cursor_commit`]).
+enum CursorEnd {
+    /// Every event processed, committed with the cursor's move.
+    Committed(Vec<Outcome>),
+    /// Exceptions: the events got inbox rows in the open transaction; these outcomes name them.
+    Promoted(Vec<Outcome>),
+    /// The commit was refused (a handler left the transaction failed) and rolled back.
+    Refused,
+}
+
+/// Commits a cursor batch whose every event was processed, moving its cursor; else gives its
+/// events inbox rows inside the transaction, for the inbox's settle to commit.
+async fn cursor_commit(
+    cfg: &ConsumerConfig,
+    conn: &mut OwnedConn,
+    token: i64,
+    outcomes: Vec<Outcome>,
+    leased: usize,
+) -> Result<CursorEnd> {
+    let complete =
+        outcomes.len() == leased && outcomes.iter().all(|o| o.settle == Settle::Processed);
+    if !complete {
+        let promoted = store::bounded(conn, DB_TIMEOUT, async |c| {
+            inbox::cursor::promote(c, token, false, true).await
+        })
+        .await?;
+        return Ok(CursorEnd::Promoted(promoted.remap(outcomes)));
+    }
+    let committed = store::bounded(conn, DB_TIMEOUT, async |c| {
+        inbox::cursor::commit(c, cfg.name.as_str(), token).await
+    });
+    match committed.await {
+        Ok(()) => Ok(CursorEnd::Committed(outcomes)),
+        Err(crate::Error::Database(e)) if refused_by_server(&e) && !in_transaction(conn) => {
+            Ok(CursorEnd::Refused)
+        }
+        Err(e) => Err(e),
     }
 }
 

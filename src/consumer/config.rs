@@ -24,6 +24,7 @@ pub struct ConsumerConfig {
     pub(crate) ordered: bool,
     pub(crate) skip_dead_letters: bool,
     pub(crate) replay_safe: bool,
+    pub(crate) cursor: bool,
     pub(crate) rate_limit: Option<f64>,
     pub(crate) lease: Option<Duration>,
     pub(crate) threads: Option<u32>,
@@ -60,6 +61,7 @@ impl ConsumerConfig {
             ordered: false,
             skip_dead_letters: false,
             replay_safe: false,
+            cursor: false,
             allowed_delay: None,
             critical_multiple: 3,
             rate_limit: None,
@@ -229,6 +231,24 @@ impl ConsumerConfig {
         self.skip_dead_letters = on;
         self
     }
+    /// **Experimental** (storage v2, first step): read events through a cursor instead of an
+    /// inbox row per event. The publisher lists the events it publishes in stamps numbered in
+    /// commit order; the consumer's batch reads past its cursor and moves it in the commit that
+    /// holds the handlers' effects. An event gets an inbox row only for an exception (a failure,
+    /// a row given back, a death, a hung handler), which then follows the inbox's rules. So a
+    /// delivered event costs no inbox row at all. Default off.
+    ///
+    /// Not yet with [`ordered`](ConsumerConfig::ordered) or
+    /// [`replay_safe`](ConsumerConfig::replay_safe) ([`Error::Config`]), and one batch at a time
+    /// reads the cursor (`concurrency` loops share it). Only events published by this
+    /// database's in-process publisher are read through the cursor; events received from a
+    /// broker still get inbox rows. The inbox list and the dashboard show a cursor consumer's
+    /// exceptions, not the events it processed. Once on for a consumer, it cannot be turned
+    /// off yet: the runtime refuses to start ([`Error::Config`]). See `docs/storage-v2.md`.
+    pub fn cursor(mut self, on: bool) -> Self {
+        self.cursor = on;
+        self
+    }
     /// Whether an operator may replay events this consumer already processed
     /// ([`ops::replay`](crate::ops::replay)). Default off: a replay hands the handler an event
     /// whose effect it already wrote, which only a handler written for it takes well (one that
@@ -292,6 +312,9 @@ impl ConsumerConfig {
             .is_some_and(|g| g.is_empty() || g.len() > 100)
         {
             return bad("thread_group must be 1..=100 bytes");
+        }
+        if self.cursor && (self.ordered || self.replay_safe) {
+            return bad("cursor delivery does not support ordered or replay_safe yet");
         }
         if self.mailbox_capacity == 0 {
             return bad("mailbox_capacity must be at least 1");

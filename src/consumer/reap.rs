@@ -39,6 +39,11 @@ async fn reap_on(conn: &mut AsyncPgConnection, cfg: &ConsumerConfig) -> Result<u
         inbox::judge_dead(c, name, patience).await
     })
     .await?;
+    // A judged cursor lease names events, not rows: they get inbox rows first.
+    store::bounded(conn, DB_TIMEOUT, async |c| {
+        inbox::cursor::promote_judged(c, name).await
+    })
+    .await?;
     let judged = store::bounded(conn, DB_TIMEOUT, async |c| {
         inbox::judged(c, name, ROWS_PER_REAP).await
     })

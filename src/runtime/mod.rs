@@ -257,6 +257,7 @@ impl OutboxBuilder {
                     cfg.ordered,
                     cfg.replay_safe,
                     cfg.delay_levels(),
+                    cfg.cursor,
                 )
                 .await?;
                 registered.push(contract::Registered { cfg, extra });

@@ -30,9 +30,24 @@ WITH due AS (
         p.aggregate_id, p.aggregate_version, p.payload, p.metadata,
         p.correlation_id, p.causation_id, p.created_at, p.seq, s.ordered
     FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
+    WHERE NOT s.cursor
     ORDER BY p.seq, s.consumer
     ON CONFLICT (event_id, consumer) DO NOTHING
     RETURNING consumer, event_id
+), to_stamp AS (
+    -- Events a cursor consumer subscribes to get no inbox row of it: they are listed in one
+    -- stamp, numbered by the update of `log_head`, whose lock this claim holds to its commit
+    -- (the migration `cursors`). Costs nothing when no consumer reads through a cursor.
+    SELECT array_agg(p.id ORDER BY p.seq) AS events FROM published p
+    WHERE EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
+                  WHERE s.event_type = p.event_type AND s.cursor)
+    HAVING count(*) > 0
+), head AS (
+    UPDATE actix_outbox.log_head SET last = last + 1
+    WHERE EXISTS (SELECT FROM to_stamp) RETURNING last
+), stamped AS (
+    INSERT INTO actix_outbox.log_stamps (stamp, events)
+    SELECT head.last, to_stamp.events FROM head, to_stamp
 ), unrouted AS (
     -- Events no consumer is subscribed to: recorded, so that health can say so (the migration
     -- `unrouted_events`). Costs a row only for such an event.
@@ -46,14 +61,20 @@ WITH due AS (
     -- PostgreSQL refuses a payload of 8000 bytes or more, and a refusal would fail the whole
     -- claim, every time: past 7000 bytes of names it says `*`, every consumer.
     SELECT pg_notify($2, $3 || '|' || CASE WHEN octet_length(n) > 7000 THEN '*' ELSE n END)
-    FROM (SELECT string_agg(DISTINCT consumer, ',') AS n FROM delivered
+    FROM (SELECT string_agg(DISTINCT consumer, ',') AS n
+          FROM (SELECT consumer FROM delivered
+                UNION ALL SELECT s.consumer FROM published p
+                JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
+                WHERE s.cursor) d
           WHERE $2 IS NOT NULL HAVING count(*) > 0) names
 ), wanted AS (
-    SELECT s.consumer, count(*) AS n
+    SELECT s.consumer, count(*) AS n, bool_and(s.cursor) AS cursor
     FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
     GROUP BY s.consumer
 ), counted AS (
-    SELECT w.consumer, w.n AS wanted, coalesce(d.n, 0) AS rows FROM wanted w
+    -- A cursor consumer's events count as delivered: stamped, they wait for its cursor.
+    SELECT w.consumer, w.n AS wanted, CASE WHEN w.cursor THEN w.n ELSE coalesce(d.n, 0) END AS rows
+    FROM wanted w
     LEFT JOIN (SELECT consumer, count(*) AS n FROM delivered GROUP BY consumer) d
     USING (consumer)
 )

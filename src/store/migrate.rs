@@ -83,6 +83,9 @@ const LEGACY: &[(&str, &str, &str, Option<&str>)] = &[
     ("TABLE", "replays", "20261202000016", None),
     ("TABLE", "nats_bindings", "20261203000021", None),
     ("TABLE", "side_effects", "20261203000024", None),
+    ("TABLE", "log_head", "20261205000025", None),
+    ("TABLE", "log_stamps", "20261205000025", None),
+    ("TABLE", "consumer_cursors", "20261205000025", None),
 ];
 
 /// How [`migrate_with`] treats a live database.

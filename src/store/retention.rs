@@ -77,13 +77,26 @@ pub(crate) async fn delete_expired(
         // and keeps them in the timeline. An event one of whose inbox rows is locked (a batch
         // holds it; a hung handler may hold it for long) is left for a later run: waiting
         // for it would stall retention behind that handler. The unrouted record of an event
-        // received from a broker (no outbox row here) goes once it is as old.
+        // received from a broker (no outbox row here) goes once it is as old. No event a
+        // cursor has yet to pass goes (none at or past the least seq of the stamps from the
+        // slowest cursor's on), and the stamps every cursor passed go with the run.
         Expired::PublishedOutbox => {
-            "WITH expired AS ( \
+            "WITH slowest AS ( \
+                 SELECT min(k.stamp) AS stamp FROM actix_outbox.consumer_cursors k), \
+             cursors AS ( \
+                 SELECT coalesce(min(o.seq), 9223372036854775807) AS floor \
+                 FROM actix_outbox.log_stamps s \
+                 CROSS JOIN LATERAL unnest(s.events) AS u(id) \
+                 JOIN actix_outbox.outbox_events o ON o.id = u.id \
+                 WHERE s.stamp >= (SELECT stamp FROM slowest)), \
+             stamps AS (DELETE FROM actix_outbox.log_stamps \
+                 WHERE stamp < coalesce((SELECT stamp FROM slowest), 0)), \
+             expired AS ( \
                  SELECT id, published_at FROM actix_outbox.outbox_events \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
                    AND published_at >= coalesce($3, '-infinity') \
                    AND (published_at, id) > (coalesce($3, '-infinity'), coalesce($4, '00000000-0000-0000-0000-000000000000')) \
+                   AND seq < (SELECT floor FROM cursors) \
                  ORDER BY published_at, id LIMIT $2 FOR UPDATE SKIP LOCKED), \
              locked AS ( \
                  SELECT id, event_id FROM actix_outbox.inbox_events \

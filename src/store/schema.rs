@@ -169,6 +169,9 @@ mod tests {
             "contract_findings",
             "replays",
             "side_effects",
+            "log_head",
+            "log_stamps",
+            "consumer_cursors",
             "outbox_lease_token_seq",
             "inbox_lease_held",
         ];

@@ -16,6 +16,7 @@ mod cli;
 
 mod contracts;
 mod core;
+mod cursor;
 mod effects;
 mod embedding;
 mod failure;

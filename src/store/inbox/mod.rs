@@ -7,10 +7,12 @@
 //! |---|---|
 //! | `claim.rs` | the claim of a batch (`inbox_claim.sql`) and reloading its rows |
 //! | `settle.rs` | the marks that settle leased rows, fenced on their lease |
+//! | `cursor.rs` | cursor delivery: a batch's lease of the events past a cursor, and its promotion to inbox rows |
 //! | `reap.rs` | judging the leases of loops that died, expiring and extending leases |
 //! | here | the row type, subscriptions, pause, the receiving side, aggregate versions |
 
 mod claim;
+pub(crate) mod cursor;
 mod reap;
 mod settle;
 
@@ -117,11 +119,35 @@ pub(crate) async fn register_consumer(
     ordered: bool,
     replay_safe: bool,
     delays: Option<(i64, i64)>,
+    cursor: bool,
 ) -> Result<Vec<String>> {
     #[derive(QueryableByName)]
     struct Subscription {
         #[diesel(sql_type = Text)]
         event_type: String,
+    }
+    #[derive(QueryableByName)]
+    struct Cursor {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+    }
+    if !cursor {
+        // A cursor's unread events must not be stranded: turning it off safely (every unread
+        // event given an inbox row, against publishers stamping at that moment) is not built.
+        let c: Cursor = Prepared(
+            crate::store::sql(
+                "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors WHERE consumer = $1) AS exists",
+            )
+            .bind::<Text, _>(consumer),
+        )
+        .get_result(conn)
+        .await?;
+        if c.exists {
+            return Err(crate::Error::Config(format!(
+                "consumer {consumer} reads through a cursor: cursor delivery cannot be turned \
+                 off yet (ConsumerConfig::cursor(true))"
+            )));
+        }
     }
     let extra: Vec<Subscription> = Prepared(
         crate::store::sql(
@@ -132,10 +158,13 @@ pub(crate) async fn register_consumer(
                         critical_delay_ms = $6 \
                     WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
                            consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6)), \
-              s AS (INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type, ordered) \
-                    SELECT $1, t, $3 FROM unnest($2::text[]) AS t \
-                    ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3 \
-                    WHERE consumer_subscriptions.ordered <> $3) \
+              s AS (INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type, ordered, cursor) \
+                    SELECT $1, t, $3, $7 FROM unnest($2::text[]) AS t \
+                    ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3, cursor = $7 \
+                    WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor) <> ($3, $7)), \
+              on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx) \
+                    SELECT $1, 0, last, 9223372036854775807 FROM actix_outbox.log_head WHERE $7 \
+                    ON CONFLICT DO NOTHING) \
          SELECT event_type FROM actix_outbox.consumer_subscriptions \
          WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
         )
@@ -144,7 +173,8 @@ pub(crate) async fn register_consumer(
         .bind::<diesel::sql_types::Bool, _>(ordered)
         .bind::<diesel::sql_types::Bool, _>(replay_safe)
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.0))
-        .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.1)),
+        .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.1))
+        .bind::<diesel::sql_types::Bool, _>(cursor),
     )
     .load(conn)
     .await?;

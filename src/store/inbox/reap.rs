@@ -52,7 +52,7 @@ pub(crate) async fn judge_dead(
             "WITH live AS MATERIALIZED (SELECT array_agg(pid) AS pids FROM pg_stat_activity), \
              leases AS ( \
                  SELECT l.token, l.consumer, l.locked_by, l.held, l.locked_until, \
-                     cardinality(l.ids) AS n, \
+                     cardinality(l.ids) + cardinality(l.events) AS n, \
                      (l.locked_until < now() - $3 * interval '1 millisecond' \
                       OR coalesce(NOT l.backend = ANY ((SELECT pids FROM live)::int4[]), false)) AS dead \
                  FROM actix_outbox.inbox_leases l \

@@ -1,0 +1,274 @@
+//! Cursor delivery (`ConsumerConfig::cursor`, the migration `cursors`): a consumer's batch
+//! leases the events past its cursor, and either commits them all processed, moving the
+//! cursor, or *promotes* its lease first: the events get inbox rows, the lease names those
+//! rows, and the cursor moves past them, in one statement. From then on the batch is an inbox
+//! batch like any other. The rule: an event a cursor moves past is handled in the commit that
+//! moves it, or gets an inbox row in that same commit.
+//!
+//! The rows a cursor batch hands over are [`InboxRow`]s whose `id` is the event's outbox
+//! `seq` until the batch is promoted ([`Promoted`] maps them).
+
+use std::collections::HashMap;
+
+use diesel::sql_types::{BigInt, Bool, Nullable, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+use crate::store::{self, Prepared};
+
+use super::{guarded, InboxRow};
+
+/// The columns of an inbox row made from outbox row `o` for consumer `{consumer}`.
+macro_rules! inbox_from_outbox {
+    ($consumer:literal, $from:literal) => {
+        concat!(
+            "INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
+                 event_version, aggregate_type, aggregate_id, aggregate_version, payload, \
+                 metadata, correlation_id, causation_id, event_created_at, event_seq) \
+             SELECT o.id, ",
+            $consumer,
+            ", o.event_type, o.event_version, o.aggregate_type, o.aggregate_id, \
+                 o.aggregate_version, o.payload, o.metadata, o.correlation_id, o.causation_id, \
+                 o.created_at, o.seq FROM ",
+            $from,
+            " ON CONFLICT (event_id, consumer) DO NOTHING"
+        )
+    };
+}
+
+/// What a cursor [`claim`] leased.
+pub(crate) struct CursorClaim {
+    /// In cursor order; `id` is each event's outbox seq.
+    pub rows: Vec<InboxRow>,
+    /// Stamps wait past the cursor: claim again at once.
+    pub more: bool,
+}
+
+/// Leases up to `limit` events of `consumer` past its cursor for `lease_ms` under `token`
+/// (`cursor_claim.sql`), in a transaction of its own (one round trip).
+pub(crate) async fn claim(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    limit: i64,
+    lease_ms: i64,
+    token: i64,
+) -> Result<CursorClaim> {
+    #[derive(QueryableByName)]
+    struct More {
+        #[diesel(sql_type = Bool)]
+        more: bool,
+    }
+    let claim = Prepared(
+        crate::store::sql(include_str!("../cursor_claim.sql"))
+            .bind::<Text, _>(consumer)
+            .bind::<BigInt, _>(limit)
+            .bind::<BigInt, _>(lease_ms)
+            .bind::<Text, _>(store::process_id())
+            .bind::<BigInt, _>(token),
+    );
+    // After the claim, in its transaction: whether stamps lie past what it read (or past a
+    // cursor it moved), unless the consumer is paused.
+    let more = Prepared(
+        crate::store::sql(
+            "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors k \
+                 JOIN actix_outbox.log_stamps s ON s.stamp > coalesce(k.upto_stamp, k.stamp) \
+                 WHERE k.consumer = $1 AND k.part = 0) \
+               AND NOT EXISTS (SELECT FROM actix_outbox.consumer_states s \
+                 WHERE s.consumer = $1 AND s.paused \
+                   AND (s.paused_until IS NULL OR s.paused_until > now())) AS more",
+        )
+        .bind::<Text, _>(consumer),
+    );
+    guarded(conn, async |c| {
+        let (mut a, mut b) = (c, c);
+        let (rows, more) = futures_util::future::join(
+            claim.load::<InboxRow>(&mut a),
+            more.get_result::<More>(&mut b),
+        )
+        .await;
+        let rows = rows?;
+        let more = rows.len() as i64 >= limit || more?.more;
+        Ok(CursorClaim { rows, more })
+    })
+    .await
+}
+
+/// Commits a cursor batch whose every event was processed, inside its open transaction:
+/// the lease goes and the cursor moves to where the claim said, pipelined with `COMMIT`.
+/// Fenced on the lease: if it was promoted or judged meanwhile (by the reaper, after it
+/// expired), the statement raises `AO001` and the `COMMIT` rolls the effects back.
+pub(crate) async fn commit(conn: &mut AsyncPgConnection, consumer: &str, token: i64) -> Result<()> {
+    #[derive(QueryableByName)]
+    struct Held {
+        #[diesel(sql_type = BigInt)]
+        #[allow(dead_code)]
+        held: i64,
+    }
+    let fence = Prepared(
+        crate::store::sql(
+            "WITH l AS ( \
+                 DELETE FROM actix_outbox.inbox_leases WHERE token = $1 AND held IS NULL \
+                     AND cardinality(ids) = 0 AND cardinality(events) > 0 RETURNING 1 \
+             ), moved AS ( \
+                 UPDATE actix_outbox.consumer_cursors SET stamp = upto_stamp, idx = upto_idx, \
+                     token = NULL, upto_stamp = NULL, upto_idx = NULL \
+                 WHERE consumer = $2 AND part = 0 AND token = $1 AND EXISTS (SELECT FROM l) \
+             ) \
+             SELECT actix_outbox.inbox_lease_held((SELECT count(*) FROM l), 1) AS held",
+        )
+        .bind::<BigInt, _>(token)
+        .bind::<Text, _>(consumer),
+    );
+    let (f, committed) = {
+        let c: &AsyncPgConnection = conn;
+        let mut a = c;
+        futures_util::future::join(fence.get_result::<Held>(&mut a), store::run(c, "COMMIT")).await
+    };
+    // Once `COMMIT` is answered the transaction is over either way (as in `settle_and_commit`).
+    committed?;
+    store::left_transaction(conn)?;
+    f?;
+    Ok(())
+}
+
+/// The inbox rows a promotion gave a cursor batch's events: event seq → inbox id.
+#[derive(Debug, Default)]
+pub(crate) struct Promoted(HashMap<i64, i64>);
+
+impl Promoted {
+    /// The inbox id of the row handed over as `seq`; a seq with no row of the lease (an
+    /// event already in the inbox) maps to none, and its outcome is dropped.
+    pub(crate) fn id(&self, seq: i64) -> Option<i64> {
+        self.0.get(&seq).copied()
+    }
+    /// `outcomes` of rows handed over as seqs, naming their inbox rows.
+    pub(crate) fn remap(&self, outcomes: Vec<super::Outcome>) -> Vec<super::Outcome> {
+        outcomes
+            .into_iter()
+            .filter_map(|o| {
+                Some(super::Outcome {
+                    id: self.id(o.id)?,
+                    ..o
+                })
+            })
+            .collect()
+    }
+}
+
+/// Promotes cursor lease `token`: its events get inbox rows, the lease names them instead,
+/// and the cursor moves past them, in one statement. Run inside the batch's transaction (its
+/// commit then settles the rows) or in one of its own (`own`). A lease already promoted, or
+/// gone, promotes nothing and, `fenced` (a batch's own lease), raises `AO001`: the reaper took
+/// it, and the batch's effects must not commit. One whose every event already had an inbox
+/// row goes.
+pub(crate) async fn promote(
+    conn: &mut AsyncPgConnection,
+    token: i64,
+    own: bool,
+    fenced: bool,
+) -> Result<Promoted> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Nullable<BigInt>)]
+        id: Option<i64>,
+        #[diesel(sql_type = Nullable<BigInt>)]
+        event_seq: Option<i64>,
+    }
+    let promote = Prepared(
+        crate::store::sql(concat!(
+            "WITH l AS MATERIALIZED ( \
+                 SELECT token, consumer, events FROM actix_outbox.inbox_leases \
+                 WHERE token = $1 AND cardinality(events) > 0 FOR UPDATE \
+             ), ins AS (",
+            inbox_from_outbox!(
+                "l.consumer",
+                "l CROSS JOIN unnest(l.events) AS u(id) JOIN actix_outbox.outbox_events o ON o.id = u.id"
+            ),
+            " RETURNING id, event_seq \
+             ), lease AS ( \
+                 UPDATE actix_outbox.inbox_leases p \
+                 SET ids = p.ids || ARRAY(SELECT id FROM ins ORDER BY id), events = '{}' \
+                 FROM l WHERE p.token = l.token \
+                     AND (EXISTS (SELECT FROM ins) OR cardinality(p.ids) > 0) \
+             ), emptied AS ( \
+                 DELETE FROM actix_outbox.inbox_leases p USING l WHERE p.token = l.token \
+                     AND NOT EXISTS (SELECT FROM ins) AND cardinality(p.ids) = 0 \
+             ), moved AS ( \
+                 UPDATE actix_outbox.consumer_cursors k SET stamp = upto_stamp, idx = upto_idx, \
+                     token = NULL, upto_stamp = NULL, upto_idx = NULL \
+                 FROM l WHERE k.consumer = l.consumer AND k.token = l.token \
+             ) \
+             SELECT i.id, i.event_seq FROM (SELECT actix_outbox.inbox_lease_held( \
+                 (SELECT count(*) FROM l), CASE WHEN $2 THEN 1 END)) f \
+             LEFT JOIN ins i ON true"
+        ))
+        .bind::<BigInt, _>(token)
+        .bind::<Bool, _>(fenced),
+    );
+    let rows: Vec<Row> = if own {
+        guarded(conn, async |mut c| {
+            promote.load(&mut c).await.map_err(Into::into)
+        })
+        .await?
+    } else {
+        promote.load(conn).await?
+    };
+    Ok(Promoted(
+        rows.into_iter()
+            .filter_map(|r| Some((r.event_seq?, r.id?)))
+            .collect(),
+    ))
+}
+
+/// Promotes every cursor lease of `consumer` that the reaper judged dead ([`judge_dead`]
+/// counts a cursor lease's events as rows its process held), so that [`judged`] finds their
+/// rows. Returns how many leases it promoted.
+///
+/// [`judge_dead`]: super::judge_dead
+/// [`judged`]: super::judged
+pub(crate) async fn promote_judged(conn: &mut AsyncPgConnection, consumer: &str) -> Result<usize> {
+    #[derive(QueryableByName)]
+    struct Token {
+        #[diesel(sql_type = BigInt)]
+        token: i64,
+    }
+    let tokens: Vec<Token> = Prepared(
+        crate::store::sql(
+            "SELECT token FROM actix_outbox.inbox_leases \
+             WHERE consumer = $1 AND held IS NOT NULL AND cardinality(events) > 0",
+        )
+        .bind::<Text, _>(consumer),
+    )
+    .load(conn)
+    .await?;
+    for t in &tokens {
+        promote(conn, t.token, true, false).await?;
+    }
+    Ok(tokens.len())
+}
+
+/// Gives back what lease `token` holds, unspent: a cursor lease's events stay past the cursor,
+/// a promoted lease's rows are due again. For a batch cut off in this process.
+pub(crate) async fn give_back(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    token: i64,
+) -> Result<()> {
+    Prepared(
+        crate::store::sql(
+            "WITH l AS ( \
+                 DELETE FROM actix_outbox.inbox_leases WHERE token = $1 AND held IS NULL \
+                 RETURNING token \
+             ) \
+             UPDATE actix_outbox.consumer_cursors SET token = NULL, upto_stamp = NULL, \
+                 upto_idx = NULL \
+             WHERE consumer = $2 AND part = 0 AND token = $1 AND EXISTS (SELECT FROM l)",
+        )
+        .bind::<BigInt, _>(token)
+        .bind::<Text, _>(consumer),
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}

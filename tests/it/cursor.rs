@@ -1,0 +1,307 @@
+//! Cursor delivery (`ConsumerConfig::cursor`, storage v2's first step): events reach a
+//! cursor consumer exactly once, with no inbox row unless something went wrong, through
+//! stalled producers, a stalled stamp, failures, a hung handler and a dead lease.
+use crate::common;
+
+use std::time::Duration;
+
+use actix_outbox::event::ConsumerName;
+use actix_outbox::ops::{pause_consumer, resume_consumer};
+use actix_outbox::NewEvent;
+use common::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+
+fn order(aggregate: &str) -> NewEvent {
+    NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        aggregate,
+        serde_json::json!({"order_id": aggregate}),
+    )
+}
+
+async fn enqueue(db: &TestDb, events: &[NewEvent]) {
+    let mut conn = db.pool.get().await.unwrap();
+    conn.transaction::<_, actix_outbox::Error, _>(async |c| {
+        actix_outbox::enqueue_many(c, events).await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+}
+
+async fn pause(db: &TestDb, consumer: &str) {
+    let mut conn = db.pool.get().await.unwrap();
+    let name = ConsumerName::new(consumer).unwrap();
+    pause_consumer(&mut conn, &name, "test", "set-up", None)
+        .await
+        .unwrap();
+}
+
+async fn resume(db: &TestDb, consumer: &str) {
+    let mut conn = db.pool.get().await.unwrap();
+    let name = ConsumerName::new(consumer).unwrap();
+    resume_consumer(&mut conn, &name, "test").await.unwrap();
+}
+
+/// Every event applied exactly once by `name`: `total` distinct, `total` in all.
+async fn assert_once(db: &TestDb, name: &str, total: i64) {
+    let done =
+        format!("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = '{name}'");
+    assert_eq!(
+        db.wait_for(&done, total, Duration::from_secs(60)).await,
+        total,
+        "{name}: events were never applied"
+    );
+    let all = format!("SELECT count(*) AS n FROM effects WHERE consumer = '{name}'");
+    assert_eq!(
+        db.count(&all).await,
+        total,
+        "{name}: an effect was applied twice"
+    );
+}
+
+fn inbox_rows(name: &str) -> String {
+    format!("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{name}'")
+}
+
+/// The happy path writes no inbox row: a cursor consumer beside an inbox consumer of the
+/// same events gets every one exactly once, and only the inbox consumer has rows.
+#[actix_rt::test]
+async fn a_cursor_consumer_gets_every_event_once_and_no_inbox_row() {
+    let db = TestDb::new().await;
+    let consumers = vec![
+        (consumer("cur", 3).cursor(true), Behaviour::default()),
+        (consumer("box", 3), Behaviour::default()),
+    ];
+    let rt = start(&db, consumers).await;
+    for chunk in 0..10 {
+        let events: Vec<NewEvent> = (0..50).map(|i| order(&format!("o-{chunk}-{i}"))).collect();
+        enqueue(&db, &events).await;
+        rt.handle().wake();
+    }
+    assert_once(&db, "cur", 500).await;
+    assert_once(&db, "box", 500).await;
+    assert_eq!(
+        db.count(&inbox_rows("cur")).await,
+        0,
+        "the happy path wrote inbox rows"
+    );
+    assert_eq!(db.count(&inbox_rows("box")).await, 500);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// The invariant: a stamp's number comes from `log_head`, whose lock its transaction holds to
+/// its commit. A stamping transaction held open for a second (here the test's own, publishing
+/// events of its own) holds every later stamp back, and no cursor passes it: with 16
+/// producers, half of them stalled mid-commit, every event reaches the cursor consumer and
+/// the inbox consumer exactly once.
+#[actix_rt::test]
+async fn no_cursor_passes_a_stamp_that_commits_late() {
+    const PRODUCERS: usize = 16;
+    const EACH: usize = 30;
+    const STAMPED_BY_HAND: usize = 20;
+    let db = TestDb::new().await;
+    let config = fast_runtime().publish_batch_size(10);
+    let consumers = vec![
+        (consumer("gap_cur", 3).cursor(true), Behaviour::default()),
+        (consumer("gap_box", 3), Behaviour::default()),
+    ];
+    let rt = start_with(db.pool.clone(), config, consumers).await;
+    let handle = rt.handle();
+    let stamper = {
+        let url = db.url.clone();
+        async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            actix_rt::time::sleep(Duration::from_millis(200)).await;
+            // A publisher's claim, by hand: events published and stamped in one transaction,
+            // which stalls a second before its commit.
+            let mut sql = String::from(
+                "BEGIN; \
+                 CREATE TEMP TABLE mine ON COMMIT DROP AS \
+                 SELECT gen_random_uuid() AS id, g AS n FROM generate_series(1, ",
+            );
+            sql.push_str(&format!(
+                "{STAMPED_BY_HAND}) g; \
+                 INSERT INTO actix_outbox.outbox_events (id, event_type, aggregate_type, \
+                     aggregate_id, payload, correlation_id, status, published_at) \
+                 SELECT id, 'ORDER_STATUS_CHANGED', 'order', 'hand-' || n, '{{}}', 'hand', \
+                     'PUBLISHED', now() FROM mine; \
+                 INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
+                     event_version, aggregate_type, aggregate_id, payload, correlation_id, \
+                     event_created_at) \
+                 SELECT id, 'gap_box', 'ORDER_STATUS_CHANGED', 1, 'order', 'hand-' || n, '{{}}', \
+                     'hand', now() FROM mine; \
+                 UPDATE actix_outbox.log_head SET last = last + 1; \
+                 INSERT INTO actix_outbox.log_stamps (stamp, events) \
+                 SELECT (SELECT last FROM actix_outbox.log_head), array_agg(id ORDER BY n) \
+                 FROM mine;"
+            ));
+            conn.batch_execute(&sql).await.unwrap();
+            actix_rt::time::sleep(Duration::from_secs(1)).await;
+            conn.batch_execute("COMMIT").await.unwrap();
+        }
+    };
+    let producers = (0..PRODUCERS).map(|p| {
+        let (url, handle) = (db.url.clone(), handle.clone());
+        async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            for i in 0..EACH {
+                conn.batch_execute("BEGIN").await.unwrap();
+                actix_outbox::enqueue_many(&conn, &[order(&format!("p{p}-{i}"))])
+                    .await
+                    .unwrap();
+                if p % 2 == 1 {
+                    let ms = ((i * 7 + p * 13) % 61) as u64;
+                    actix_rt::time::sleep(Duration::from_millis(ms)).await;
+                }
+                conn.batch_execute("COMMIT").await.unwrap();
+                handle.wake();
+            }
+        }
+    });
+    within(
+        WAIT,
+        futures_util::future::join(stamper, futures_util::future::join_all(producers)),
+    )
+    .await;
+    handle.wake();
+    let total = (PRODUCERS * EACH + STAMPED_BY_HAND) as i64;
+    assert_once(&db, "gap_cur", total).await;
+    assert_once(&db, "gap_box", total).await;
+    assert_eq!(db.count(&inbox_rows("gap_cur")).await, 0);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// A failure is an exception: the event gets an inbox row in the batch's commit and is
+/// retried from the inbox; every event is applied once, and only the failed ones have rows.
+#[actix_rt::test]
+async fn failed_events_get_inbox_rows_and_are_retried_from_there() {
+    let db = TestDb::new().await;
+    let poisoned = Behaviour {
+        poison_aggregate: Some("o-7".into()),
+        ..Behaviour::default()
+    };
+    let consumers = vec![
+        (
+            consumer("fail_cur", 5).cursor(true),
+            Behaviour {
+                fail_attempts: 1,
+                ..Behaviour::default()
+            },
+        ),
+        (consumer("poison_cur", 2).cursor(true), poisoned),
+    ];
+    let rt = start(&db, consumers).await;
+    let events: Vec<NewEvent> = (0..40).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    assert_once(&db, "fail_cur", 40).await;
+    let processed = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                     WHERE consumer = 'fail_cur' AND status = 'PROCESSED' AND attempt_count = 2";
+    assert_eq!(db.wait_for(processed, 40, WAIT).await, 40);
+    // The poison event is dead-lettered after its two attempts, and the others went on.
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'poison_cur' AND status = 'DEAD_LETTER' AND aggregate_id = 'o-7'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let others = "SELECT count(DISTINCT event_id) AS n FROM effects e \
+                  WHERE consumer = 'poison_cur' AND NOT EXISTS (SELECT FROM actix_outbox.outbox_events o \
+                      WHERE o.id = e.event_id AND o.aggregate_id = 'o-7')";
+    assert_eq!(db.wait_for(others, 39, WAIT).await, 39);
+    let twice = "SELECT count(*) AS n FROM (SELECT event_id FROM effects e \
+                 WHERE consumer = 'poison_cur' AND NOT EXISTS (SELECT FROM actix_outbox.outbox_events o \
+                     WHERE o.id = e.event_id AND o.aggregate_id = 'o-7') \
+                 GROUP BY event_id HAVING count(*) > 1) t";
+    assert_eq!(db.count(twice).await, 0, "an effect was applied twice");
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// A handler that hangs past its timeout in a cursor batch: the batch's events get inbox rows,
+/// the hung one is charged once its handler lets go, and every event is applied exactly once.
+#[actix_rt::test]
+async fn a_hung_handler_in_a_cursor_batch_costs_its_own_event_only() {
+    let db = TestDb::new().await;
+    let hang = Behaviour {
+        poison_aggregate: Some("o-3".into()),
+        poison: Poison::Hang,
+        ..Behaviour::default()
+    };
+    let cfg = consumer("hang_cur", 5)
+        .cursor(true)
+        .handler_timeout(Duration::from_millis(300));
+    let rt = start(&db, vec![(cfg, hang)]).await;
+    let events: Vec<NewEvent> = (0..20).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    let others = "SELECT count(DISTINCT event_id) AS n FROM effects e \
+                  WHERE consumer = 'hang_cur' AND NOT EXISTS (SELECT FROM actix_outbox.outbox_events o \
+                      WHERE o.id = e.event_id AND o.aggregate_id = 'o-3')";
+    assert_eq!(db.wait_for(others, 19, WAIT).await, 19);
+    let all = "SELECT count(*) AS n FROM (SELECT event_id FROM effects \
+               WHERE consumer = 'hang_cur' GROUP BY event_id HAVING count(*) > 1) t";
+    assert_eq!(db.count(all).await, 0, "an effect was applied twice");
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'hang_cur' AND aggregate_id = 'o-3' AND attempt_count >= 1";
+    assert_eq!(
+        db.wait_for(charged, 1, WAIT).await,
+        1,
+        "the hung event was not charged"
+    );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// A cursor lease whose process died (its database session is gone): the reaper gives its
+/// events inbox rows and judges them as any dead lease's: several rows, so none is charged and
+/// each is handled alone, once.
+#[actix_rt::test]
+async fn a_dead_cursor_lease_is_promoted_and_judged_by_the_reaper() {
+    let db = TestDb::new().await;
+    let cfg = consumer("dead_cur", 3).cursor(true);
+    let rt = start(&db, vec![(cfg, Behaviour::default())]).await;
+    pause(&db, "dead_cur").await;
+    let events: Vec<NewEvent> = (0..5).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, 5, WAIT).await, 5);
+    {
+        // A process leases the cursor's events, as a claim does, and dies.
+        let mut dying = AsyncPgConnection::establish(&db.url).await.unwrap();
+        dying
+            .batch_execute(
+                "BEGIN; \
+                 INSERT INTO actix_outbox.inbox_leases (token, consumer, locked_by, backend, \
+                     locked_until, ids, events) \
+                 SELECT 4242, 'dead_cur', 'dead-process', pg_backend_pid(), now() + interval '1 hour', \
+                     '{}', (SELECT array_agg(u ORDER BY o) FROM actix_outbox.log_stamps s, \
+                            unnest(s.events) WITH ORDINALITY AS x(u, o)); \
+                 UPDATE actix_outbox.consumer_cursors SET token = 4242, \
+                     upto_stamp = (SELECT max(stamp) FROM actix_outbox.log_stamps), \
+                     upto_idx = 9223372036854775807 WHERE consumer = 'dead_cur'; \
+                 COMMIT;",
+            )
+            .await
+            .unwrap();
+    }
+    resume(&db, "dead_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "dead_cur", 5).await;
+    let suspects = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                    WHERE consumer = 'dead_cur' AND status = 'PROCESSED' AND alone \
+                      AND attempt_count = 1";
+    assert_eq!(
+        db.wait_for(suspects, 5, WAIT).await,
+        5,
+        "not judged as a death of several"
+    );
+    let cursor = "SELECT count(*) AS n FROM actix_outbox.consumer_cursors \
+                  WHERE consumer = 'dead_cur' AND token IS NULL";
+    assert_eq!(db.count(cursor).await, 1);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
