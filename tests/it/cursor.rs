@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use actix_outbox::event::ConsumerName;
 use actix_outbox::ops::{pause_consumer, resume_consumer};
-use actix_outbox::NewEvent;
+use actix_outbox::{NewEvent, OutboxRuntime};
 use common::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
@@ -302,6 +302,98 @@ async fn a_dead_cursor_lease_is_promoted_and_judged_by_the_reaper() {
     let cursor = "SELECT count(*) AS n FROM actix_outbox.consumer_cursors \
                   WHERE consumer = 'dead_cur' AND token IS NULL";
     assert_eq!(db.count(cursor).await, 1);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// Turning cursor delivery off again is refused, before anything is written: the unread
+/// events past the cursor would otherwise be stranded.
+#[actix_rt::test]
+async fn turning_a_cursor_off_again_is_refused() {
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("off_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    rt.shutdown().await;
+    let started = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(consumer("off_cur", 3), || Recorder {
+            name: "off_cur".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await;
+    let err = started
+        .err()
+        .expect("turning the cursor off must be refused");
+    assert!(matches!(err, actix_outbox::Error::Config(_)), "got {err:?}");
+    assert_eq!(err.code().to_string(), "CONFIG_INVALID");
+    let flags = "SELECT count(*) AS n FROM actix_outbox.consumer_subscriptions \
+                 WHERE consumer = 'off_cur' AND cursor";
+    assert_eq!(
+        db.count(flags).await,
+        1,
+        "the refused start changed the subscription"
+    );
+    db.finish(&[]).await;
+}
+
+/// The fence on a batch's promotion. A cursor batch runs out of lease time (its last events
+/// are given back unhandled), and meanwhile its lease is judged dead and promoted (as the
+/// reaper does, here by hand): the batch's own promotion must then fail and roll its effects
+/// back, or they would commit beside the reaper's inbox rows, each handled again as a suspect.
+#[actix_rt::test]
+async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_millis(500),
+        ..Behaviour::default()
+    };
+    let cfg = consumer("fence_cur", 3)
+        .cursor(true)
+        .batch_size(5)
+        .handler_timeout(Duration::from_secs(1))
+        .lease(Duration::from_secs(3));
+    let rt = start(&db, vec![(cfg, slow)]).await;
+    let events: Vec<NewEvent> = (0..5).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    let leased = "SELECT count(*) AS n FROM actix_outbox.inbox_leases \
+                  WHERE consumer = 'fence_cur' AND cardinality(events) > 0";
+    assert_eq!(db.wait_for(leased, 1, WAIT).await, 1);
+    let promoted = db
+        .count(
+            "WITH l AS (SELECT token, consumer, events FROM actix_outbox.inbox_leases \
+                 WHERE consumer = 'fence_cur' AND cardinality(events) > 0 FOR UPDATE), \
+             ins AS (INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
+                 event_version, aggregate_type, aggregate_id, aggregate_version, payload, \
+                 metadata, correlation_id, causation_id, event_created_at, event_seq) \
+                 SELECT o.id, l.consumer, o.event_type, o.event_version, o.aggregate_type, \
+                     o.aggregate_id, o.aggregate_version, o.payload, o.metadata, \
+                     o.correlation_id, o.causation_id, o.created_at, o.seq \
+                 FROM l CROSS JOIN unnest(l.events) AS u(id) \
+                 JOIN actix_outbox.outbox_events o ON o.id = u.id RETURNING id), \
+             lease AS (UPDATE actix_outbox.inbox_leases p \
+                 SET ids = ARRAY(SELECT id FROM ins), events = '{}', \
+                     held = cardinality(l.events), locked_until = now() - interval '1 hour' \
+                 FROM l WHERE p.token = l.token), \
+             moved AS (UPDATE actix_outbox.consumer_cursors k SET stamp = upto_stamp, \
+                 idx = upto_idx, token = NULL, upto_stamp = NULL, upto_idx = NULL \
+                 FROM l WHERE k.consumer = l.consumer AND k.token = l.token) \
+             SELECT count(*) AS n FROM ins",
+        )
+        .await;
+    assert_eq!(promoted, 5, "the lease was not there to promote");
+    assert_once(&db, "fence_cur", 5).await;
+    // Settled by the inbox: each a suspect, handled alone, once.
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'fence_cur' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 5, WAIT).await, 5);
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    let all = "SELECT count(*) AS n FROM effects WHERE consumer = 'fence_cur'";
+    assert_eq!(db.count(all).await, 5, "an effect was applied twice");
     rt.shutdown().await;
     db.finish(&[]).await;
 }
