@@ -239,8 +239,9 @@ impl ConsumerConfig {
     /// delivered event costs no inbox row at all. Default off.
     ///
     /// Not yet with [`ordered`](ConsumerConfig::ordered) or
-    /// [`replay_safe`](ConsumerConfig::replay_safe) ([`Error::Config`]), and one batch at a time
-    /// reads the cursor (`concurrency` loops share it). Only events published by this
+    /// [`replay_safe`](ConsumerConfig::replay_safe) ([`Error::Config`]). Events are spread
+    /// over 8 slots by aggregate, each with its own cursor, so up to 8 batches of the consumer
+    /// read at once (`concurrency`). Only events published by this
     /// database's in-process publisher are read through the cursor; events received from a
     /// broker still get inbox rows. The inbox list and the dashboard show a cursor consumer's
     /// exceptions, not the events it processed. Once on for a consumer, it cannot be turned

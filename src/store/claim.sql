@@ -36,18 +36,20 @@ WITH due AS (
     RETURNING consumer, event_id
 ), to_stamp AS (
     -- Events a cursor consumer subscribes to get no inbox row of it: they are listed in one
-    -- stamp, numbered by the update of `log_head`, whose lock this claim holds to its commit
-    -- (the migration `cursors`). Costs nothing when no consumer reads through a cursor.
-    SELECT array_agg(p.id ORDER BY p.seq) AS events FROM published p
+    -- stamp (a row per slot of 8, by aggregate), numbered by the update of `log_head`, whose
+    -- lock this claim holds to its commit (the migration `cursors`). Costs nothing when no
+    -- consumer reads through a cursor.
+    SELECT p.id, p.seq, abs(hashtext(p.aggregate_type || chr(31) || p.aggregate_id) % 8) AS part
+    FROM published p
     WHERE EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
                   WHERE s.event_type = p.event_type AND s.cursor)
-    HAVING count(*) > 0
 ), head AS (
     UPDATE actix_outbox.log_head SET last = last + 1
     WHERE EXISTS (SELECT FROM to_stamp) RETURNING last
 ), stamped AS (
-    INSERT INTO actix_outbox.log_stamps (stamp, events)
-    SELECT head.last, to_stamp.events FROM head, to_stamp
+    INSERT INTO actix_outbox.log_stamps (part, stamp, events)
+    SELECT t.part, head.last, array_agg(t.id ORDER BY t.seq) FROM head, to_stamp t
+    GROUP BY t.part, head.last
 ), unrouted AS (
     -- Events no consumer is subscribed to: recorded, so that health can say so (the migration
     -- `unrouted_events`). Costs a row only for such an event.

@@ -1,31 +1,39 @@
 -- A cursor consumer's claim (`inbox::cursor::claim`, the migration `cursors`): lease the
--- next $2 events of consumer $1 past its cursor for $3 milliseconds to process $4 under
+-- events of consumer $1 among the next $2 entries of one slot past its cursor for $3 milliseconds to process $4 under
 -- token $5, by writing one `inbox_leases` row that names them (`events`) and the token in the
 -- cursor, with where the cursor goes when the batch commits. Committed before any handler
--- sees an event. None while the consumer is paused, or while another batch holds the cursor.
+-- sees an event. None while the consumer is paused, or while other batches hold every slot
+-- with entries past its cursor.
 --
--- It reads at most 8 stamps past the cursor: stamps are read in number order, and a stamp
--- is visible only once every smaller one is (the invariant of `log_head`), so a cursor that
--- moves forward over what it read never passes an event. Of their entries it takes the
--- consumer's (a subscribed type, and no inbox row for the event yet: one published while the
--- consumer was switched to its cursor is in the inbox), in stamp order, up to $2. The cursor
--- goes to the last entry taken when the claim is full, else past every stamp read. When no
--- entry is the consumer's, the cursor moves there at once and nothing is leased.
+-- It reads the next $2 entries past the cursor, from at most 8 stamps: stamps are read in
+-- number order, and a stamp is visible only once every smaller one is (the invariant of
+-- `log_head`), so a cursor that moves forward over what it read never passes an event. Of
+-- those entries it takes the consumer's (a subscribed type, and no inbox row for the event
+-- yet: one published while the consumer was switched to its cursor is in the inbox), and the
+-- cursor goes past every entry read. When no entry is the consumer's, the cursor moves there
+-- at once and nothing is leased. Entries are cut to $2 before the outbox is read: each costs
+-- a lookup of its outbox row and of an inbox row.
 WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())
 ), c AS MATERIALIZED (
-    SELECT stamp, idx FROM actix_outbox.consumer_cursors
-    WHERE consumer = $1 AND part = 0 AND token IS NULL AND NOT EXISTS (SELECT FROM paused)
+    -- The free cursor of a slot with entries past it, the furthest behind first.
+    SELECT k.part, k.stamp, k.idx FROM actix_outbox.consumer_cursors k
+    WHERE k.consumer = $1 AND k.token IS NULL AND NOT EXISTS (SELECT FROM paused)
+      AND EXISTS (SELECT FROM actix_outbox.log_stamps s
+                  WHERE s.part = k.part AND s.stamp >= k.stamp
+                    AND (s.stamp, cardinality(s.events)) > (k.stamp, k.idx))
+    ORDER BY k.stamp, k.part LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), stamps AS MATERIALIZED (
     SELECT s.stamp, s.events FROM actix_outbox.log_stamps s
-    WHERE s.stamp >= (SELECT stamp FROM c)
+    WHERE s.part = (SELECT part FROM c) AND s.stamp >= (SELECT stamp FROM c)
     ORDER BY s.stamp LIMIT 8
 ), entries AS MATERIALIZED (
     SELECT s.stamp, u.ord, u.id FROM stamps s CROSS JOIN c
     CROSS JOIN LATERAL unnest(s.events) WITH ORDINALITY AS u(id, ord)
     WHERE (s.stamp, u.ord) > (c.stamp, c.idx)
+    ORDER BY s.stamp, u.ord LIMIT $2
 ), mine AS MATERIALIZED (
     SELECT e.stamp, e.ord, o.* FROM entries e
     JOIN actix_outbox.outbox_events o ON o.id = e.id
@@ -33,13 +41,8 @@ WITH paused AS (
                            WHERE consumer = $1 AND cursor)
       AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i
                       WHERE i.event_id = o.id AND i.consumer = $1)
-    ORDER BY e.stamp, e.ord LIMIT $2
 ), upto AS (
-    (SELECT stamp, ord FROM mine WHERE (SELECT count(*) FROM mine) >= $2
-     ORDER BY stamp DESC, ord DESC LIMIT 1)
-    UNION ALL
-    (SELECT stamp, cardinality(events)::int8 FROM stamps WHERE (SELECT count(*) FROM mine) < $2
-     ORDER BY stamp DESC LIMIT 1)
+    SELECT stamp, ord FROM entries ORDER BY stamp DESC, ord DESC LIMIT 1
 ), moved AS (
     UPDATE actix_outbox.consumer_cursors k SET
         stamp = CASE WHEN n.n = 0 THEN u.stamp ELSE k.stamp END,
@@ -47,8 +50,8 @@ WITH paused AS (
         token = CASE WHEN n.n > 0 THEN $5 END,
         upto_stamp = CASE WHEN n.n > 0 THEN u.stamp END,
         upto_idx = CASE WHEN n.n > 0 THEN u.ord END
-    FROM upto u, (SELECT count(*) AS n FROM mine) n
-    WHERE k.consumer = $1 AND k.part = 0 AND EXISTS (SELECT FROM c)
+    FROM upto u, (SELECT count(*) AS n FROM mine) n, c
+    WHERE k.consumer = $1 AND k.part = c.part
 ), lease AS (
     INSERT INTO actix_outbox.inbox_leases (token, consumer, locked_by, backend, locked_until, ids, events)
     SELECT $5, $1, $4, pg_backend_pid(), now() + $3 * interval '1 millisecond', '{}',

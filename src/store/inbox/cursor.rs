@@ -72,8 +72,11 @@ pub(crate) async fn claim(
     let more = Prepared(
         crate::store::sql(
             "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors k \
-                 JOIN actix_outbox.log_stamps s ON s.stamp > coalesce(k.upto_stamp, k.stamp) \
-                 WHERE k.consumer = $1 AND k.part = 0) \
+                 JOIN actix_outbox.log_stamps s ON s.part = k.part \
+                     AND s.stamp >= coalesce(k.upto_stamp, k.stamp) \
+                 WHERE k.consumer = $1 \
+                   AND (s.stamp, cardinality(s.events)) \
+                       > (coalesce(k.upto_stamp, k.stamp), coalesce(k.upto_idx, k.idx))) \
                AND NOT EXISTS (SELECT FROM actix_outbox.consumer_states s \
                  WHERE s.consumer = $1 AND s.paused \
                    AND (s.paused_until IS NULL OR s.paused_until > now())) AS more",
@@ -113,7 +116,7 @@ pub(crate) async fn commit(conn: &mut AsyncPgConnection, consumer: &str, token: 
              ), moved AS ( \
                  UPDATE actix_outbox.consumer_cursors SET stamp = upto_stamp, idx = upto_idx, \
                      token = NULL, upto_stamp = NULL, upto_idx = NULL \
-                 WHERE consumer = $2 AND part = 0 AND token = $1 AND EXISTS (SELECT FROM l) \
+                 WHERE consumer = $2 AND token = $1 AND EXISTS (SELECT FROM l) \
              ) \
              SELECT actix_outbox.inbox_lease_held((SELECT count(*) FROM l), 1) AS held",
         )
@@ -263,7 +266,7 @@ pub(crate) async fn give_back(
              ) \
              UPDATE actix_outbox.consumer_cursors SET token = NULL, upto_stamp = NULL, \
                  upto_idx = NULL \
-             WHERE consumer = $2 AND part = 0 AND token = $1 AND EXISTS (SELECT FROM l)",
+             WHERE consumer = $2 AND token = $1 AND EXISTS (SELECT FROM l)",
         )
         .bind::<BigInt, _>(token)
         .bind::<Text, _>(consumer),

@@ -163,7 +163,8 @@ pub(crate) async fn register_consumer(
                     ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3, cursor = $7 \
                     WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor) <> ($3, $7)), \
               on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx) \
-                    SELECT $1, 0, last, 9223372036854775807 FROM actix_outbox.log_head WHERE $7 \
+                    SELECT $1, part, last, 9223372036854775807 \
+                    FROM actix_outbox.log_head, generate_series(0, 7) AS part WHERE $7 \
                     ON CONFLICT DO NOTHING) \
          SELECT event_type FROM actix_outbox.consumer_subscriptions \
          WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
