@@ -79,10 +79,14 @@ pub(crate) async fn delete_expired(
         // for it would stall retention behind that handler. The unrouted record of an event
         // received from a broker (no outbox row here) goes once it is as old. No event a
         // cursor has yet to pass goes (none at or past the least seq of the stamps from the
-        // slowest cursor's on), and the stamps every cursor passed go with the run.
+        // slowest cursor's on, among cursors with entries past them: a slot with none would
+        // hold the floor for ever), and the stamps every such cursor passed go with the run.
         Expired::PublishedOutbox => {
             "WITH slowest AS ( \
-                 SELECT min(k.stamp) AS stamp FROM actix_outbox.consumer_cursors k), \
+                 SELECT min(k.stamp) AS stamp FROM actix_outbox.consumer_cursors k \
+                 WHERE EXISTS (SELECT FROM actix_outbox.log_stamps s \
+                     WHERE s.part = k.part AND s.stamp >= k.stamp \
+                       AND (s.stamp, cardinality(s.events)) > (k.stamp, k.idx))), \
              cursors AS ( \
                  SELECT coalesce(min(o.seq), 9223372036854775807) AS floor \
                  FROM actix_outbox.log_stamps s \
@@ -90,7 +94,8 @@ pub(crate) async fn delete_expired(
                  JOIN actix_outbox.outbox_events o ON o.id = u.id \
                  WHERE s.stamp >= (SELECT stamp FROM slowest)), \
              stamps AS (DELETE FROM actix_outbox.log_stamps \
-                 WHERE stamp < coalesce((SELECT stamp FROM slowest), 0)), \
+                 WHERE stamp < coalesce((SELECT stamp FROM slowest), \
+                                        (SELECT last + 1 FROM actix_outbox.log_head))), \
              expired AS ( \
                  SELECT id, published_at FROM actix_outbox.outbox_events \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \

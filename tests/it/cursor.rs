@@ -398,3 +398,88 @@ async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
     rt.shutdown().await;
     db.finish(&[]).await;
 }
+
+/// Retention deletes no outbox row a cursor has yet to read (a paused cursor consumer's whole
+/// backlog stays, however old), and once every event is read it deletes them all, and the
+/// stamps: a slot that never had an event does not hold the floor.
+#[actix_rt::test]
+async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
+    use actix_outbox::retention::{Retention, RetentionConfig};
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("keep_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    pause(&db, "keep_cur").await;
+    // Three aggregates: most slots never see an event.
+    let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o-{}", i % 3))).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, 30, WAIT).await, 30);
+    actix_rt::time::sleep(Duration::from_millis(50)).await;
+    let now = RetentionConfig::default()
+        .published_outbox_after(Duration::from_millis(1))
+        .processed_inbox_after(Duration::from_secs(3600))
+        .idempotency_keys_after(Duration::from_secs(3600));
+    let retention = Retention::new(db.pool.clone(), now).unwrap();
+    retention.run_once().await.unwrap();
+    let outbox = "SELECT count(*) AS n FROM actix_outbox.outbox_events";
+    assert_eq!(
+        db.count(outbox).await,
+        30,
+        "retention deleted events no cursor has read"
+    );
+    resume(&db, "keep_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "keep_cur", 30).await;
+    actix_rt::time::sleep(Duration::from_millis(50)).await;
+    retention.run_once().await.unwrap();
+    assert_eq!(db.count(outbox).await, 0, "read events were kept");
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM actix_outbox.log_stamps")
+            .await,
+        0,
+        "read stamps were kept"
+    );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// Loops of a consumer whose only slot with a backlog another batch holds do not claim again
+/// and again until it is done (a review found them spinning): the whole drain costs the
+/// database a bounded number of transactions per batch, not thousands.
+#[actix_rt::test]
+async fn loops_do_not_spin_on_a_slot_another_batch_holds() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_millis(300),
+        ..Behaviour::default()
+    };
+    let cfg = consumer("spin_cur", 3)
+        .cursor(true)
+        .concurrency(4)
+        .batch_size(5);
+    let rt = start(&db, vec![(cfg, slow)]).await;
+    // Every claim (and nothing of the test's) reads the cursors' index.
+    let xacts = "SELECT (coalesce(idx_scan, 0) + coalesce(seq_scan, 0))::int8 AS n \
+                 FROM pg_stat_user_tables WHERE relid = 'actix_outbox.consumer_cursors'::regclass";
+    actix_rt::time::sleep(Duration::from_millis(1500)).await;
+    let before = db.count(xacts).await;
+    // One aggregate: one slot, four batches of five, each holding the slot for 1.5 s.
+    let events: Vec<NewEvent> = (0..20).map(|_| order("o-hot")).collect();
+    enqueue(&db, &events).await;
+    rt.handle().wake();
+    assert_once(&db, "spin_cur", 20).await;
+    // Backends report their counts once idle for a second.
+    actix_rt::time::sleep(Duration::from_millis(2500)).await;
+    let spent = db.count(xacts).await - before;
+    assert!(
+        spent < 4 * 200,
+        "{spent} reads of the cursors for 4 batches: the other loops claimed in a loop"
+    );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}

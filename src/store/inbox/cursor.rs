@@ -67,21 +67,23 @@ pub(crate) async fn claim(
             .bind::<Text, _>(store::process_id())
             .bind::<BigInt, _>(token),
     );
-    // After the claim, in its transaction: whether stamps lie past what it read (or past a
-    // cursor it moved), unless the consumer is paused.
+    // After the claim, in its transaction: whether entries lie past what it read, or past a
+    // cursor no other batch holds (a slot another batch holds is that batch's to go on with:
+    // a loop that claimed again for it would spin), unless the consumer is paused.
     let more = Prepared(
         crate::store::sql(
             "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors k \
                  JOIN actix_outbox.log_stamps s ON s.part = k.part \
                      AND s.stamp >= coalesce(k.upto_stamp, k.stamp) \
-                 WHERE k.consumer = $1 \
+                 WHERE k.consumer = $1 AND (k.token IS NULL OR k.token = $2) \
                    AND (s.stamp, cardinality(s.events)) \
                        > (coalesce(k.upto_stamp, k.stamp), coalesce(k.upto_idx, k.idx))) \
                AND NOT EXISTS (SELECT FROM actix_outbox.consumer_states s \
                  WHERE s.consumer = $1 AND s.paused \
                    AND (s.paused_until IS NULL OR s.paused_until > now())) AS more",
         )
-        .bind::<Text, _>(consumer),
+        .bind::<Text, _>(consumer)
+        .bind::<BigInt, _>(token),
     );
     guarded(conn, async |c| {
         let (mut a, mut b) = (c, c);
