@@ -182,6 +182,10 @@ struct ConsumerRow {
     critical_delay_ms: Option<i64>,
     #[diesel(sql_type = BigInt)]
     dead_letter: i64,
+    #[diesel(sql_type = BigInt)]
+    unread: i64,
+    #[diesel(sql_type = Double)]
+    unread_age: f64,
 }
 
 /// The gauges of every consumer ever registered, in name order.
@@ -209,7 +213,21 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
                AND i.status IN ('RECEIVED', 'RETRY_PENDING')), 0) AS oldest_waiting_age, \
            s.allowed_delay_ms, s.critical_delay_ms, \
            (SELECT count(*) FROM actix_outbox.inbox_events i WHERE i.consumer = s.consumer \
-               AND i.status = 'DEAD_LETTER') AS dead_letter \
+               AND i.status = 'DEAD_LETTER') AS dead_letter, \
+           (SELECT coalesce(sum(cardinality(t.events) - CASE WHEN t.stamp = u.stamp \
+                   THEN least(u.idx, cardinality(t.events)) ELSE 0 END), 0)::int8 \
+               FROM actix_outbox.consumer_cursors k \
+               CROSS JOIN LATERAL (SELECT coalesce(k.upto_stamp, k.stamp) AS stamp, \
+                   coalesce(k.upto_idx, k.idx) AS idx) u \
+               JOIN actix_outbox.log_stamps t ON t.part = k.part AND t.stamp >= u.stamp \
+               WHERE k.consumer = s.consumer) AS unread, \
+           coalesce((SELECT extract(epoch FROM now() - min(t.stamped_at))::float8 \
+               FROM actix_outbox.consumer_cursors k \
+               CROSS JOIN LATERAL (SELECT coalesce(k.upto_stamp, k.stamp) AS stamp, \
+                   coalesce(k.upto_idx, k.idx) AS idx) u \
+               JOIN actix_outbox.log_stamps t ON t.part = k.part AND t.stamp >= u.stamp \
+               WHERE k.consumer = s.consumer \
+                 AND (t.stamp, cardinality(t.events)) > (u.stamp, u.idx)), 0) AS unread_age \
          FROM actix_outbox.consumer_states s ORDER BY s.consumer",
     )
     .load(conn)
@@ -219,12 +237,15 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
         .map(|r| ConsumerGauges {
             consumer: r.consumer,
             paused: r.paused,
-            backlog: r.backlog,
+            // A cursor consumer's entries past its cursors (not held by a batch) are due:
+            // counted from their stamps, whatever their type (an upper bound when several
+            // cursor consumers subscribe to different types), since their publish.
+            backlog: r.backlog + r.unread,
             retrying: r.retrying,
-            due: r.due,
-            oldest_due_age_seconds: r.oldest_due_age.max(0.0),
+            due: r.due + r.unread,
+            oldest_due_age_seconds: r.oldest_due_age.max(r.unread_age).max(0.0),
             oldest_in_flight_age_seconds: r.oldest_in_flight_age.max(0.0),
-            oldest_waiting_age_seconds: r.oldest_waiting_age.max(0.0),
+            oldest_waiting_age_seconds: r.oldest_waiting_age.max(r.unread_age).max(0.0),
             allowed_delay_seconds: r.allowed_delay_ms.map(|ms| ms as f64 / 1000.0),
             critical_delay_seconds: r.critical_delay_ms.map(|ms| ms as f64 / 1000.0),
             dead_letter: r.dead_letter,

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use actix_outbox::event::ConsumerName;
+use actix_outbox::ops::{pause_consumer, resume_consumer};
 use actix_outbox::{
     enqueue, ConsumerConfig, Delivery, DeliveryBatch, HandlerError, NewEvent, OutboxRuntime,
     PgPool, RetryPolicy, RuntimeConfig,
@@ -184,6 +186,43 @@ pub fn order_event(order: &str) -> NewEvent {
         serde_json::json!({"order_id": order, "status": "COMPLETED"}),
     )
     .aggregate_version(2)
+}
+
+/// An `ORDER_STATUS_CHANGED` event of aggregate `order` `aggregate`, with no version.
+pub fn order(aggregate: &str) -> NewEvent {
+    NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        aggregate,
+        serde_json::json!({"order_id": aggregate}),
+    )
+}
+
+/// Enqueues `events` in one transaction of their own.
+pub async fn enqueue_events(db: &TestDb, events: &[NewEvent]) {
+    let mut conn = db.pool.get().await.unwrap();
+    conn.transaction::<_, actix_outbox::Error, _>(async |c| {
+        actix_outbox::enqueue_many(c, events).await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+}
+
+/// Pauses `consumer` as an operator would.
+pub async fn pause(db: &TestDb, consumer: &str) {
+    let mut conn = db.pool.get().await.unwrap();
+    let name = ConsumerName::new(consumer).unwrap();
+    pause_consumer(&mut conn, &name, "test", "set-up", None)
+        .await
+        .unwrap();
+}
+
+/// Resumes `consumer` as an operator would.
+pub async fn resume(db: &TestDb, consumer: &str) {
+    let mut conn = db.pool.get().await.unwrap();
+    let name = ConsumerName::new(consumer).unwrap();
+    resume_consumer(&mut conn, &name, "test").await.unwrap();
 }
 
 pub async fn insert_order(

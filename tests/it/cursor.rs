@@ -5,44 +5,9 @@ use crate::common;
 
 use std::time::Duration;
 
-use actix_outbox::event::ConsumerName;
-use actix_outbox::ops::{pause_consumer, resume_consumer};
 use actix_outbox::{NewEvent, OutboxRuntime};
 use common::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
-
-fn order(aggregate: &str) -> NewEvent {
-    NewEvent::new(
-        "ORDER_STATUS_CHANGED",
-        "order",
-        aggregate,
-        serde_json::json!({"order_id": aggregate}),
-    )
-}
-
-async fn enqueue(db: &TestDb, events: &[NewEvent]) {
-    let mut conn = db.pool.get().await.unwrap();
-    conn.transaction::<_, actix_outbox::Error, _>(async |c| {
-        actix_outbox::enqueue_many(c, events).await?;
-        Ok(())
-    })
-    .await
-    .unwrap();
-}
-
-async fn pause(db: &TestDb, consumer: &str) {
-    let mut conn = db.pool.get().await.unwrap();
-    let name = ConsumerName::new(consumer).unwrap();
-    pause_consumer(&mut conn, &name, "test", "set-up", None)
-        .await
-        .unwrap();
-}
-
-async fn resume(db: &TestDb, consumer: &str) {
-    let mut conn = db.pool.get().await.unwrap();
-    let name = ConsumerName::new(consumer).unwrap();
-    resume_consumer(&mut conn, &name, "test").await.unwrap();
-}
 
 /// Every event applied exactly once by `name`: `total` distinct, `total` in all.
 async fn assert_once(db: &TestDb, name: &str, total: i64) {
@@ -77,7 +42,7 @@ async fn a_cursor_consumer_gets_every_event_once_and_no_inbox_row() {
     let rt = start(&db, consumers).await;
     for chunk in 0..10 {
         let events: Vec<NewEvent> = (0..50).map(|i| order(&format!("o-{chunk}-{i}"))).collect();
-        enqueue(&db, &events).await;
+        enqueue_events(&db, &events).await;
         rt.handle().wake();
     }
     assert_once(&db, "cur", 500).await;
@@ -196,7 +161,7 @@ async fn failed_events_get_inbox_rows_and_are_retried_from_there() {
     ];
     let rt = start(&db, consumers).await;
     let events: Vec<NewEvent> = (0..40).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     assert_once(&db, "fail_cur", 40).await;
     let processed = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
@@ -234,7 +199,7 @@ async fn a_hung_handler_in_a_cursor_batch_costs_its_own_event_only() {
         .handler_timeout(Duration::from_millis(300));
     let rt = start(&db, vec![(cfg, hang)]).await;
     let events: Vec<NewEvent> = (0..20).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     let others = "SELECT count(DISTINCT event_id) AS n FROM effects e \
                   WHERE consumer = 'hang_cur' AND NOT EXISTS (SELECT FROM actix_outbox.outbox_events o \
@@ -264,7 +229,7 @@ async fn a_dead_cursor_lease_is_promoted_and_judged_by_the_reaper() {
     let rt = start(&db, vec![(cfg, Behaviour::default())]).await;
     pause(&db, "dead_cur").await;
     let events: Vec<NewEvent> = (0..5).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     let stamped =
         "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
@@ -359,7 +324,7 @@ async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
     let rt = start(&db, vec![(cfg, slow)]).await;
     // One aggregate: one slot, so that one batch leases all five.
     let events: Vec<NewEvent> = (0..5).map(|_| order("o-fence")).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     let leased = "SELECT count(*) AS n FROM actix_outbox.inbox_leases \
                   WHERE consumer = 'fence_cur' AND cardinality(events) > 0";
@@ -414,7 +379,7 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
     pause(&db, "keep_cur").await;
     // Three aggregates: most slots never see an event.
     let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o-{}", i % 3))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     let stamped =
         "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
@@ -470,7 +435,7 @@ async fn loops_do_not_spin_on_a_slot_another_batch_holds() {
     let before = db.count(xacts).await;
     // One aggregate: one slot, four batches of five, each holding the slot for 1.5 s.
     let events: Vec<NewEvent> = (0..20).map(|_| order("o-hot")).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     assert_once(&db, "spin_cur", 20).await;
     // Backends report their counts once idle for a second.
@@ -480,6 +445,60 @@ async fn loops_do_not_spin_on_a_slot_another_batch_holds() {
         spent < 4 * 200,
         "{spent} reads of the cursors for 4 batches: the other loops claimed in a loop"
     );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// Health sees a cursor consumer's backlog, which has no inbox row: its paused consumer's
+/// stamped events are counted, and it is reported paused with them waiting; once resumed and
+/// drained, nothing waits.
+#[actix_rt::test]
+async fn health_counts_what_waits_past_a_cursor() {
+    use actix_outbox::health::{HealthConfig, StatsConfig, StatsSampler};
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("lag_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    pause(&db, "lag_cur").await;
+    let events: Vec<NewEvent> = (0..12).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, 12, WAIT).await, 12);
+    actix_rt::time::sleep(Duration::from_millis(50)).await;
+    let health = HealthConfig::default()
+        .inbox_warn_after(Duration::from_millis(10))
+        .inbox_critical_after(Duration::from_secs(3600));
+    let sampler =
+        StatsSampler::new(db.pool.clone(), StatsConfig::default().health(health)).unwrap();
+    let report = sampler.run_once().await.unwrap();
+    let mine = report
+        .consumers
+        .iter()
+        .find(|c| c.consumer == "lag_cur")
+        .unwrap();
+    assert_eq!(mine.backlog, 12, "{report:?}");
+    assert!(mine.oldest_due_age_seconds > 0.0, "{report:?}");
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|r| r.code == "CONSUMER_PAUSED" && r.consumer.as_deref() == Some("lag_cur")),
+        "{report:?}"
+    );
+    resume(&db, "lag_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "lag_cur", 12).await;
+    let report = sampler.run_once().await.unwrap();
+    let mine = report
+        .consumers
+        .iter()
+        .find(|c| c.consumer == "lag_cur")
+        .unwrap();
+    assert_eq!(mine.backlog, 0, "{report:?}");
     rt.shutdown().await;
     db.finish(&[]).await;
 }

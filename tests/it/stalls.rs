@@ -10,49 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use actix_outbox::event::ConsumerName;
 use actix_outbox::health::{HealthConfig, StatsConfig, StatsSampler};
-use actix_outbox::ops::{pause_consumer, resume_consumer};
 use actix_outbox::{ConsumerConfig, Delivery, HandlerError, NewEvent, OutboxRuntime};
 use common::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
-fn order(aggregate: &str) -> NewEvent {
-    NewEvent::new(
-        "ORDER_STATUS_CHANGED",
-        "order",
-        aggregate,
-        serde_json::json!({"order_id": aggregate}),
-    )
-}
-
-async fn enqueue(db: &TestDb, events: &[NewEvent]) {
-    let mut conn = db.pool.get().await.unwrap();
-    conn.transaction::<_, actix_outbox::Error, _>(async |c| {
-        actix_outbox::enqueue_many(c, events).await?;
-        Ok(())
-    })
-    .await
-    .unwrap();
-}
-
 async fn exec(db: &TestDb, sql: &str) {
     let mut conn = db.pool.get().await.unwrap();
     diesel::sql_query(sql).execute(&mut conn).await.unwrap();
-}
-
-async fn pause(db: &TestDb, consumer: &str) {
-    let mut conn = db.pool.get().await.unwrap();
-    let name = ConsumerName::new(consumer).unwrap();
-    pause_consumer(&mut conn, &name, "test", "set-up", None)
-        .await
-        .unwrap();
-}
-
-async fn resume(db: &TestDb, consumer: &str) {
-    let mut conn = db.pool.get().await.unwrap();
-    let name = ConsumerName::new(consumer).unwrap();
-    resume_consumer(&mut conn, &name, "test").await.unwrap();
 }
 
 /// A runtime with the one consumer `cfg`, its handler actors made by `make`.
@@ -120,7 +85,7 @@ async fn an_ordered_consumer_goes_on_beside_a_suspect_its_order_holds_back() {
         .await
         .expect("start runtime");
     pause(&db, "ord").await;
-    enqueue(&db, &[order("a"), order("a"), order("b")]).await;
+    enqueue_events(&db, &[order("a"), order("a"), order("b")]).await;
     rt.handle().wake();
     let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'ord'";
     assert_eq!(db.wait_for(rows, 3, WAIT).await, 3);
@@ -178,7 +143,7 @@ async fn a_suspect_holds_up_no_other_row_of_a_busy_instance() {
         .expect("start runtime");
     pause(&db, "sus").await;
     let events: Vec<NewEvent> = (0..10).map(|i| order(&format!("o{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     // `busy` holds its rows, leased, in this process.
     let held = "SELECT count(*) AS n FROM actix_outbox.inbox_leases WHERE consumer = 'busy'";
@@ -233,7 +198,7 @@ async fn a_consumer_waiting_for_a_place_keeps_its_lease_and_charges_no_innocent_
     )
     .await;
     let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
 
     // Two calls hang: one parked, one waiting for a place.
@@ -286,7 +251,7 @@ async fn a_live_session_past_its_lease_is_given_patience_and_a_dead_one_is_not()
     )
     .await;
     pause(&db, "judged").await;
-    enqueue(&db, &[order("live"), order("dead")]).await;
+    enqueue_events(&db, &[order("live"), order("dead")]).await;
     rt.handle().wake();
     let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'judged'";
     assert_eq!(db.wait_for(rows, 2, WAIT).await, 2);
@@ -426,7 +391,7 @@ async fn graceful_restarts_mid_handler_spend_no_attempt() {
     let events: Vec<NewEvent> = (0..DEPLOY_EVENTS)
         .map(|i| order(&format!("o{i}")))
         .collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
 
     for _ in 0..DEPLOYS {
         let mut child = spawn_entry(&db.url, "stalls::deploy_child_entry", &[]);
@@ -543,7 +508,7 @@ async fn an_operators_ignore_of_a_row_in_flight_is_refused_and_its_batch_settles
     )
     .await;
     pause(&db, "held").await;
-    enqueue(&db, &[order("a"), order("b"), order("c")]).await;
+    enqueue_events(&db, &[order("a"), order("b"), order("c")]).await;
     rt.handle().wake();
     let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'held'";
     assert_eq!(db.wait_for(rows, 3, WAIT).await, 3);
@@ -611,7 +576,7 @@ async fn an_event_committed_behind_a_drains_start_is_published_when_the_drain_en
         .await
         .unwrap();
     let events: Vec<NewEvent> = (0..100).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     let mut stall = db.pool.get().await.unwrap();
     stall
         .batch_execute(
@@ -724,7 +689,7 @@ async fn rows_due_since_minus_infinity_are_claimed_and_processed_once() {
     let rt = start(&db, vec![(cfg, Behaviour::default())]).await;
     pause(&db, "inf").await;
     let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue(&db, &events).await;
+    enqueue_events(&db, &events).await;
     rt.handle().wake();
     let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'inf'";
     assert_eq!(db.wait_for(rows, 30, WAIT).await, 30);
