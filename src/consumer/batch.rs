@@ -410,6 +410,8 @@ impl Batch<'_> {
                 }
                 PassEnd::Kept(slot, backend, outcomes, mut parked) => {
                     decided.extend(outcomes);
+                    // A cursor lease that could not be promoted is left to the reaper whole.
+                    let mut to_reaper = false;
                     if cursor {
                         // The events get inbox rows, and the hung call's stay leased to it.
                         let promoted = async {
@@ -432,6 +434,7 @@ impl Batch<'_> {
                                 decided.clear();
                                 parked.clear();
                                 expire(pool, cfg, token).await;
+                                to_reaper = true;
                             }
                         }
                     }
@@ -441,6 +444,9 @@ impl Batch<'_> {
                     // for a place to park the handler in.
                     let lease_ms = store::millis(cfg.lease_period());
                     let settled = async {
+                        if to_reaper {
+                            return Ok(0);
+                        }
                         let mut conn = pool.get_owned().await?;
                         store::bounded(&mut conn, DB_TIMEOUT, async |c| {
                             inbox::extend(c, token, lease_ms).await?;

@@ -19,24 +19,6 @@ use crate::store::{self, Prepared};
 
 use super::{guarded, InboxRow};
 
-/// The columns of an inbox row made from outbox row `o` for consumer `{consumer}`.
-macro_rules! inbox_from_outbox {
-    ($consumer:literal, $from:literal) => {
-        concat!(
-            "INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
-                 event_version, aggregate_type, aggregate_id, aggregate_version, payload, \
-                 metadata, correlation_id, causation_id, event_created_at, event_seq) \
-             SELECT o.id, ",
-            $consumer,
-            ", o.event_type, o.event_version, o.aggregate_type, o.aggregate_id, \
-                 o.aggregate_version, o.payload, o.metadata, o.correlation_id, o.causation_id, \
-                 o.created_at, o.seq FROM ",
-            $from,
-            " ON CONFLICT (event_id, consumer) DO NOTHING"
-        )
-    };
-}
-
 /// What a cursor [`claim`] leased.
 pub(crate) struct CursorClaim {
     /// In cursor order; `id` is each event's outbox seq.
@@ -181,16 +163,20 @@ pub(crate) async fn promote(
         event_seq: Option<i64>,
     }
     let promote = Prepared(
-        crate::store::sql(concat!(
+        crate::store::sql(
             "WITH l AS MATERIALIZED ( \
                  SELECT token, consumer, events FROM actix_outbox.inbox_leases \
                  WHERE token = $1 AND cardinality(events) > 0 FOR UPDATE \
-             ), ins AS (",
-            inbox_from_outbox!(
-                "l.consumer",
-                "l CROSS JOIN unnest(l.events) AS u(id) JOIN actix_outbox.outbox_events o ON o.id = u.id"
-            ),
-            " RETURNING id, event_seq \
+             ), ins AS ( \
+                 INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
+                     event_version, aggregate_type, aggregate_id, aggregate_version, payload, \
+                     metadata, correlation_id, causation_id, event_created_at, event_seq) \
+                 SELECT o.id, l.consumer, o.event_type, o.event_version, o.aggregate_type, \
+                     o.aggregate_id, o.aggregate_version, o.payload, o.metadata, \
+                     o.correlation_id, o.causation_id, o.created_at, o.seq \
+                 FROM l CROSS JOIN unnest(l.events) AS u(id) \
+                 JOIN actix_outbox.outbox_events o ON o.id = u.id \
+                 ON CONFLICT (event_id, consumer) DO NOTHING RETURNING id, event_seq \
              ), lease AS ( \
                  UPDATE actix_outbox.inbox_leases p \
                  SET ids = p.ids || ARRAY(SELECT id FROM ins ORDER BY id), events = '{}' \
@@ -206,8 +192,8 @@ pub(crate) async fn promote(
              ) \
              SELECT i.id, i.event_seq FROM (SELECT actix_outbox.inbox_lease_held( \
                  (SELECT count(*) FROM l), CASE WHEN $2 THEN 1 END)) f \
-             LEFT JOIN ins i ON true"
-        ))
+             LEFT JOIN ins i ON true",
+        )
         .bind::<BigInt, _>(token)
         .bind::<Bool, _>(fenced),
     );
