@@ -502,3 +502,143 @@ async fn health_counts_what_waits_past_a_cursor() {
     rt.shutdown().await;
     db.finish(&[]).await;
 }
+
+/// The process the cursor SIGKILL and abort tests run, kill and restart: a cursor consumer
+/// `kc` on `AO_CHILD_DB` (with `AO_CHILD_POISON`, its handler aborts the process on the events
+/// of aggregate `poison`). Not a test of its own.
+#[actix_rt::test]
+#[ignore = "entry point of the cursor tests' child process"]
+async fn cursor_child_entry() {
+    let url = std::env::var("AO_CHILD_DB").expect("started by a child-process test");
+    let poison = std::env::var("AO_CHILD_POISON").is_ok();
+    let behaviour = Behaviour {
+        poison_aggregate: poison.then(|| "poison".to_owned()),
+        poison: Poison::Abort,
+        ..Behaviour::default()
+    };
+    let pool = actix_outbox::connect(&url, 10).await.unwrap();
+    let _rt = start_on(pool, vec![(killed_consumer(poison), behaviour)]).await;
+    std::future::pending::<()>().await;
+}
+
+/// The child's consumer: short leases, so that a death is judged within the test's time.
+fn killed_consumer(poison: bool) -> actix_outbox::ConsumerConfig {
+    consumer("kc", if poison { 2 } else { 10 })
+        .cursor(true)
+        .batch_size(50)
+        .handler_timeout(Duration::from_secs(1))
+        .lease(Duration::from_secs(2))
+}
+
+const KC_DISTINCT: &str = "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'kc'";
+const KC_ALL: &str = "SELECT count(*) AS n FROM effects WHERE consumer = 'kc'";
+
+/// SIGKILLs of the process running a cursor consumer, mid-drain, while events are produced:
+/// every event is applied exactly once, counted in the database.
+#[actix_rt::test]
+async fn sigkills_of_a_cursor_consumers_process_lose_and_double_nothing() {
+    const EVENTS: i64 = 5_000;
+    let db = TestDb::new().await;
+    // Registered before any event exists, as a deployed service would be.
+    start(&db, vec![(killed_consumer(false), Behaviour::default())])
+        .await
+        .shutdown()
+        .await;
+    let child_of = |url: &str| spawn_entry(url, "cursor::cursor_child_entry", &[]);
+    let mut child = child_of(&db.url);
+    let producer = {
+        let db_url = db.url.clone();
+        actix_rt::spawn(async move {
+            let pool = actix_outbox::connect(&db_url, 2).await.unwrap();
+            let db = TestDb {
+                name: String::new(),
+                url: db_url,
+                pool,
+            };
+            db.produce_batched(EVENTS as usize, 50, "o").await;
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let (mut kills, mut last) = (0, 0);
+    while kills < 8 && std::time::Instant::now() < deadline {
+        let now = db.count(KC_DISTINCT).await;
+        if now >= EVENTS {
+            break;
+        }
+        // Once the new process has made some progress, at a different point each time.
+        if now >= last + 300 + kills * 97 {
+            child.kill().expect("SIGKILL");
+            child.wait().unwrap();
+            kills += 1;
+            last = now;
+            child = child_of(&db.url);
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    producer.await.unwrap();
+    let applied = db
+        .wait_for(KC_DISTINCT, EVENTS, Duration::from_secs(120))
+        .await;
+    child.kill().ok();
+    child.wait().ok();
+    assert!(
+        kills >= 3,
+        "killed {kills} times; the test needs at least 3"
+    );
+    assert_eq!(applied, EVENTS, "events were lost");
+    assert_eq!(
+        db.count(KC_ALL).await,
+        EVENTS,
+        "an effect was applied twice"
+    );
+    db.finish(&[]).await;
+}
+
+/// An event whose handler aborts the process, in a cursor batch: the batch's lease is judged
+/// dead by the next process, its events get inbox rows and are handled alone, the killer is
+/// charged each death and dead-lettered after its attempts, and every other event is applied
+/// exactly once.
+#[actix_rt::test]
+async fn an_event_that_kills_a_cursor_consumers_process_is_dead_lettered_alone() {
+    let db = TestDb::new().await;
+    start(&db, vec![(killed_consumer(true), Behaviour::default())])
+        .await
+        .shutdown()
+        .await;
+    let healthy: Vec<NewEvent> = (0..30).map(|i| order(&format!("h-{i}"))).collect();
+    enqueue_events(&db, &healthy[..15]).await;
+    enqueue_events(&db, &[order("poison")]).await;
+    enqueue_events(&db, &healthy[15..]).await;
+    let env = [("AO_CHILD_POISON", "1")];
+    let mut child = spawn_entry(&db.url, "cursor::cursor_child_entry", &env);
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'kc' \
+                AND aggregate_id = 'poison' AND status = 'DEAD_LETTER' \
+                AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+    let others = "SELECT count(DISTINCT e.event_id) AS n FROM effects e \
+                  JOIN actix_outbox.outbox_events o ON o.id = e.event_id \
+                  WHERE e.consumer = 'kc' AND o.aggregate_id <> 'poison'";
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let mut deaths = 0;
+    while std::time::Instant::now() < deadline {
+        if db.count(dead).await == 1 && db.count(others).await == 30 {
+            break;
+        }
+        if child.try_wait().unwrap().is_some() {
+            deaths += 1;
+            child = spawn_entry(&db.url, "cursor::cursor_child_entry", &env);
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().ok();
+    child.wait().ok();
+    assert_eq!(db.count(dead).await, 1, "the killer was not dead-lettered");
+    assert_eq!(db.count(others).await, 30, "healthy events were lost");
+    let twice = "SELECT count(*) AS n FROM (SELECT event_id FROM effects WHERE consumer = 'kc' \
+                 GROUP BY event_id HAVING count(*) > 1) t";
+    assert_eq!(db.count(twice).await, 0, "an effect was applied twice");
+    assert!(
+        deaths >= 2,
+        "{deaths} deaths: the killer's two attempts each kill the process"
+    );
+    db.finish(&[]).await;
+}
