@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS log_head (
 INSERT INTO log_head (one, last) VALUES (true, 0) ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS log_stamps (
-    -- the event's slot: hashtext(aggregate_type || aggregate_id) modulo 8, so that one
+    -- the events' slot, 0 to 7, from a hash of their aggregate (`claim.sql`), so that one
     -- aggregate's events share a slot and eight batches of a consumer can read at once
     part       integer     NOT NULL,
     stamp      bigint      NOT NULL,

@@ -1,7 +1,8 @@
 -- A cursor consumer's claim (`inbox::cursor::claim`, the migration `cursors`): lease the
--- events of consumer $1 among the next $2 entries of one slot past its cursor for $3 milliseconds to process $4 under
--- token $5, by writing one `inbox_leases` row that names them (`events`) and the token in the
--- cursor, with where the cursor goes when the batch commits. Committed before any handler
+-- events of consumer $1 among the next $2 entries of one slot past its cursor, for $3
+-- milliseconds, to process $4 under token $5, by writing one `inbox_leases` row that names
+-- them (`events`) and the token in the slot's cursor, with where the cursor goes when the
+-- batch commits. Committed before any handler
 -- sees an event. None while the consumer is paused, or while other batches hold every slot
 -- with entries past its cursor.
 --
