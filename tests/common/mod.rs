@@ -225,6 +225,81 @@ pub async fn resume(db: &TestDb, consumer: &str) {
     resume_consumer(&mut conn, &name, "test").await.unwrap();
 }
 
+/// `producers` connections that each commit `each` one-event transactions (aggregates
+/// `p{producer}-{i}`) and wake the runtime after each commit, as the README says; every other
+/// producer stalls mid-commit, up to 60 ms, varied so that commits interleave.
+pub async fn stalled_producers(
+    url: &str,
+    handle: &actix_outbox::OutboxHandle,
+    producers: usize,
+    each: usize,
+) {
+    let producers = (0..producers).map(|p| {
+        let (url, handle) = (url.to_owned(), handle.clone());
+        async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            for i in 0..each {
+                conn.batch_execute("BEGIN").await.unwrap();
+                actix_outbox::enqueue_many(&conn, &[order(&format!("p{p}-{i}"))])
+                    .await
+                    .unwrap();
+                if p % 2 == 1 {
+                    let ms = ((i * 7 + p * 13) % 61) as u64;
+                    actix_rt::time::sleep(Duration::from_millis(ms)).await;
+                }
+                conn.batch_execute("COMMIT").await.unwrap();
+                handle.wake();
+            }
+        }
+    });
+    futures_util::future::join_all(producers).await;
+}
+
+/// Produces `total` events (`produce_batched`, 50 per transaction, aggregates `o-…`) from a
+/// connection of its own while the child process `spawn` starts runs; SIGKILLs the child and
+/// starts another each time `progress` (a count query) has climbed `first` rows past the last
+/// kill, 97 more rows each time so that the kills land at different points, at most 8 times
+/// or for 240 s. Returns the kills, and the child left running once the producer is done.
+pub async fn kill_while_producing(
+    db: &TestDb,
+    spawn: impl Fn() -> std::process::Child,
+    progress: &str,
+    total: i64,
+    first: i64,
+) -> (i64, std::process::Child) {
+    let mut child = spawn();
+    let producer = {
+        let db_url = db.url.clone();
+        actix_rt::spawn(async move {
+            let pool = actix_outbox::connect(&db_url, 2).await.unwrap();
+            let db = TestDb {
+                name: String::new(),
+                url: db_url,
+                pool,
+            };
+            db.produce_batched(total as usize, 50, "o").await;
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let (mut kills, mut last) = (0, 0);
+    while kills < 8 && Instant::now() < deadline {
+        let now = db.count(progress).await;
+        if now >= total {
+            break;
+        }
+        if now >= last + first + kills * 97 {
+            child.kill().expect("SIGKILL"); // Child::kill sends SIGKILL on Unix
+            child.wait().unwrap();
+            kills += 1;
+            last = now;
+            child = spawn();
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    producer.await.unwrap();
+    (kills, child)
+}
+
 pub async fn insert_order(
     conn: &mut AsyncPgConnection,
     order: &str,

@@ -108,29 +108,8 @@ async fn no_cursor_passes_a_stamp_that_commits_late() {
             conn.batch_execute("COMMIT").await.unwrap();
         }
     };
-    let producers = (0..PRODUCERS).map(|p| {
-        let (url, handle) = (db.url.clone(), handle.clone());
-        async move {
-            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
-            for i in 0..EACH {
-                conn.batch_execute("BEGIN").await.unwrap();
-                actix_outbox::enqueue_many(&conn, &[order(&format!("p{p}-{i}"))])
-                    .await
-                    .unwrap();
-                if p % 2 == 1 {
-                    let ms = ((i * 7 + p * 13) % 61) as u64;
-                    actix_rt::time::sleep(Duration::from_millis(ms)).await;
-                }
-                conn.batch_execute("COMMIT").await.unwrap();
-                handle.wake();
-            }
-        }
-    });
-    within(
-        WAIT,
-        futures_util::future::join(stamper, futures_util::future::join_all(producers)),
-    )
-    .await;
+    let producers = stalled_producers(&db.url, &handle, PRODUCERS, EACH);
+    within(WAIT, futures_util::future::join(stamper, producers)).await;
     handle.wake();
     let total = (PRODUCERS * EACH + STAMPED_BY_HAND) as i64;
     assert_once(&db, "gap_cur", total).await;
@@ -544,38 +523,8 @@ async fn sigkills_of_a_cursor_consumers_process_lose_and_double_nothing() {
         .await
         .shutdown()
         .await;
-    let child_of = |url: &str| spawn_entry(url, "cursor::cursor_child_entry", &[]);
-    let mut child = child_of(&db.url);
-    let producer = {
-        let db_url = db.url.clone();
-        actix_rt::spawn(async move {
-            let pool = actix_outbox::connect(&db_url, 2).await.unwrap();
-            let db = TestDb {
-                name: String::new(),
-                url: db_url,
-                pool,
-            };
-            db.produce_batched(EVENTS as usize, 50, "o").await;
-        })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(240);
-    let (mut kills, mut last) = (0, 0);
-    while kills < 8 && std::time::Instant::now() < deadline {
-        let now = db.count(KC_DISTINCT).await;
-        if now >= EVENTS {
-            break;
-        }
-        // Once the new process has made some progress, at a different point each time.
-        if now >= last + 300 + kills * 97 {
-            child.kill().expect("SIGKILL");
-            child.wait().unwrap();
-            kills += 1;
-            last = now;
-            child = child_of(&db.url);
-        }
-        actix_rt::time::sleep(Duration::from_millis(10)).await;
-    }
-    producer.await.unwrap();
+    let spawn = || spawn_entry(&db.url, "cursor::cursor_child_entry", &[]);
+    let (kills, mut child) = kill_while_producing(&db, spawn, KC_DISTINCT, EVENTS, 300).await;
     let applied = db
         .wait_for(KC_DISTINCT, EVENTS, Duration::from_secs(120))
         .await;
@@ -641,4 +590,45 @@ async fn an_event_that_kills_a_cursor_consumers_process_is_dead_lettered_alone()
         "{deaths} deaths: the killer's two attempts each kill the process"
     );
     db.finish(&[]).await;
+}
+
+/// A runtime whose role has only `Role::Runtime`'s grants (no DDL right) runs a cursor
+/// consumer: the publisher's stamps, the cursors and their leases are within the library's
+/// grants, and every event is applied once.
+#[actix_rt::test]
+async fn a_cursor_consumer_runs_as_the_least_privileged_runtime_role() {
+    use crate::embedding::{as_role, Roles};
+    use actix_outbox::db::{self, Role};
+    let db = TestDb::new().await;
+    let roles = Roles::create(&db, &["rt"]).await;
+    let runtime_role = roles.get(0);
+    {
+        let mut owner = db.pool.get().await.unwrap();
+        db::grant(&mut owner, Role::Runtime, runtime_role)
+            .await
+            .unwrap();
+        owner
+            .batch_execute(&format!(
+                "GRANT INSERT ON public.effects TO {runtime_role}; \
+                 GRANT USAGE ON SEQUENCE public.effects_id_seq TO {runtime_role};"
+            ))
+            .await
+            .unwrap();
+    }
+    let pool = actix_outbox::connect(&as_role(&db.url, runtime_role), 10)
+        .await
+        .unwrap();
+    let rt = start_on(
+        pool,
+        vec![(consumer("role_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    let events: Vec<NewEvent> = (0..50).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    assert_once(&db, "role_cur", 50).await;
+    assert_eq!(db.count(&inbox_rows("role_cur")).await, 0);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+    roles.drop_all().await;
 }

@@ -747,39 +747,9 @@ async fn sigkill_of_the_runtime_process_loses_nothing_and_duplicates_nothing() {
     let setup = start(&db, vec![(consumer("c1", 10), Behaviour::default())]).await;
     setup.shutdown().await;
 
-    let mut child = spawn_child(&db.url);
-    let producer = {
-        let db_url = db.url.clone();
-        actix_rt::spawn(async move {
-            let pool = actix_outbox::connect(&db_url, 2).await.unwrap();
-            let db = TestDb {
-                name: String::new(),
-                url: db_url,
-                pool,
-            };
-            db.produce_batched(10_000, 50, "o").await;
-        })
-    };
-
     let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let (mut kills, mut last) = (0, 0);
-    while kills < 8 && Instant::now() < deadline {
-        let now = db.count(done).await;
-        if now >= 10_000 {
-            break;
-        }
-        // Kill once the new process has made some progress, at a different point each time.
-        if now >= last + 400 + kills * 97 {
-            child.kill().expect("SIGKILL"); // Child::kill sends SIGKILL on Unix
-            child.wait().unwrap();
-            kills += 1;
-            last = now;
-            child = spawn_child(&db.url);
-        }
-        actix_rt::time::sleep(Duration::from_millis(10)).await;
-    }
-    producer.await.unwrap();
+    let spawn = || spawn_child(&db.url);
+    let (kills, mut child) = kill_while_producing(&db, spawn, done, 10_000, 400).await;
     let processed = db.wait_for(done, 10_000, Duration::from_secs(120)).await;
     child.kill().ok();
     child.wait().ok();

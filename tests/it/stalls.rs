@@ -638,26 +638,8 @@ async fn events_committed_late_by_stalled_producers_reach_every_consumer_once_on
         .map(|name| (consumer(name, 3).poll_interval(hour), Behaviour::default()));
     let rt = start_with(db.pool.clone(), config, consumers.into()).await;
     let handle = rt.handle();
-    let producers = (0..PRODUCERS).map(|p| {
-        let (url, handle) = (db.url.clone(), handle.clone());
-        async move {
-            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
-            for i in 0..EACH {
-                conn.batch_execute("BEGIN").await.unwrap();
-                actix_outbox::enqueue_many(&conn, &[order(&format!("p{p}-{i}"))])
-                    .await
-                    .unwrap();
-                if p % 2 == 1 {
-                    // Stalled mid-commit: up to 60 ms, varied so that commits interleave.
-                    let ms = ((i * 7 + p * 13) % 61) as u64;
-                    actix_rt::time::sleep(Duration::from_millis(ms)).await;
-                }
-                conn.batch_execute("COMMIT").await.unwrap();
-                handle.wake();
-            }
-        }
-    });
-    within(WAIT, futures_util::future::join_all(producers)).await;
+    let producers = stalled_producers(&db.url, &handle, PRODUCERS, EACH);
+    within(WAIT, producers).await;
     let total = (PRODUCERS * EACH) as i64;
     for name in ["gap_a", "gap_b"] {
         let done =
