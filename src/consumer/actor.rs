@@ -275,7 +275,7 @@ async fn batch_loop(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
     hung: &Hung,
-    draining: &AtomicBool,
+    draining: &Arc<AtomicBool>,
     me: &Recipient<Backlog>,
     used: &SlotUse,
     scan: &ScanStart<Place>,

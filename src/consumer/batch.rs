@@ -23,6 +23,7 @@
 //! kills its process or its database backend count.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
@@ -67,7 +68,7 @@ pub(crate) async fn run_batch(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
     hung: &Hung,
-    draining: &AtomicBool,
+    draining: &Arc<AtomicBool>,
     used: &SlotUse,
     scan: &ScanStart<Place>,
 ) -> Result<BatchOutcome> {
@@ -175,7 +176,7 @@ async fn run_cursor(
     cfg: &ConsumerConfig,
     handler: &HandlerRef,
     hung: &Hung,
-    draining: &AtomicBool,
+    draining: &Arc<AtomicBool>,
     used: &SlotUse,
 ) -> Result<Option<BatchOutcome>> {
     let started = Instant::now();
@@ -321,7 +322,7 @@ struct Batch<'a> {
     cfg: &'a ConsumerConfig,
     handler: &'a HandlerRef,
     started: Instant,
-    draining: &'a AtomicBool,
+    draining: &'a Arc<AtomicBool>,
     /// The handler slot the loop uses; a parked call keeps a use of it until its handler lets
     /// go.
     used: &'a SlotUse,
@@ -357,6 +358,7 @@ impl Batch<'_> {
                 started: self.started,
                 careful,
                 draining: self.draining,
+                thread: self.used.thread.as_ref(),
             };
             let again = match pass.run(conn, rows, &mut out).await? {
                 PassEnd::Commit(mut back, outcomes, processed) => {

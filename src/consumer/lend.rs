@@ -59,8 +59,19 @@ pub(crate) async fn hand_over(
     mode: DeliveryMode,
 ) -> Call {
     let slot: Slot = Arc::new(RwLock::new(Some(conn)));
-    let deliveries: Vec<Delivery> = rows
-        .iter_mut()
+    let deliveries = deliveries(cfg, rows, &slot, mode);
+    let (result, lost, timed_out) = call(cfg, handler, deliveries, &slot).await;
+    take_back(result, lost, timed_out, slot, depth)
+}
+
+/// The deliveries of `rows`, sharing `slot`; their payloads and metadata move into them.
+pub(crate) fn deliveries(
+    cfg: &ConsumerConfig,
+    rows: &mut [InboxRow],
+    slot: &Slot,
+    mode: DeliveryMode,
+) -> Vec<Delivery> {
+    rows.iter_mut()
         .map(|row| {
             super::log::started(cfg, row);
             #[cfg(feature = "otel")]
@@ -82,8 +93,18 @@ pub(crate) async fn hand_over(
                 span,
             }
         })
-        .collect();
-    let (result, lost, timed_out) = call(cfg, handler, deliveries, &slot).await;
+        .collect()
+}
+
+/// The call's end, with the connection taken back out of `slot` if the handler let go of it
+/// at the transaction depth it was lent at.
+pub(crate) fn take_back(
+    result: Result<(), HandlerError>,
+    lost: bool,
+    timed_out: bool,
+    slot: Slot,
+    depth: u32,
+) -> Call {
     let taken = slot.try_write().ok().and_then(|mut g| g.take());
     let conn = taken.and_then(|mut c| (depth_of(&mut c) == Some(depth)).then_some(c));
     let held = Arc::strong_count(&slot) > 1;

@@ -83,6 +83,7 @@ mod log;
 mod pass;
 mod reap;
 pub(crate) mod registry;
+mod relay;
 mod replay;
 pub(crate) mod threads;
 

@@ -3,14 +3,16 @@
 //! row per call, each in a savepoint). How a call's end is blamed is `decide::after_call`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
+use actix_rt::ArbiterHandle;
 use diesel_async::{AnsiTransactionManager as Tm, RunQueryDsl, TransactionManager};
 
 use super::actor::HandlerRef;
 use super::batch::BatchOutcome;
 use super::decide::{self, after_call, CallEnd, Next};
-use super::lend;
+use super::{lend, relay};
 use super::{log, ConsumerConfig, DeliveryMode, HandlerError};
 use crate::error::Result;
 use crate::event::Upcast;
@@ -36,7 +38,9 @@ pub(super) struct Pass<'a> {
     pub started: Instant,
     pub careful: bool,
     /// Set by a graceful shutdown: hand no more rows over.
-    pub draining: &'a AtomicBool,
+    pub draining: &'a Arc<AtomicBool>,
+    /// The handler's thread; `None`: the runtime's own.
+    pub thread: Option<&'a ArbiterHandle>,
 }
 
 impl Pass<'_> {
@@ -63,43 +67,97 @@ impl Pass<'_> {
         let mut calls = 0;
         // Calls that failed, to be retried; in a careful pass, see `decide::gives_up`.
         let mut retried = 0;
+        // A call already made: the one a run on the handler's thread stopped at.
+        let mut pending: Option<lend::Call> = None;
+        let (conn, rows) = match self.relayed(rows.len()) {
+            None => (Some(conn), rows),
+            Some(thread) => {
+                let draining = self.draining;
+                match relay::run(
+                    thread,
+                    cfg,
+                    self.handler,
+                    conn,
+                    rows,
+                    self.started,
+                    draining,
+                )
+                .await
+                {
+                    Err((back, rows)) => (Some(back), rows),
+                    Ok(run) => {
+                        outcomes = run.outcomes;
+                        processed = run.processed;
+                        calls = processed.len();
+                        out.handler_lost |= run.lost;
+                        match run.end {
+                            relay::End::Conn(back) => {
+                                outcomes.extend(run.left.iter().map(|r| to(r, Settle::Release)));
+                                outcomes.extend(processed.iter().map(|r| to(r, Settle::Processed)));
+                                return Ok(PassEnd::Commit(back, outcomes, processed));
+                            }
+                            relay::End::Call(stopped) => {
+                                let (row, call) = *stopped;
+                                group.push(row);
+                                pending = Some(call);
+                                (None, run.left)
+                            }
+                            relay::End::Dropped => {
+                                // The handler's thread stopped: nothing of the run commits,
+                                // and no row of it is charged.
+                                let backend =
+                                    <[_]>::first(&run.left).map_or(0, |r: &InboxRow| r.backend);
+                                outcomes.extend(run.left.iter().map(|r| to(r, Settle::Release)));
+                                let none: lend::Slot = Default::default();
+                                return Ok(PassEnd::Kept(none, backend, outcomes, Vec::new()));
+                            }
+                        }
+                    }
+                }
+            }
+        };
         let mut rows = rows.into_iter().peekable();
-        while let Some(row) = rows.next() {
-            if !self.handler.connected()
-                || !decide::fits(self.started.elapsed(), cfg)
-                || self.draining.load(Ordering::Relaxed)
-            {
-                // Never offered: no attempt is spent. The handler is replaced first, the
-                // lease is about to run out, or the runtime shuts down.
-                out.handler_lost |= !self.handler.connected();
-                let left = group
-                    .drain(..)
-                    .chain(std::iter::once(row))
-                    .chain(rows.by_ref());
-                outcomes.extend(left.map(|r| to(&r, Settle::Release)));
-                break;
-            }
-            if let Some(row) = self.admit(&mut conn, row, &mut outcomes).await? {
-                group.push(row);
-            }
-            // The call waits for more rows while there is room and the next row's aggregate
-            // has none in it: one aggregate's deliveries are never handled at once.
-            let wait = |next: &InboxRow| {
-                group.len() < limit && !(one && group.iter().any(|r| r.same_aggregate(next)))
+        // Between calls, the connection; during one, the handler's.
+        let mut conn = conn;
+        loop {
+            let call = match pending.take() {
+                Some(call) => call,
+                None => {
+                    let Some(row) = rows.next() else { break };
+                    if !self.handler.connected()
+                        || !decide::fits(self.started.elapsed(), cfg)
+                        || AtomicBool::load(self.draining, Ordering::Relaxed)
+                    {
+                        // Never offered: no attempt is spent. The handler is replaced first,
+                        // the lease is about to run out, or the runtime shuts down.
+                        out.handler_lost |= !self.handler.connected();
+                        let left = group
+                            .drain(..)
+                            .chain(std::iter::once(row))
+                            .chain(rows.by_ref());
+                        outcomes.extend(left.map(|r| to(&r, Settle::Release)));
+                        break;
+                    }
+                    let lent = conn.as_mut().expect("between calls");
+                    if let Some(row) = self.admit(lent, row, &mut outcomes).await? {
+                        group.push(row);
+                    }
+                    // The call waits for more rows while there is room and the next row's
+                    // aggregate has none in it: one aggregate's deliveries are never handled
+                    // at once.
+                    let wait = |next: &InboxRow| {
+                        group.len() < limit
+                            && !(one && group.iter().any(|r| r.same_aggregate(next)))
+                    };
+                    if group.is_empty() || rows.peek().is_some_and(wait) {
+                        continue;
+                    }
+                    let lent = conn.take().expect("between calls");
+                    let mode = DeliveryMode::Live;
+                    lend::hand_over(cfg, self.handler, lent, &mut group, depth, mode).await
+                }
             };
-            if group.is_empty() || rows.peek().is_some_and(wait) {
-                continue;
-            }
             calls += 1;
-            let call = lend::hand_over(
-                cfg,
-                self.handler,
-                conn,
-                &mut group,
-                depth,
-                DeliveryMode::Live,
-            )
-            .await;
             out.handler_lost |= call.lost;
             if call.conn.is_none() || (call.timed_out && call.held) {
                 // The handler overran and still runs: its transaction is gone with it, and its
@@ -197,7 +255,7 @@ impl Pass<'_> {
                     outcomes.push(to(&row, Settle::Failed(failure)));
                     if decide::gives_up(calls, retried) {
                         outcomes.extend(rows.by_ref().map(|r| to(&r, Settle::Release)));
-                        conn = back;
+                        conn = Some(back);
                         break;
                     }
                 }
@@ -223,9 +281,10 @@ impl Pass<'_> {
                     unreachable!("the connection came back")
                 }
             }
-            conn = back;
+            conn = Some(back);
         }
         outcomes.extend(processed.iter().map(|r| to(r, Settle::Processed)));
+        let conn = conn.expect("no call holds it");
         Ok(PassEnd::Commit(conn, outcomes, processed))
     }
 }
@@ -235,6 +294,16 @@ impl Pass<'_> {
     /// is lifted to the current version, and, for a consumer that skips stale events, its
     /// aggregate version advanced (in a careful pass, inside the row's savepoint, which is
     /// then left open for the call).
+    /// The handler's thread a fast pass of `n` rows runs its calls on, one row per call and
+    /// back to back (`relay.rs`); `None`: the calls are made from here. A careful pass, a
+    /// pipeline, a batch handler and a consumer that skips stale events (whose rows are
+    /// admitted in the transaction, one by one) make their calls from here.
+    fn relayed(&self, n: usize) -> Option<&ArbiterHandle> {
+        let one = matches!(self.handler, HandlerRef::One(_));
+        let plain = !self.careful && one && self.cfg.pipeline == 1 && !self.cfg.skip_stale;
+        self.thread.filter(|_| plain && n > 1)
+    }
+
     async fn admit(
         &self,
         conn: &mut OwnedConn,
@@ -284,7 +353,7 @@ impl Pass<'_> {
 }
 
 /// `row`'s settlement, fenced on the lease that holds it.
-fn to(row: &InboxRow, settle: Settle) -> Outcome {
+pub(super) fn to(row: &InboxRow, settle: Settle) -> Outcome {
     Outcome {
         id: row.id,
         token: row.lease_token,

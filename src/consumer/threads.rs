@@ -173,7 +173,7 @@ impl Handlers {
         self.next = (i + 1) % n;
         let slot = &self.slots[i];
         match &slot.state {
-            State::Ready(h) => Some((SlotUse::new(&slot.users, 1), h.clone())),
+            State::Ready(h) => Some((SlotUse::new(&slot.users, 1, &slot.thread), h.clone())),
             _ => unreachable!("picked a live handler"),
         }
     }
@@ -237,23 +237,26 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 pub(crate) struct SlotUse {
     users: Rc<Cell<u32>>,
     weight: u32,
+    /// The slot's thread; `None`: the runtime's own.
+    pub(crate) thread: Option<ArbiterHandle>,
 }
 
 /// What a call parked past its timeout counts for on its slot.
 const BLOCKED: u32 = 1 << 16;
 
 impl SlotUse {
-    fn new(users: &Rc<Cell<u32>>, weight: u32) -> Self {
+    fn new(users: &Rc<Cell<u32>>, weight: u32, thread: &Option<ArbiterHandle>) -> Self {
         users.set(users.get().saturating_add(weight));
         SlotUse {
             users: users.clone(),
             weight,
+            thread: thread.clone(),
         }
     }
 
     /// A use of the same slot by a call parked past its timeout.
     pub(crate) fn blocked(&self) -> SlotUse {
-        SlotUse::new(&self.users, BLOCKED)
+        SlotUse::new(&self.users, BLOCKED, &self.thread)
     }
 }
 

@@ -422,3 +422,79 @@ async fn connections_a_handler_thread_asks_the_pool_for_do_not_block_with_it() {
     assert_eq!(db.wait_for(blocked_done, N + 1, WAIT).await, N + 1);
     rt.shutdown().await;
 }
+
+/// Writes its effect, and on the first attempt of aggregate `o-5` then blocks its thread for
+/// 2 s holding the connection: a synchronous call made in the middle of a delivery.
+#[derive(Clone)]
+struct BlocksMidRun;
+
+impl Actor for BlocksMidRun {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for BlocksMidRun {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        use diesel_async::RunQueryDsl;
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ('mid-run', $1, $2)",
+            )
+            .bind::<diesel::sql_types::Uuid, _>(d.event_id().as_uuid())
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+            .execute(&mut *conn)
+            .await?;
+            if d.aggregate_id() == "o-5" && d.attempt() == 1 {
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A batch's calls run back to back on the handler's thread (one hop per batch, not two per
+/// call), and the runtime's thread keeps their clock: a call that blocks that thread in the
+/// middle of the batch, past its timeout, is timed out as if it had awaited. Its event is
+/// charged one attempt (`HANDLER_TIMEOUT`) and applied on the next; the events before it
+/// (their effects rolled back with the hung call's transaction) and after it are applied
+/// once, uncharged. Were the calls timed on the handler's own thread, the call would count as
+/// returning Ok after its 2 s, and its event would not be charged.
+#[actix_rt::test]
+async fn a_call_blocking_its_thread_mid_batch_is_timed_out_from_outside() {
+    const N: i64 = 20;
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("mid-run", 3)
+                .concurrency(1)
+                .handler_timeout(Duration::from_millis(400)),
+            || BlocksMidRun,
+        )
+        .start()
+        .await
+        .expect("start runtime");
+    db.produce_batched(N as usize, N as usize, "o").await;
+    rt.handle().wake();
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'mid-run' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, N, WAIT).await, N);
+    let effects = "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'mid-run'";
+    assert_eq!(db.count(effects).await, N, "every event's effect committed");
+    let doubled = "SELECT count(*) AS n FROM (SELECT event_id FROM effects \
+                   GROUP BY event_id HAVING count(*) > 1) x";
+    assert_eq!(db.count(doubled).await, 0, "an effect committed twice");
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'mid-run' AND aggregate_id = 'o-5' AND attempt_count = 2";
+    assert_eq!(
+        db.count(charged).await,
+        1,
+        "the blocking call was not timed out: its event was not charged"
+    );
+    let others = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                  WHERE consumer = 'mid-run' AND aggregate_id <> 'o-5' AND attempt_count <> 1";
+    assert_eq!(db.count(others).await, 0, "an event beside it was charged");
+    rt.shutdown().await;
+}
