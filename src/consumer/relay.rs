@@ -129,9 +129,8 @@ pub(super) async fn run(
             Some(c) => c.since + limit,
             None => now + limit,
         };
-        tokio::select! {
-            end = &mut answered => return Ok(collect(&watch, end.unwrap_or(End::Dropped))),
-            () = tokio::time::sleep_until(deadline.into()) => {}
+        if let Ok(end) = tokio::time::timeout_at(deadline.into(), &mut answered).await {
+            return Ok(collect(&watch, end.unwrap_or(End::Dropped)));
         }
         let mut w = lock(&watch);
         let overran = w
