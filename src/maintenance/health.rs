@@ -332,6 +332,20 @@ pub(crate) fn assess(cfg: &HealthConfig, current: &Sample, previous: &[Sample]) 
                 );
             }
         }
+        if c.log_held_age_seconds >= cfg.log_held_warn_after.as_secs_f64() {
+            report.push(
+                HealthState::Warning,
+                "LOG_HELD",
+                name,
+                format!(
+                    "{} has left events unread past its cursor for {}: retention keeps the \
+                     outbox from then on, for every consumer, until it reads them or they move \
+                     into its inbox",
+                    c.consumer,
+                    human(c.log_held_age_seconds)
+                ),
+            );
+        }
         // A consumer with an allowed delay is judged by it, not by the global thresholds.
         if let (Some(allowed), false) = (c.allowed_delay_seconds, c.paused) {
             let critical = c.critical_delay_seconds.unwrap_or(allowed * 3.0);
@@ -775,6 +789,37 @@ mod tests {
             r.reasons.iter().all(|x| !x.message.contains("draining")),
             "{r:?}"
         );
+    }
+
+    #[test]
+    fn a_cursor_consumer_holding_the_log_past_the_limit_is_named() {
+        let cfg = HealthConfig::default();
+        let holds = |age: f64| ConsumerGauges {
+            paused: true,
+            backlog: 40,
+            oldest_due_age_seconds: age,
+            log_held_age_seconds: age,
+            ..consumer("mail")
+        };
+        let r = assess(
+            &cfg,
+            &sample(0, outbox(0, None, 0.0), vec![holds(600.0)]),
+            &[],
+        );
+        assert_eq!(
+            codes(&r),
+            vec!["CONSUMER_PAUSED"],
+            "ten minutes is not yet held"
+        );
+        let r = assess(
+            &cfg,
+            &sample(0, outbox(0, None, 0.0), vec![holds(7200.0)]),
+            &[],
+        );
+        assert_eq!(codes(&r), vec!["CONSUMER_PAUSED", "LOG_HELD"]);
+        let held = r.reasons.iter().find(|x| x.code == "LOG_HELD").unwrap();
+        assert_eq!(held.consumer.as_deref(), Some("mail"));
+        assert!(held.message.contains("2 h"), "{}", held.message);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub struct HealthConfig {
     pub(crate) duplicate_min_count: u64,
     pub(crate) snapshot_warn_after: Duration,
     pub(crate) snapshot_critical_after: Duration,
+    pub(crate) log_held_warn_after: Duration,
 }
 
 /// Setters, one per setting: start from the default and chain them; the runtime checks the
@@ -82,6 +83,17 @@ impl HealthConfig {
         self
     }
 
+    /// A [cursor consumer](crate::ConsumerConfig::cursor) that has left an event unread past
+    /// its cursor this long is a WARNING (`LOG_HELD`, naming it): the outbox is the cursors'
+    /// shared log, and retention keeps it from that event on for every consumer, until the
+    /// consumer reads it or retention moves it into the consumer's inbox
+    /// ([`RetentionConfig::cursor_backlog_after`](crate::retention::RetentionConfig::cursor_backlog_after)).
+    /// Default 1 hour.
+    pub fn log_held_warn_after(mut self, after: Duration) -> Self {
+        self.log_held_warn_after = after;
+        self
+    }
+
     /// … and at least this many duplicates in the recent samples. Default 20.
     pub fn duplicate_min_count(mut self, duplicate_min_count: u64) -> Self {
         self.duplicate_min_count = duplicate_min_count;
@@ -102,6 +114,7 @@ impl Default for HealthConfig {
             duplicate_min_count: 20,
             snapshot_warn_after: Duration::from_secs(300),
             snapshot_critical_after: Duration::from_secs(1800),
+            log_held_warn_after: Duration::from_secs(3600),
         }
     }
 }

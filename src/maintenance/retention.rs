@@ -33,6 +33,7 @@ pub struct RetentionConfig {
     pub(crate) audit_after: Duration,
     pub(crate) reconcile_runs_after: Duration,
     pub(crate) aggregate_versions_after: Duration,
+    pub(crate) cursor_backlog_after: Option<Duration>,
     pub(crate) batch_size: u32,
     pub(crate) max_batches: u32,
 }
@@ -87,6 +88,21 @@ impl RetentionConfig {
         self
     }
 
+    /// A [cursor consumer](crate::ConsumerConfig::cursor)'s events left unread past its cursor
+    /// for longer than this (by when they were published) move into its inbox, as rows
+    /// waiting for it, and its cursor past them. Default: `published_outbox_after`.
+    ///
+    /// Why: the outbox is the cursors' shared log, so retention keeps every event a cursor has
+    /// yet to read, for every consumer. A paused or slow cursor consumer would hold the log,
+    /// and outbox retention for everyone, back without bound; moved, its backlog is rows of
+    /// its own, handled as usual once it resumes (retention never deletes an unprocessed
+    /// inbox row). `Duration::MAX` keeps the events in the log instead, however long it holds
+    /// it back (health then warns with `LOG_HELD`).
+    pub fn cursor_backlog_after(mut self, cursor_backlog_after: Duration) -> Self {
+        self.cursor_backlog_after = Some(cursor_backlog_after);
+        self
+    }
+
     /// Rows per delete statement: each batch is its own short transaction. Default 1000.
     pub fn batch_size(mut self, batch_size: u32) -> Self {
         self.batch_size = batch_size;
@@ -111,6 +127,7 @@ impl Default for RetentionConfig {
             audit_after: Duration::from_secs(365 * DAY),
             reconcile_runs_after: Duration::from_secs(30 * DAY),
             aggregate_versions_after: Duration::from_secs(30 * DAY),
+            cursor_backlog_after: None,
             batch_size: 1000,
             max_batches: 100,
         }
@@ -155,6 +172,8 @@ pub struct RetentionReport {
     pub aggregate_versions_deleted: u64,
     /// DONE side effects.
     pub effects_deleted: u64,
+    /// Events a cursor consumer left unread past `cursor_backlog_after`, moved into its inbox.
+    pub cursor_events_moved: u64,
     /// A table had more expired rows than `max_batches` allowed: run again soon.
     pub more_left: bool,
 }
@@ -201,6 +220,12 @@ impl Retention {
             (Expired::DoneEffects, c.processed_inbox_after),
         ];
         for (what, older_than) in plan {
+            if what == Expired::PublishedOutbox {
+                // First the cursors' old backlog moves out of the log, which it would hold.
+                let (moved, more) = self.spill().await?;
+                report.cursor_events_moved = moved;
+                report.more_left |= more;
+            }
             let (deleted, more) = self.drain(what, older_than).await?;
             match what {
                 Expired::PublishedOutbox => report.outbox_deleted = deleted,
@@ -222,6 +247,7 @@ impl Retention {
             reconcile_runs_deleted = report.reconcile_runs_deleted,
             aggregate_versions_deleted = report.aggregate_versions_deleted,
             effects_deleted = report.effects_deleted,
+            cursor_events_moved = report.cursor_events_moved,
             more_left = report.more_left,
             "retention.completed"
         );
@@ -233,6 +259,34 @@ impl Retention {
     /// real work (index entries, the inbox rows it unmarks).
     fn batch_timeout(&self) -> Duration {
         store::DB_TIMEOUT + Duration::from_millis(u64::from(self.config.batch_size))
+    }
+
+    /// Moves cursors' backlogs older than `cursor_backlog_after` into their inboxes, a batch
+    /// at a time (`inbox::cursor::spill`).
+    async fn spill(&self) -> Result<(u64, bool)> {
+        let c = &self.config;
+        let older_than = c.cursor_backlog_after.unwrap_or(c.published_outbox_after);
+        let batch = i64::from(c.batch_size);
+        let mut moved = 0u64;
+        for _ in 0..c.max_batches {
+            let mut conn = self.pool.get().await?;
+            let spilled = store::bounded(&mut conn, self.batch_timeout(), async |conn| {
+                store::inbox::cursor::spill(conn, older_than, batch).await
+            })
+            .await?;
+            if spilled.passed == 0 {
+                return Ok((moved, false));
+            }
+            moved += spilled.moved as u64;
+            tracing::warn!(
+                consumer = spilled.consumer.as_deref().unwrap_or_default(),
+                events = spilled.moved,
+                older_than = ?older_than,
+                code = "LOG_HELD",
+                "a cursor consumer left events unread past retention: they moved into its inbox"
+            );
+        }
+        Ok((moved, true))
     }
 
     async fn drain(&self, what: Expired, older_than: Duration) -> Result<(u64, bool)> {

@@ -62,6 +62,10 @@ pub(crate) struct ConsumerGauges {
     pub dead_lettered: u64,
     /// Hung handlers' database sessions the engine ended.
     pub sessions_ended: u64,
+    /// A cursor consumer's: how long the oldest event past its cursors has waited. Retention
+    /// keeps the outbox, for every consumer, from that event on.
+    #[serde(default)]
+    pub log_held_age_seconds: f64,
 }
 
 /// What the stats sampler saw at one moment.
@@ -249,6 +253,7 @@ async fn consumer_gauges(conn: &mut AsyncPgConnection) -> Result<Vec<ConsumerGau
             allowed_delay_seconds: r.allowed_delay_ms.map(|ms| ms as f64 / 1000.0),
             critical_delay_seconds: r.critical_delay_ms.map(|ms| ms as f64 / 1000.0),
             dead_letter: r.dead_letter,
+            log_held_age_seconds: r.unread_age.max(0.0),
             ..Default::default()
         })
         .collect())

@@ -343,7 +343,8 @@ async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
     db.finish(&[]).await;
 }
 
-/// Retention deletes no outbox row a cursor has yet to read (a paused cursor consumer's whole
+/// Told to keep a cursor's backlog in the log (`cursor_backlog_after(Duration::MAX)`),
+/// retention deletes no outbox row a cursor has yet to read (a paused cursor consumer's whole
 /// backlog stays, however old), and once every event is read it deletes them all, and the
 /// stamps: a slot that never had an event does not hold the floor.
 #[actix_rt::test]
@@ -367,7 +368,8 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
     let now = RetentionConfig::default()
         .published_outbox_after(Duration::from_millis(1))
         .processed_inbox_after(Duration::from_secs(3600))
-        .idempotency_keys_after(Duration::from_secs(3600));
+        .idempotency_keys_after(Duration::from_secs(3600))
+        .cursor_backlog_after(Duration::MAX);
     let retention = Retention::new(db.pool.clone(), now).unwrap();
     retention.run_once().await.unwrap();
     let outbox = "SELECT count(*) AS n FROM actix_outbox.outbox_events";
@@ -376,6 +378,7 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
         30,
         "retention deleted events no cursor has read"
     );
+    assert_eq!(db.count(&inbox_rows("keep_cur")).await, 0, "events moved");
     resume(&db, "keep_cur").await;
     rt.handle().wake();
     assert_once(&db, "keep_cur", 30).await;
@@ -388,6 +391,108 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
         0,
         "read stamps were kept"
     );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// By default a cursor's backlog older than the outbox's retention moves into its consumer's
+/// inbox, so a paused cursor consumer does not hold the log back for everyone: retention then
+/// deletes the outbox rows and stamps every consumer is done with, the paused consumer's
+/// events wait as inbox rows of its own, and once it resumes it applies each exactly once.
+/// Without the move, the outbox keeps all 30 rows.
+#[actix_rt::test]
+async fn a_paused_cursor_consumers_old_backlog_moves_into_its_inbox() {
+    use actix_outbox::retention::{Retention, RetentionConfig};
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![
+            (consumer("held_cur", 3).cursor(true), Behaviour::default()),
+            (consumer("busy_cur", 3).cursor(true), Behaviour::default()),
+        ],
+    )
+    .await;
+    pause(&db, "held_cur").await;
+    let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    assert_once(&db, "busy_cur", 30).await;
+    actix_rt::time::sleep(Duration::from_millis(50)).await;
+    let config = RetentionConfig::default()
+        .published_outbox_after(Duration::from_millis(1))
+        .processed_inbox_after(Duration::from_secs(3600))
+        .idempotency_keys_after(Duration::from_secs(3600));
+    let retention = Retention::new(db.pool.clone(), config).unwrap();
+    let report = retention.run_once().await.unwrap();
+    assert_eq!(report.cursor_events_moved, 30);
+    let waiting = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'held_cur' AND status = 'RECEIVED'";
+    assert_eq!(db.count(waiting).await, 30, "the backlog did not move");
+    let outbox = "SELECT count(*) AS n FROM actix_outbox.outbox_events";
+    assert_eq!(db.count(outbox).await, 0, "the log was held back");
+    let stamps = "SELECT count(*) AS n FROM actix_outbox.log_stamps";
+    assert_eq!(
+        db.count(stamps).await,
+        0,
+        "stamps every cursor passed were kept"
+    );
+    assert_eq!(db.count(&inbox_rows("busy_cur")).await, 0);
+    resume(&db, "held_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "held_cur", 30).await;
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// The move takes only a prefix of the log past the cursor: never past a stamp younger than
+/// the limit, though older ones follow it (a stamp's time is its transaction's start, not its
+/// place in the log). Here the third of four stamps is made young: the first two move, the
+/// cursor stops before the third, and the rest is read by the cursor once the consumer
+/// resumes. Every event is applied once.
+#[actix_rt::test]
+async fn the_backlog_move_never_passes_a_younger_stamp() {
+    use actix_outbox::retention::{Retention, RetentionConfig};
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("prefix_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    pause(&db, "prefix_cur").await;
+    // One aggregate: one slot. Four publishes, so four stamps of 5.
+    for _ in 0..4 {
+        let events: Vec<NewEvent> = (0..5).map(|_| order("o-1")).collect();
+        enqueue_events(&db, &events).await;
+        rt.handle().wake();
+        let published = "SELECT count(*) AS n FROM actix_outbox.outbox_events \
+                         WHERE status <> 'PUBLISHED'";
+        assert_eq!(db.wait_for(published, 0, WAIT).await, 0);
+    }
+    let stamps = "SELECT count(*) AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.count(stamps).await, 4, "one stamp per publish");
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    conn.batch_execute(
+        "UPDATE actix_outbox.log_stamps SET stamped_at = CASE \
+             WHEN stamp = (SELECT stamp FROM actix_outbox.log_stamps ORDER BY stamp \
+                           OFFSET 2 LIMIT 1) THEN now() + interval '1 hour' \
+             ELSE now() - interval '1 hour' END",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let config = RetentionConfig::default()
+        .published_outbox_after(Duration::from_secs(60))
+        .processed_inbox_after(Duration::from_secs(3600))
+        .idempotency_keys_after(Duration::from_secs(3600));
+    let retention = Retention::new(db.pool.clone(), config).unwrap();
+    let report = retention.run_once().await.unwrap();
+    assert_eq!(
+        report.cursor_events_moved, 10,
+        "the move passed a younger stamp, or stopped short"
+    );
+    resume(&db, "prefix_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "prefix_cur", 20).await;
     rt.shutdown().await;
     db.finish(&[]).await;
 }

@@ -263,3 +263,30 @@ pub(crate) async fn give_back(
     .await?;
     Ok(())
 }
+
+/// What one [`spill`] did.
+#[derive(QueryableByName)]
+pub(crate) struct Spilled {
+    /// Entries the cursor moved past (0: no cursor's backlog is that old).
+    #[diesel(sql_type = BigInt)]
+    pub passed: i64,
+    /// Of those, events that got an inbox row.
+    #[diesel(sql_type = BigInt)]
+    pub moved: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub consumer: Option<String>,
+}
+
+/// Moves at most `limit` entries that have waited past one cursor for longer than `older_than`
+/// into its consumer's inbox, and the cursor past them (`cursor_spill.sql`).
+pub(crate) async fn spill(
+    conn: &mut AsyncPgConnection,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> Result<Spilled> {
+    Ok(crate::store::sql(include_str!("../cursor_spill.sql"))
+        .bind::<BigInt, _>(store::millis(older_than))
+        .bind::<BigInt, _>(limit)
+        .get_result(conn)
+        .await?)
+}
