@@ -737,3 +737,94 @@ async fn a_cursor_consumer_runs_as_the_least_privileged_runtime_role() {
     db.finish(&[]).await;
     roles.drop_all().await;
 }
+
+/// Upgrade: an inbox consumer with rows in every state is restarted with `cursor(true)`, and
+/// nothing is lost or done twice. Before the switch it has processed events, one dead letter
+/// (the poison event), events waiting (RECEIVED), events waiting for a retry, one an operator
+/// ignored, two leased by a process that died, and events still unpublished in the outbox.
+/// After it: every event but the dead letter and the ignored one is applied exactly once, the
+/// dead letter and the ignored row stay an operator's to decide, and events published after
+/// the switch get no inbox row.
+#[actix_rt::test]
+async fn an_inbox_consumer_with_rows_in_every_state_switches_to_a_cursor() {
+    let db = TestDb::new().await;
+    let poison = Behaviour {
+        poison_aggregate: Some("poison".into()),
+        ..Behaviour::default()
+    };
+    let rt = start(&db, vec![(consumer("up_cur", 2), poison.clone())]).await;
+    let first: Vec<NewEvent> = (0..20)
+        .map(|i| order(&format!("a-{i}")))
+        .chain(std::iter::once(order("poison")))
+        .collect();
+    enqueue_events(&db, &first).await;
+    rt.handle().wake();
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'up_cur' AND status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let processed = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                     WHERE consumer = 'up_cur' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(processed, 20, WAIT).await, 20);
+    // Paused, the consumer gets rows it does not handle: 12 fanned out, waiting.
+    pause(&db, "up_cur").await;
+    let waiting: Vec<NewEvent> = (0..12).map(|i| order(&format!("b-{i}"))).collect();
+    enqueue_events(&db, &waiting).await;
+    rt.handle().wake();
+    let received = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                    WHERE consumer = 'up_cur' AND status = 'RECEIVED'";
+    assert_eq!(db.wait_for(received, 12, WAIT).await, 12);
+    rt.shutdown().await;
+    // Three wait for a retry, one is ignored, two are leased by a process that dies.
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    conn.batch_execute(
+        "UPDATE actix_outbox.inbox_events SET status = 'RETRY_PENDING', attempt_count = 1, \
+             next_attempt_at = now() + interval '1 second', error_code = 'INBOX_CONSUMER_FAILED', \
+             last_error = 'injected' \
+         WHERE consumer = 'up_cur' AND aggregate_id IN ('b-0', 'b-1', 'b-2'); \
+         UPDATE actix_outbox.inbox_events SET status = 'IGNORED' \
+         WHERE consumer = 'up_cur' AND aggregate_id = 'b-3'; \
+         BEGIN; \
+         INSERT INTO actix_outbox.inbox_leases (token, consumer, locked_by, backend, \
+             locked_until, ids) \
+         SELECT 4343, 'up_cur', 'dead-process', pg_backend_pid(), now() + interval '1 hour', \
+             array_agg(id) FROM actix_outbox.inbox_events \
+         WHERE consumer = 'up_cur' AND aggregate_id IN ('b-4', 'b-5'); \
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    // Events committed while no runtime runs: still unpublished at the switch.
+    let pending: Vec<NewEvent> = (0..10).map(|i| order(&format!("c-{i}"))).collect();
+    enqueue_events(&db, &pending).await;
+    resume(&db, "up_cur").await;
+
+    let cfg = consumer("up_cur", 2).cursor(true);
+    let rt = start(&db, vec![(cfg, poison)]).await;
+    rt.handle().wake();
+    let after: Vec<NewEvent> = (0..10).map(|i| order(&format!("d-{i}"))).collect();
+    enqueue_events(&db, &after).await;
+    rt.handle().wake();
+    // 20 before, 11 of the 12 waiting (one ignored), 10 unpublished, 10 after.
+    assert_once(&db, "up_cur", 51).await;
+    let kept = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'up_cur' \
+                AND ((aggregate_id = 'poison' AND status = 'DEAD_LETTER') \
+                  OR (aggregate_id = 'b-3' AND status = 'IGNORED'))";
+    assert_eq!(db.count(kept).await, 2, "an operator's rows changed");
+    let applied_kept = "SELECT count(*) AS n FROM effects e JOIN actix_outbox.outbox_events o \
+                        ON o.id = e.event_id WHERE e.consumer = 'up_cur' AND o.aggregate_id = 'b-3'";
+    assert_eq!(
+        db.count(applied_kept).await,
+        0,
+        "the ignored event was applied"
+    );
+    let new_rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                    WHERE consumer = 'up_cur' AND aggregate_id LIKE 'd-%'";
+    assert_eq!(
+        db.count(new_rows).await,
+        0,
+        "events after the switch got inbox rows"
+    );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
