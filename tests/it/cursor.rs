@@ -828,3 +828,49 @@ async fn an_inbox_consumer_with_rows_in_every_state_switches_to_a_cursor() {
     rt.shutdown().await;
     db.finish(&[]).await;
 }
+
+/// A graceful shutdown in the middle of a cursor consumer's drain: the batches in flight stop
+/// between events, what they handled commits, and what they never offered is given back
+/// (as inbox rows, uncharged). After a restart every event is applied exactly once, and no
+/// event was charged an attempt for the deploy.
+#[actix_rt::test]
+async fn a_graceful_shutdown_mid_drain_loses_doubles_and_charges_nothing() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let cfg = || {
+        consumer("stop_cur", 3)
+            .cursor(true)
+            .batch_size(20)
+            .concurrency(2)
+    };
+    let rt = start(&db, vec![(cfg(), slow.clone())]).await;
+    let events: Vec<NewEvent> = (0..400).map(|i| order(&format!("o-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let applied = "SELECT count(*) AS n FROM effects WHERE consumer = 'stop_cur'";
+    let deadline = std::time::Instant::now() + WAIT;
+    while db.count(applied).await < 30 && std::time::Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(rt.shutdown().await, "in-flight batches finished in time");
+    let at_stop = db.count(applied).await;
+    assert!(
+        at_stop < 400,
+        "the shutdown came mid-drain ({at_stop} applied)"
+    );
+    assert_eq!(db.idle_in_transaction().await, 0);
+    let leases = "SELECT count(*) AS n FROM actix_outbox.inbox_leases WHERE consumer = 'stop_cur'";
+    assert_eq!(db.count(leases).await, 0, "a batch left its lease behind");
+
+    let rt = start(&db, vec![(cfg(), slow)]).await;
+    rt.handle().wake();
+    assert_once(&db, "stop_cur", 400).await;
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'stop_cur' AND (attempt_count > 1 OR error_code IS NOT NULL)";
+    assert_eq!(db.count(charged).await, 0, "the deploy charged an event");
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
