@@ -102,14 +102,14 @@ impl Pass<'_> {
                                 pending = Some(call);
                                 (None, run.left)
                             }
-                            relay::End::Dropped => {
-                                // The handler's thread stopped: nothing of the run commits,
-                                // and no row of it is charged.
+                            relay::End::GivenBack(life) => {
+                                // Nothing of the run commits, and no row of it is charged:
+                                // parked until the relay's task is over, since its thread may
+                                // be held.
                                 let backend =
                                     <[_]>::first(&run.left).map_or(0, |r: &InboxRow| r.backend);
                                 outcomes.extend(run.left.iter().map(|r| to(r, Settle::Release)));
-                                let none: lend::Slot = Default::default();
-                                return Ok(PassEnd::Kept(none, backend, outcomes, Vec::new()));
+                                return Ok(PassEnd::Kept(life, backend, outcomes, Vec::new()));
                             }
                         }
                     }
@@ -426,12 +426,25 @@ pub(super) fn refused_by_server(e: &diesel::result::Error) -> bool {
 }
 
 /// Lifts the row's payload to the current version of its registered type, if the runtime has
-/// an [`EventRegistry`](crate::EventRegistry).
+/// an [`EventRegistry`](crate::EventRegistry). An upcaster that panics fails the row as one
+/// that cannot be read (its batch goes on).
 pub(crate) fn upcast(cfg: &ConsumerConfig, row: &mut InboxRow) -> Result<(), HandlerError> {
     let Some(registry) = &cfg.events else {
         return Ok(());
     };
-    match registry.upcast(&row.event_type, row.event_version, &row.payload) {
+    let lifted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        registry.upcast(&row.event_type, row.event_version, &row.payload)
+    }));
+    let Ok(lifted) = lifted else {
+        return Err(HandlerError::permanent(
+            crate::error::ErrorCode::EVENT_SCHEMA_INVALID,
+            format!(
+                "the upcaster of {} v{} panicked",
+                row.event_type, row.event_version
+            ),
+        ));
+    };
+    match lifted {
         Upcast::Unregistered => Ok(()),
         Upcast::Current(version, payload) => {
             row.event_version = version;

@@ -8,15 +8,21 @@
 //! there, each as [`lend::hand_over`] makes one, and answers once: two hops per batch.
 //!
 //! The runtime's thread keeps the clock. Everything the run has decided lives in a [`Watch`]
-//! both threads lock: the rows not yet offered, those processed, and the row being handled
-//! with its call's start. **A call ends once, under that lock: by the relay when the handler
-//! answers (or the relay's own timeout fires), or by the runtime's thread when the call has
-//! overran its timeout by [`MARGIN`] unnoticed** — the relay's timer cannot fire while the
-//! handler blocks the thread it shares with it. The runtime's thread then *cuts* the run: it
-//! takes the rows out of the watch and ends that call as timed out, as if it had made the call
-//! itself, and the pass parks the call as any other that overran (`lend::Hung::park`). Should
-//! the handler ever return, the relay finds the run cut and drops what it holds; its copy of
-//! the call's connection slot is what the parked call waits to see let go.
+//! both threads lock: the rows not yet offered, those processed, the row being handled, and
+//! since when the relay has owed progress (from the hand-over until its first row, then from
+//! each row's start). **Whatever the relay owes ends once, under that lock: by the relay when
+//! the handler answers, or by the runtime's thread when the relay has owed it for the
+//! handler's timeout and [`MARGIN`]** — something holds the thread the relay runs on (this
+//! handler, blocking it, or another on a shared thread), and the relay's own timer cannot fire.
+//! The runtime's thread then *cuts* the run: it takes the rows out of the watch and ends the
+//! row being handled as a call that timed out, as if it had made the call itself (the pass
+//! parks it as any other call that overran); cut before any call, every row goes back
+//! uncharged. Should the relay run again, it finds the run cut and drops what it holds. The
+//! relay's task holds a *life* slot, so that a cut run is parked until that task is over.
+//! A run whose batch is dropped (its consumer actor died) is cut too, so that no orphaned
+//! relay goes on calling the handler for rows given back to the next batch.
+//!
+//! No user code runs under the lock, so the runtime's thread never waits for a handler.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,9 +61,10 @@ pub(super) enum End {
     /// A call that did not end cleanly (a failure, a timeout, a connection kept), for the pass
     /// to decide as it decides its own calls.
     Call(Box<(InboxRow, Call)>),
-    /// The handler's thread stopped and dropped the run with the connection: nothing it did
-    /// can commit, and no call of it was the handler's fault.
-    Dropped,
+    /// Nothing the run did can commit, and no row of it was at fault: the relay never began
+    /// (its thread was held past the handler's timeout), or its thread stopped and dropped it
+    /// with the connection. Every row goes back; the slot lives as long as the relay's task.
+    GivenBack(Slot),
 }
 
 /// A run's state, shared by the relay and the runtime's thread.
@@ -66,26 +73,39 @@ struct Watch {
     rows: VecDeque<InboxRow>,
     processed: Vec<InboxRow>,
     outcomes: Vec<Outcome>,
+    /// Since when the relay has owed progress; `None` between rows and once it answered.
+    since: Option<Instant>,
     current: Option<Current>,
-    /// The runtime's thread took the run over.
+    /// The run is over for the runtime's thread (cut, or its batch dropped): the relay stops.
     cut: bool,
     lost: bool,
 }
 
-/// The row being handled, when its call began, and its connection slot (weak: it must not
+/// The row being handled, and its connection slot once its call is made (weak: it must not
 /// count as one of the slot's holders).
 struct Current {
     row: InboxRow,
-    since: Instant,
     slot: Weak<RwLock<Option<OwnedConn>>>,
 }
 
-/// How long past its timeout a call may run before the runtime's thread ends it itself.
-pub(super) const MARGIN: Duration = Duration::from_millis(100);
+/// How long past its timeout the relay may owe progress before the runtime's thread ends the
+/// run itself: the time a call that failed without an answer takes to learn whether the
+/// handler actor died (`lend::call`), and a little more.
+pub(super) const MARGIN: Duration = Duration::from_millis(600);
 
 fn lock(watch: &Mutex<Watch>) -> MutexGuard<'_, Watch> {
     // Nothing panics while holding it; a poisoned lock is still a consistent watch.
     watch.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Cuts the run when the runtime's side of it ends, however it ends: a relay that has not
+/// answered then stops before its next row.
+struct CutOnDrop<'a>(&'a Mutex<Watch>);
+
+impl Drop for CutOnDrop<'_> {
+    fn drop(&mut self) {
+        lock(self.0).cut = true;
+    }
 }
 
 /// Runs the calls of `rows` (lent `conn`, in the pass's transaction) on `thread`, one row per
@@ -101,14 +121,17 @@ pub(super) async fn run(
 ) -> Result<Run, (OwnedConn, Vec<InboxRow>)> {
     let watch = Arc::new(Mutex::new(Watch {
         rows: rows.into(),
+        since: Some(Instant::now()),
         ..Default::default()
     }));
+    let life: Slot = Arc::default();
     let (give, take) = oneshot::channel::<OwnedConn>();
     let (answer, mut answered) = oneshot::channel::<End>();
     let relay = {
         let (watch, cfg, handler) = (watch.clone(), cfg.clone(), handler.clone());
-        let draining = draining.clone();
+        let (draining, life) = (draining.clone(), life.clone());
         async move {
+            let _life = life;
             let Ok(conn) = take.await else { return };
             if let Some(end) = relay(&watch, &cfg, &handler, conn, started, &draining).await {
                 let _ = answer.send(end);
@@ -122,33 +145,32 @@ pub(super) async fn run(
     if let Err(conn) = give.send(conn) {
         return Err(back(conn));
     }
+    let _cut_on_drop = CutOnDrop(&watch);
     let limit = cfg.handler_timeout + MARGIN;
     loop {
-        let now = Instant::now();
-        let deadline = match &lock(&watch).current {
-            Some(c) => c.since + limit,
-            None => now + limit,
-        };
+        let deadline = lock(&watch).since.unwrap_or_else(Instant::now) + limit;
         if let Ok(end) = tokio::time::timeout_at(deadline.into(), &mut answered).await {
-            return Ok(collect(&watch, end.unwrap_or(End::Dropped)));
+            let end = end.unwrap_or_else(|_| End::GivenBack(Arc::default()));
+            return Ok(collect(&watch, end));
         }
         let mut w = lock(&watch);
-        let overran = w
-            .current
-            .as_ref()
-            .is_some_and(|c| c.since.elapsed() >= limit);
-        if !overran {
+        if w.since.is_none_or(|since| since.elapsed() < limit) {
             continue;
         }
-        // The handler holds the relay's thread: the call is ended here.
+        // Something holds the relay's thread: the run ends here.
         w.cut = true;
-        let Current { row, slot, .. } = w.current.take().expect("a call overran");
+        let current = w.current.take();
         drop(w);
-        let slot: Slot = slot
-            .upgrade()
-            .unwrap_or_else(|| Arc::new(RwLock::new(None)));
-        let call = lend::take_back(Err(handler_timed_out(cfg)), false, true, slot, 1);
-        return Ok(collect(&watch, End::Call(Box::new((row, call)))));
+        let end = match current {
+            None => End::GivenBack(life),
+            Some(Current { row, slot }) => {
+                // Its call's slot, or (its payload still being read) the relay's life.
+                let slot = slot.upgrade().unwrap_or(life);
+                let call = lend::take_back(Err(handler_timed_out(cfg)), false, true, slot, 1);
+                End::Call(Box::new((row, call)))
+            }
+        };
+        return Ok(collect(&watch, end));
     }
 }
 
@@ -156,8 +178,8 @@ pub(super) async fn run(
 fn collect(watch: &Mutex<Watch>, end: End) -> Run {
     let mut w = lock(watch);
     let mut left: Vec<InboxRow> = Vec::new();
-    let processed = if matches!(end, End::Dropped) {
-        // Their effects went with the connection; the call being made was cut short.
+    let processed = if matches!(end, End::GivenBack(_)) {
+        // Their effects go with the connection.
         left.append(&mut w.processed);
         left.extend(w.current.take().map(|c| c.row));
         Vec::new()
@@ -175,7 +197,7 @@ fn collect(watch: &Mutex<Watch>, end: End) -> Run {
 }
 
 /// The relay, on the handler's thread: calls the handler for each row in turn while each call
-/// ends cleanly. `None`: the runtime's thread cut the run, and owns its rows.
+/// ends cleanly. `None`: the run was cut, and the runtime's thread owns its rows.
 async fn relay(
     watch: &Mutex<Watch>,
     cfg: &ConsumerConfig,
@@ -185,48 +207,71 @@ async fn relay(
     draining: &AtomicBool,
 ) -> Option<End> {
     loop {
-        let (mut row, slot) = {
+        let mut row = {
             let mut w = lock(watch);
+            if w.cut {
+                return None;
+            }
             // As the pass checks before each call: never offered, no attempt spent.
             if !handler.connected()
                 || !decide::fits(started.elapsed(), cfg)
                 || draining.load(Ordering::Relaxed)
             {
                 w.lost = !handler.connected();
+                w.since = None;
                 return Some(End::Conn(conn));
             }
-            let Some(mut row) = w.rows.pop_front() else {
+            let Some(row) = w.rows.pop_front() else {
+                w.since = None;
                 return Some(End::Conn(conn));
             };
-            if let Err(err) = upcast(cfg, &mut row) {
-                log::failed(cfg, &row, &err);
-                let failure = decide::decide(&cfg.retry, &row, &err);
-                w.outcomes.push(to(&row, Settle::Failed(failure)));
-                continue;
-            }
-            let slot: Slot = Arc::new(RwLock::new(Some(conn)));
-            let shell = row.clone_without_payload();
+            w.since = Some(Instant::now());
             w.current = Some(Current {
-                row: shell,
-                since: Instant::now(),
-                slot: Arc::downgrade(&slot),
+                row: row.clone_without_payload(),
+                slot: Weak::new(),
             });
-            (row, slot)
+            row
         };
+        if let Err(err) = upcast(cfg, &mut row) {
+            log::failed(cfg, &row, &err);
+            let failure = decide::decide(&cfg.retry, &row, &err);
+            let mut w = lock(watch);
+            if w.cut {
+                return None;
+            }
+            w.outcomes.push(to(&row, Settle::Failed(failure)));
+            (w.since, w.current) = (None, None);
+            continue;
+        }
+        let slot: Slot = Arc::new(RwLock::new(Some(conn)));
+        {
+            let mut w = lock(watch);
+            if w.cut {
+                return None;
+            }
+            if let Some(current) = &mut w.current {
+                current.slot = Arc::downgrade(&slot);
+            }
+        }
+        let began = Instant::now();
         let deliveries = lend::deliveries(
             cfg,
             std::slice::from_mut(&mut row),
             &slot,
             DeliveryMode::Live,
         );
-        let (result, lost, timed_out) = lend::call(cfg, handler, deliveries, &slot).await;
+        let (mut result, lost, mut timed_out) = lend::call(cfg, handler, deliveries, &slot).await;
+        if result.is_ok() && began.elapsed() > cfg.handler_timeout {
+            // Returned late, having held the thread its timer runs on: timed out all the
+            // same, as it would have been from the runtime's thread.
+            (result, timed_out) = (Err(handler_timed_out(cfg)), true);
+        }
         let mut w = lock(watch);
         if w.cut {
             return None;
         }
-        w.current = None;
-        let call = lend::take_back(result, lost, timed_out, slot, 1);
-        match call {
+        (w.since, w.current) = (None, None);
+        match lend::take_back(result, lost, timed_out, slot, 1) {
             Call {
                 result: Ok(()),
                 held: false,

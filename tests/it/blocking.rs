@@ -424,9 +424,10 @@ async fn connections_a_handler_thread_asks_the_pool_for_do_not_block_with_it() {
 }
 
 /// Writes its effect, and on the first attempt of aggregate `o-5` then blocks its thread for
-/// 2 s holding the connection: a synchronous call made in the middle of a delivery.
+/// as long as it says, holding the connection: a synchronous call made in the middle of a
+/// delivery.
 #[derive(Clone)]
-struct BlocksMidRun;
+struct BlocksMidRun(Duration, Arc<AtomicBool>);
 
 impl Actor for BlocksMidRun {
     type Context = Context<Self>;
@@ -437,6 +438,7 @@ impl Handler<Delivery> for BlocksMidRun {
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
         use diesel_async::RunQueryDsl;
+        let (block, over) = (self.0, self.1.clone());
         Box::pin(async move {
             let mut conn = d.conn().await?;
             diesel::sql_query(
@@ -447,7 +449,8 @@ impl Handler<Delivery> for BlocksMidRun {
             .execute(&mut *conn)
             .await?;
             if d.aggregate_id() == "o-5" && d.attempt() == 1 {
-                std::thread::sleep(Duration::from_secs(2));
+                std::thread::sleep(block);
+                over.store(true, Ordering::SeqCst);
             }
             Ok(())
         })
@@ -456,28 +459,54 @@ impl Handler<Delivery> for BlocksMidRun {
 
 /// A batch's calls run back to back on the handler's thread (one hop per batch, not two per
 /// call), and the runtime's thread keeps their clock: a call that blocks that thread in the
-/// middle of the batch, past its timeout, is timed out as if it had awaited. Its event is
-/// charged one attempt (`HANDLER_TIMEOUT`) and applied on the next; the events before it
-/// (their effects rolled back with the hung call's transaction) and after it are applied
-/// once, uncharged. Were the calls timed on the handler's own thread, the call would count as
-/// returning Ok after its 2 s, and its event would not be charged.
+/// middle of the batch, past its timeout, is timed out from outside while it still blocks.
+/// Its event is charged one attempt (`HANDLER_TIMEOUT`) and applied on the next; the events
+/// before it (their effects rolled back with the hung call's transaction) and after it are
+/// given back and applied once, uncharged, on the consumer's other thread, all before the
+/// block ends. Without the cut they would wait for it.
 #[actix_rt::test]
 async fn a_call_blocking_its_thread_mid_batch_is_timed_out_from_outside() {
+    mid_batch(Duration::from_secs(4), true).await;
+}
+
+/// The same for a call that blocks its thread a little past its timeout, and returns before
+/// the runtime's thread would end it: it took longer than allowed, so it is timed out all the
+/// same (its event charged), as it would have been had the runtime's thread made the call.
+#[actix_rt::test]
+async fn a_call_returning_late_from_a_block_is_timed_out() {
+    mid_batch(Duration::from_millis(550), false).await;
+}
+
+/// Runs 20 events past a handler that blocks on `o-5` for `block`; `cut`: the others must be
+/// applied while it still blocks.
+async fn mid_batch(block: Duration, cut: bool) {
     const N: i64 = 20;
     let db = TestDb::new().await;
+    let released = Arc::new(AtomicBool::new(false));
+    let over = released.clone();
     let rt = OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
         .consumer(
             consumer("mid-run", 3)
                 .concurrency(1)
+                .threads(2)
                 .handler_timeout(Duration::from_millis(400)),
-            || BlocksMidRun,
+            move || BlocksMidRun(block, over.clone()),
         )
         .start()
         .await
         .expect("start runtime");
     db.produce_batched(N as usize, N as usize, "o").await;
     rt.handle().wake();
+    if cut {
+        let others = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                      WHERE consumer = 'mid-run' AND aggregate_id <> 'o-5' AND status = 'PROCESSED'";
+        assert_eq!(db.wait_for(others, N - 1, WAIT).await, N - 1);
+        assert!(
+            !released.load(Ordering::SeqCst),
+            "the other events waited for the blocked call to end"
+        );
+    }
     let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                 WHERE consumer = 'mid-run' AND status = 'PROCESSED'";
     assert_eq!(db.wait_for(done, N, WAIT).await, N);
@@ -496,5 +525,155 @@ async fn a_call_blocking_its_thread_mid_batch_is_timed_out_from_outside() {
     let others = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                   WHERE consumer = 'mid-run' AND aggregate_id <> 'o-5' AND attempt_count <> 1";
     assert_eq!(db.count(others).await, 0, "an event beside it was charged");
+    rt.shutdown().await;
+}
+
+/// Blocks its thread for 4 s on the first attempt of aggregate `hang`; returns at once
+/// otherwise. Records nothing: the rows' states are the evidence.
+#[derive(Clone)]
+struct HoldsTheThread;
+
+impl Actor for HoldsTheThread {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for HoldsTheThread {
+    type Result = Result<(), HandlerError>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        if d.aggregate_id() == "hang" && d.attempt() == 1 {
+            std::thread::sleep(Duration::from_secs(4));
+        }
+        Ok(())
+    }
+}
+
+/// A batch whose calls cannot even begin, because its only handler thread is held by another
+/// loop's call, is given back after the handler's timeout, uncharged, instead of waiting for
+/// the thread past its lease (a review found the wait unbounded: the runtime's thread timed
+/// only calls already begun). While the thread is held no lease of the consumer is left past
+/// its expiry, and once it is free every other event is applied, none charged.
+#[actix_rt::test]
+async fn a_batch_whose_calls_cannot_begin_is_given_back_within_its_lease() {
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("held-thread", 3)
+                .threads(1)
+                .concurrency(2)
+                .batch_size(5)
+                .handler_timeout(Duration::from_millis(300))
+                .lease(Duration::from_secs(1)),
+            || HoldsTheThread,
+        )
+        .start()
+        .await
+        .expect("start runtime");
+    let conn = db.pool.get().await.unwrap();
+    let mut events = vec![actix_outbox::NewEvent::new(
+        "ORDER_STATUS_CHANGED",
+        "order",
+        "hang",
+        serde_json::json!({}),
+    )];
+    events.extend((0..10).map(|i| {
+        actix_outbox::NewEvent::new(
+            "ORDER_STATUS_CHANGED",
+            "order",
+            format!("o{i}"),
+            serde_json::json!({}),
+        )
+    }));
+    actix_outbox::enqueue_many(&conn, &events).await.unwrap();
+    drop(conn);
+    rt.handle().wake();
+    let expired = "SELECT count(*) AS n FROM actix_outbox.inbox_leases \
+                   WHERE consumer = 'held-thread' AND locked_until < now()";
+    let began = Instant::now();
+    let mut worst = 0;
+    while began.elapsed() < Duration::from_millis(3500) {
+        if began.elapsed() > Duration::from_millis(1500) {
+            worst = worst.max(db.count(expired).await);
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(worst, 0, "a batch waited for the thread past its lease");
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE aggregate_id <> 'hang' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE aggregate_id <> 'hang' AND (attempt_count <> 1 OR error_code IS NOT NULL)";
+    assert_eq!(
+        db.count(charged).await,
+        0,
+        "an event was charged for the held thread"
+    );
+    rt.shutdown().await;
+}
+
+/// Counts its calls, each 100 ms long.
+#[derive(Clone, Default)]
+struct Counts {
+    calls: Arc<AtomicUsize>,
+    started: Arc<AtomicBool>,
+}
+
+impl Actor for Counts {
+    type Context = Context<Self>;
+}
+
+impl Handler<Delivery> for Counts {
+    type Result = ResponseFuture<Result<(), HandlerError>>;
+
+    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
+        let me = self.clone();
+        Box::pin(async move {
+            me.calls.fetch_add(1, Ordering::SeqCst);
+            me.started.store(true, Ordering::SeqCst);
+            actix_rt::time::sleep(Duration::from_millis(100)).await;
+            let _ = d;
+            Ok(())
+        })
+    }
+}
+
+/// A consumer actor that dies in the middle of a batch whose calls run on the handler's
+/// thread: the run stops with it, so that no orphaned relay goes on calling the handler for
+/// the rows given back to the next batch (a review found it did). Every event is applied; the
+/// calls made before the actor died (their transaction went with it) and the one in flight
+/// are made again by the next batch, and no other call is: at most 21 calls beyond those
+/// made before the fault. With the orphan, about 40.
+#[actix_rt::test]
+async fn a_consumer_dying_mid_batch_leaves_no_relay_calling_its_handler() {
+    let db = TestDb::new().await;
+    let seen = Counts::default();
+    let s = seen.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(consumer("orphan", 5).batch_size(20), move || s.clone())
+        .start()
+        .await
+        .expect("start runtime");
+    db.produce_batched(20, 20, "o").await;
+    rt.handle().wake();
+    let deadline = Instant::now() + WAIT;
+    while !seen.started.load(Ordering::SeqCst) && Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        rt.inject_fault(actix_outbox::testing::Fault::PanicConsumer("orphan".into()))
+            .await
+    );
+    let before = seen.calls.load(Ordering::SeqCst);
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'orphan' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 20, WAIT).await, 20);
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    let calls = seen.calls.load(Ordering::SeqCst);
+    assert!(
+        calls <= before + 21,
+        "{calls} calls for 20 events, {before} before the fault: an orphaned relay went on"
+    );
     rt.shutdown().await;
 }

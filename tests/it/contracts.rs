@@ -681,3 +681,58 @@ async fn a_contract_mismatch_at_start_is_reported_until_fixed_and_can_refuse_the
     assert_eq!(findings().await, Vec::<String>::new());
     db.finish(&[&rt]).await;
 }
+
+/// An upcaster that panics fails its event as unreadable (`EVENT_SCHEMA_INVALID`, dead-lettered
+/// at once), and the batch goes on: the other events of the batch, read by the same upcaster,
+/// are applied once each. (Calls run on the handler's thread, where a panic would otherwise
+/// end the batch's run and give every row back, again and again.)
+#[actix_rt::test]
+async fn an_upcaster_that_panics_fails_its_event_alone() {
+    let db = TestDb::new().await;
+    let reg = EventRegistry::new().register::<StatusChanged>().upcaster(
+        "ORDER_STATUS_CHANGED",
+        1,
+        |mut v| {
+            let state = v.get_mut("state").map(serde_json::Value::take);
+            if state.as_ref().and_then(|s| s.as_str()) == Some("BOOM") {
+                panic!("injected panic in an upcaster");
+            }
+            v["status"] = state.ok_or("v1 payload without state")?;
+            Ok(v)
+        },
+    );
+    let conn = db.pool.get().await.unwrap();
+    for (i, state) in ["PAID", "PAID", "BOOM", "PAID", "PAID"].iter().enumerate() {
+        let v1 = NewEvent::new(
+            "ORDER_STATUS_CHANGED",
+            "order",
+            format!("o{i}"),
+            json!({"order_id": format!("o{i}"), "state": state, "version": 2}),
+        )
+        .version(1);
+        enqueue(&conn, &v1).await.unwrap();
+    }
+    drop(conn);
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .events(reg)
+        .consumer(consumer("upcast-panic", 3), || Recorder {
+            name: "upcast-panic".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .unwrap();
+    rt.handle().wake();
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
+                AND error_code = 'EVENT_SCHEMA_INVALID' AND aggregate_id = 'o2'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 4, WAIT).await, 4);
+    assert_eq!(
+        db.count("SELECT count(*) AS n FROM effects").await,
+        4,
+        "an effect was applied twice, or the panicking event's"
+    );
+    db.finish(&[&rt]).await;
+}
