@@ -417,12 +417,7 @@ async fn sound(conn: &mut OwnedConn) -> bool {
 /// Whether PostgreSQL answered `e` (a statement it refused), as opposed to a connection that
 /// broke or a client-side failure.
 pub(super) fn refused_by_server(e: &diesel::result::Error) -> bool {
-    use diesel::result::DatabaseErrorKind as K;
-    matches!(
-        e,
-        diesel::result::Error::DatabaseError(kind, _)
-            if !matches!(kind, K::ClosedConnection | K::UnableToSendCommand)
-    )
+    store::answered_by_server(e)
 }
 
 /// Lifts the row's payload to the current version of its registered type, if the runtime has

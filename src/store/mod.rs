@@ -283,6 +283,37 @@ pub(crate) fn left_transaction(conn: &mut AsyncPgConnection) -> crate::Result<()
     change_depth(conn, TransactionDepthChange::DecreaseDepth)
 }
 
+/// [`left_transaction`] after a pipelined `COMMIT` that PostgreSQL answered, with success or
+/// with an error: either way the transaction is over (a `COMMIT` refused, by a deferred
+/// constraint say, rolls it back), and the connection can begin another, as a careful pass
+/// does. A `COMMIT` that got no answer leaves the connection mid-transaction, so that the
+/// pool closes it. Returns the `COMMIT`'s own result.
+pub(crate) fn after_commit(
+    conn: &mut AsyncPgConnection,
+    committed: crate::Result<()>,
+) -> crate::Result<()> {
+    let answered = match &committed {
+        Ok(()) => true,
+        Err(crate::Error::Database(e)) => answered_by_server(e),
+        Err(_) => false,
+    };
+    if answered {
+        left_transaction(conn)?;
+    }
+    committed
+}
+
+/// Whether PostgreSQL answered `e` (a statement it refused), as opposed to a connection that
+/// broke or a client-side failure.
+pub(crate) fn answered_by_server(e: &diesel::result::Error) -> bool {
+    use diesel::result::DatabaseErrorKind as K;
+    matches!(
+        e,
+        diesel::result::Error::DatabaseError(kind, _)
+            if !matches!(kind, K::ClosedConnection | K::UnableToSendCommand)
+    )
+}
+
 fn change_depth(conn: &mut AsyncPgConnection, change: TransactionDepthChange) -> crate::Result<()> {
     AnsiTransactionManager::transaction_manager_status_mut(conn)
         .transaction_state()?

@@ -874,3 +874,107 @@ async fn a_graceful_shutdown_mid_drain_loses_doubles_and_charges_nothing() {
     rt.shutdown().await;
     db.finish(&[]).await;
 }
+
+/// Writes its effect; on its first call for version 3 of an aggregate it also writes a row
+/// whose deferred foreign key fails only at `COMMIT`: the batch's commit is refused after the
+/// handler returned Ok.
+#[derive(Clone, Default)]
+struct RefusesCommit(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl actix::Actor for RefusesCommit {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<actix_outbox::Delivery> for RefusesCommit {
+    type Result = actix::ResponseFuture<Result<(), actix_outbox::HandlerError>>;
+
+    fn handle(&mut self, d: actix_outbox::Delivery, _: &mut Self::Context) -> Self::Result {
+        use diesel_async::RunQueryDsl;
+        let refused = self.0.clone();
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            diesel::sql_query(
+                "INSERT INTO effects (consumer, event_id, attempt) VALUES ('refused_cur', $1, $2)",
+            )
+            .bind::<diesel::sql_types::Uuid, _>(d.event_id().as_uuid())
+            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+            .execute(&mut *conn)
+            .await?;
+            if d.aggregate_version() == Some(3)
+                && !refused.swap(true, std::sync::atomic::Ordering::SeqCst)
+            {
+                diesel::sql_query("INSERT INTO deferred_child (parent) VALUES (42)")
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A cursor batch whose commit is refused after the batch gave some of its events inbox rows
+/// in that same transaction (here a stale event, which is recorded rather than applied; one
+/// aggregate, so one slot and one batch): the promotion rolls back with the commit, the batch
+/// stays a cursor batch, promotes again for its careful pass, and nothing is lost or doubled.
+/// Every other event is applied once, the stale one never, the refused effect is not kept,
+/// and no event gets two inbox rows. No event is judged as if its process had died: the
+/// refused `COMMIT` ended the transaction, so the batch's careful pass settles it (until the
+/// engine took a refused `COMMIT` for a broken connection, the batch failed and the reaper
+/// judged all eight).
+#[actix_rt::test]
+async fn a_refused_commit_after_a_promotion_in_the_batch_loses_and_doubles_nothing() {
+    let db = TestDb::new().await;
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE deferred_parent (id int PRIMARY KEY); \
+         CREATE TABLE deferred_child (parent int REFERENCES deferred_parent (id) \
+             DEFERRABLE INITIALLY DEFERRED);",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            consumer("refused_cur", 3).cursor(true).skip_stale(true),
+            RefusesCommit::default,
+        )
+        .start()
+        .await
+        .unwrap();
+    pause(&db, "refused_cur").await;
+    let events: Vec<NewEvent> = [2, 1, 3, 4, 5, 6, 7, 8]
+        .into_iter()
+        .map(|v| order("s").aggregate_version(v))
+        .collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, 8, WAIT).await, 8);
+    resume(&db, "refused_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "refused_cur", 7).await;
+    let refused = "SELECT count(*) AS n FROM effects e JOIN actix_outbox.outbox_events o \
+                   ON o.id = e.event_id WHERE o.aggregate_version = 3";
+    assert_eq!(
+        db.count(refused).await,
+        1,
+        "the refused commit's effect stayed"
+    );
+    let stale = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                 WHERE consumer = 'refused_cur' AND status = 'PROCESSED' AND error_code = 'EVENT_STALE'";
+    let rows = "SELECT count(*) AS n FROM (SELECT event_id FROM actix_outbox.inbox_events \
+                WHERE consumer = 'refused_cur' GROUP BY event_id HAVING count(*) > 1) x";
+    assert_eq!(db.count(rows).await, 0, "an event got two inbox rows");
+    assert_eq!(
+        db.wait_for(stale, 1, WAIT).await,
+        1,
+        "the stale event was not recorded"
+    );
+    let judged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                  WHERE consumer = 'refused_cur' AND (alone OR attempt_count <> 1)";
+    assert_eq!(db.count(judged).await, 0, "an event was judged or charged");
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}

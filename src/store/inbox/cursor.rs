@@ -113,8 +113,7 @@ pub(crate) async fn commit(conn: &mut AsyncPgConnection, consumer: &str, token: 
         futures_util::future::join(fence.get_result::<Held>(&mut a), store::run(c, "COMMIT")).await
     };
     // Once `COMMIT` is answered the transaction is over either way (as in `settle_and_commit`).
-    committed?;
-    store::left_transaction(conn)?;
+    store::after_commit(conn, committed)?;
     f?;
     Ok(())
 }

@@ -76,9 +76,9 @@ pub(crate) async fn settle_and_commit(
         .await
     };
     // Once `COMMIT` is answered the transaction is over either way: in a transaction that a
-    // statement failed, PostgreSQL takes it as `ROLLBACK`. The connection is then reusable.
-    committed?;
-    store::left_transaction(conn)?;
+    // statement failed, PostgreSQL takes it as `ROLLBACK`, and one it refuses rolls back. The
+    // connection is then reusable.
+    store::after_commit(conn, committed)?;
     g?;
     s?;
     Ok(())
