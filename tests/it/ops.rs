@@ -854,11 +854,18 @@ async fn failures_recorded_outside_a_batch_are_counted_in_the_metrics() {
     let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND attempt_count = 2";
     assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
-    let text = handle.render();
-    for line in [
+    // Counted once the batch's commit returns, a moment after the row is visible.
+    let lines = [
         "inbox_failed_total{consumer=\"metered\"} 2",
         "inbox_dead_lettered_total{consumer=\"metered\"} 1",
-    ] {
+    ];
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut text = handle.render();
+    while !lines.iter().all(|l| text.contains(l)) && std::time::Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+        text = handle.render();
+    }
+    for line in lines {
         assert!(text.contains(line), "{line} not in:\n{text}");
     }
     db.finish(&[&rt]).await;
