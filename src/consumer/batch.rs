@@ -30,7 +30,7 @@ use diesel_async::{AnsiTransactionManager as Tm, TransactionManager};
 
 use super::actor::HandlerRef;
 use super::lend::Hung;
-use super::pass::{refused_by_server, Pass, PassEnd};
+use super::pass::{Pass, PassEnd};
 use super::threads::SlotUse;
 use super::{decide, log, ConsumerConfig};
 use crate::error::Result;
@@ -396,7 +396,7 @@ impl Batch<'_> {
                                 // pass finds which, by its savepoint.
                                 Err(crate::Error::Database(e))
                                     if !careful
-                                        && refused_by_server(&e)
+                                        && store::answered_by_server(&e)
                                         && !in_transaction(&mut back) =>
                                 {
                                     back
@@ -532,7 +532,9 @@ async fn cursor_commit(
     });
     match committed.await {
         Ok(()) => Ok(CursorEnd::Committed(outcomes)),
-        Err(crate::Error::Database(e)) if refused_by_server(&e) && !in_transaction(conn) => {
+        Err(crate::Error::Database(e))
+            if store::answered_by_server(&e) && !in_transaction(conn) =>
+        {
             Ok(CursorEnd::Refused)
         }
         Err(e) => Err(e),

@@ -72,18 +72,8 @@ impl Pass<'_> {
         let (conn, rows) = match self.relayed(rows.len()) {
             None => (Some(conn), rows),
             Some(thread) => {
-                let draining = self.draining;
-                match relay::run(
-                    thread,
-                    cfg,
-                    self.handler,
-                    conn,
-                    rows,
-                    self.started,
-                    draining,
-                )
-                .await
-                {
+                let (handler, started) = (self.handler, self.started);
+                match relay::run(thread, cfg, handler, conn, rows, started, self.draining).await {
                     Err((back, rows)) => (Some(back), rows),
                     Ok(run) => {
                         outcomes = run.outcomes;
@@ -105,11 +95,9 @@ impl Pass<'_> {
                             relay::End::GivenBack(life) => {
                                 // Nothing of the run commits, and no row of it is charged:
                                 // parked until the relay's task is over, since its thread may
-                                // be held.
-                                let backend =
-                                    <[_]>::first(&run.left).map_or(0, |r: &InboxRow| r.backend);
+                                // be held. Nothing parked, so no session to end (0).
                                 outcomes.extend(run.left.iter().map(|r| to(r, Settle::Release)));
-                                return Ok(PassEnd::Kept(life, backend, outcomes, Vec::new()));
+                                return Ok(PassEnd::Kept(life, 0, outcomes, Vec::new()));
                             }
                         }
                     }
@@ -221,7 +209,7 @@ impl Pass<'_> {
                     })
                     .await?;
                     if let Err(e) = released {
-                        if !refused_by_server(&e) {
+                        if !store::answered_by_server(&e) {
                             return Err(e.into());
                         }
                         // The handler returned Ok although a statement of its transaction had
@@ -290,10 +278,6 @@ impl Pass<'_> {
 }
 
 impl Pass<'_> {
-    /// Readies `row` for its call, or decides it without one (returning `None`): its payload
-    /// is lifted to the current version, and, for a consumer that skips stale events, its
-    /// aggregate version advanced (in a careful pass, inside the row's savepoint, which is
-    /// then left open for the call).
     /// The handler's thread a fast pass of `n` rows runs its calls on, one row per call and
     /// back to back (`relay.rs`); `None`: the calls are made from here. A careful pass, a
     /// pipeline, a batch handler and a consumer that skips stale events (whose rows are
@@ -304,6 +288,10 @@ impl Pass<'_> {
         self.thread.filter(|_| plain && n > 1)
     }
 
+    /// Readies `row` for its call, or decides it without one (returning `None`): its payload
+    /// is lifted to the current version, and, for a consumer that skips stale events, its
+    /// aggregate version advanced (in a careful pass, inside the row's savepoint, which is
+    /// then left open for the call).
     async fn admit(
         &self,
         conn: &mut OwnedConn,
@@ -311,11 +299,8 @@ impl Pass<'_> {
         outcomes: &mut Vec<Outcome>,
     ) -> Result<Option<InboxRow>> {
         let cfg = self.cfg;
-        if let Err(err) = upcast(cfg, &mut row) {
-            // Never handed over: no code here can read it, and retrying cannot help.
-            log::failed(cfg, &row, &err);
-            let failure = decide::decide(&cfg.retry, &row, &err);
-            outcomes.push(to(&row, Settle::Failed(failure)));
+        if let Some(failed) = lift(cfg, &mut row) {
+            outcomes.push(failed);
             return Ok(None);
         }
         if self.careful {
@@ -414,10 +399,13 @@ async fn sound(conn: &mut OwnedConn) -> bool {
     )
 }
 
-/// Whether PostgreSQL answered `e` (a statement it refused), as opposed to a connection that
-/// broke or a client-side failure.
-pub(super) fn refused_by_server(e: &diesel::result::Error) -> bool {
-    store::answered_by_server(e)
+/// Lifts `row`'s payload ([`upcast`]), or decides it without a call: a row no code here can
+/// read is never handed over, and its failure is returned.
+pub(super) fn lift(cfg: &ConsumerConfig, row: &mut InboxRow) -> Option<Outcome> {
+    let err = upcast(cfg, row).err()?;
+    log::failed(cfg, row, &err);
+    let failure = decide::decide(&cfg.retry, row, &err);
+    Some(to(row, Settle::Failed(failure)))
 }
 
 /// Lifts the row's payload to the current version of its registered type, if the runtime has

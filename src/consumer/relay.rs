@@ -36,9 +36,9 @@ use tracing::Instrument;
 use super::actor::HandlerRef;
 use super::decide::{self, handler_timed_out};
 use super::lend::{self, Call, Slot};
-use super::pass::{to, upcast};
-use super::{log, ConsumerConfig, DeliveryMode};
-use crate::store::inbox::{InboxRow, Outcome, Settle};
+use super::pass::lift;
+use super::{ConsumerConfig, DeliveryMode};
+use crate::store::inbox::{InboxRow, Outcome};
 use crate::store::OwnedConn;
 
 /// What a run came to.
@@ -232,14 +232,12 @@ async fn relay(
             });
             row
         };
-        if let Err(err) = upcast(cfg, &mut row) {
-            log::failed(cfg, &row, &err);
-            let failure = decide::decide(&cfg.retry, &row, &err);
+        if let Some(failed) = lift(cfg, &mut row) {
             let mut w = lock(watch);
             if w.cut {
                 return None;
             }
-            w.outcomes.push(to(&row, Settle::Failed(failure)));
+            w.outcomes.push(failed);
             (w.since, w.current) = (None, None);
             continue;
         }

@@ -418,6 +418,21 @@ impl Behaviour {
     }
 }
 
+/// Writes `d`'s `effects` row for `consumer` (with its attempt) through `conn`, the delivery's.
+pub async fn write_effect(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    d: &Delivery,
+) -> Result<(), diesel::result::Error> {
+    diesel::sql_query("INSERT INTO effects (consumer, event_id, attempt) VALUES ($1, $2, $3)")
+        .bind::<Text, _>(consumer)
+        .bind::<SqlUuid, _>(d.event_id().as_uuid())
+        .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
 /// A consumer actor that records one `effects` row per successful handling.
 #[derive(Clone)]
 pub struct Recorder {

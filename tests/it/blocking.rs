@@ -234,10 +234,10 @@ async fn handlers_run_on_their_group_threads_never_the_runtimes() {
     rt.shutdown().await;
 }
 
-/// Blocks its thread far past its timeout on the first attempt of aggregate `hang`; returns
-/// at once otherwise.
+/// Blocks its thread for as long as it says on the first attempt of aggregate `hang`; returns
+/// at once otherwise. Records nothing: the rows' states are the evidence.
 #[derive(Clone)]
-struct HangsOnce;
+struct HangsOnce(Duration);
 
 impl Actor for HangsOnce {
     type Context = Context<Self>;
@@ -248,10 +248,19 @@ impl Handler<Delivery> for HangsOnce {
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
         if d.aggregate_id() == "hang" && d.attempt() == 1 {
-            std::thread::sleep(Duration::from_secs(3));
+            std::thread::sleep(self.0);
         }
         Ok(())
     }
+}
+
+/// Enqueues an event of aggregate `hang`, then `n` of aggregates `o0`…, in one transaction.
+async fn enqueue_hang_and(db: &TestDb, n: usize) {
+    let events: Vec<actix_outbox::NewEvent> = std::iter::once("hang".to_owned())
+        .chain((0..n).map(|i| format!("o{i}")))
+        .map(|a| order(&a))
+        .collect();
+    enqueue_events(db, &events).await;
 }
 
 /// A call parked past its timeout may still block its thread: the consumer's loops are given
@@ -267,30 +276,12 @@ async fn a_thread_a_parked_call_blocks_is_given_to_no_loop() {
                 .concurrency(2)
                 .batch_size(1)
                 .handler_timeout(Duration::from_millis(300)),
-            || HangsOnce,
+            || HangsOnce(Duration::from_secs(3)),
         )
         .start()
         .await
         .expect("start runtime");
-    let conn = db.pool.get().await.unwrap();
-    let mut events = vec![actix_outbox::NewEvent::new(
-        "ORDER_STATUS_CHANGED",
-        "order",
-        "hang",
-        serde_json::json!({}),
-    )];
-    events.extend((0..6).map(|i| {
-        actix_outbox::NewEvent::new(
-            "ORDER_STATUS_CHANGED",
-            "order",
-            format!("o{i}"),
-            serde_json::json!({}),
-        )
-    }));
-    for e in &events {
-        actix_outbox::enqueue(&conn, e).await.unwrap();
-    }
-    drop(conn);
+    enqueue_hang_and(&db, 6).await;
     rt.handle().wake();
     let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                 WHERE aggregate_id <> 'hang' AND status = 'PROCESSED'";
@@ -437,17 +428,10 @@ impl Handler<Delivery> for BlocksMidRun {
     type Result = ResponseFuture<Result<(), HandlerError>>;
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
-        use diesel_async::RunQueryDsl;
         let (block, over) = (self.0, self.1.clone());
         Box::pin(async move {
             let mut conn = d.conn().await?;
-            diesel::sql_query(
-                "INSERT INTO effects (consumer, event_id, attempt) VALUES ('mid-run', $1, $2)",
-            )
-            .bind::<diesel::sql_types::Uuid, _>(d.event_id().as_uuid())
-            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
-            .execute(&mut *conn)
-            .await?;
+            write_effect(&mut conn, "mid-run", &d).await?;
             if d.aggregate_id() == "o-5" && d.attempt() == 1 {
                 std::thread::sleep(block);
                 over.store(true, Ordering::SeqCst);
@@ -528,26 +512,6 @@ async fn mid_batch(block: Duration, cut: bool) {
     rt.shutdown().await;
 }
 
-/// Blocks its thread for 4 s on the first attempt of aggregate `hang`; returns at once
-/// otherwise. Records nothing: the rows' states are the evidence.
-#[derive(Clone)]
-struct HoldsTheThread;
-
-impl Actor for HoldsTheThread {
-    type Context = Context<Self>;
-}
-
-impl Handler<Delivery> for HoldsTheThread {
-    type Result = Result<(), HandlerError>;
-
-    fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
-        if d.aggregate_id() == "hang" && d.attempt() == 1 {
-            std::thread::sleep(Duration::from_secs(4));
-        }
-        Ok(())
-    }
-}
-
 /// A batch whose calls cannot even begin, because its only handler thread is held by another
 /// loop's call, is given back after the handler's timeout, uncharged, instead of waiting for
 /// the thread past its lease (a review found the wait unbounded: the runtime's thread timed
@@ -565,28 +529,12 @@ async fn a_batch_whose_calls_cannot_begin_is_given_back_within_its_lease() {
                 .batch_size(5)
                 .handler_timeout(Duration::from_millis(300))
                 .lease(Duration::from_secs(1)),
-            || HoldsTheThread,
+            || HangsOnce(Duration::from_secs(4)),
         )
         .start()
         .await
         .expect("start runtime");
-    let conn = db.pool.get().await.unwrap();
-    let mut events = vec![actix_outbox::NewEvent::new(
-        "ORDER_STATUS_CHANGED",
-        "order",
-        "hang",
-        serde_json::json!({}),
-    )];
-    events.extend((0..10).map(|i| {
-        actix_outbox::NewEvent::new(
-            "ORDER_STATUS_CHANGED",
-            "order",
-            format!("o{i}"),
-            serde_json::json!({}),
-        )
-    }));
-    actix_outbox::enqueue_many(&conn, &events).await.unwrap();
-    drop(conn);
+    enqueue_hang_and(&db, 10).await;
     rt.handle().wake();
     let expired = "SELECT count(*) AS n FROM actix_outbox.inbox_leases \
                    WHERE consumer = 'held-thread' AND locked_until < now()";

@@ -343,13 +343,21 @@ async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
     db.finish(&[]).await;
 }
 
+/// Retention of published outbox rows after `published`, everything else kept an hour.
+fn outbox_after(published: Duration) -> actix_outbox::retention::RetentionConfig {
+    actix_outbox::retention::RetentionConfig::default()
+        .published_outbox_after(published)
+        .processed_inbox_after(Duration::from_secs(3600))
+        .idempotency_keys_after(Duration::from_secs(3600))
+}
+
 /// Told to keep a cursor's backlog in the log (`cursor_backlog_after(Duration::MAX)`),
 /// retention deletes no outbox row a cursor has yet to read (a paused cursor consumer's whole
 /// backlog stays, however old), and once every event is read it deletes them all, and the
 /// stamps: a slot that never had an event does not hold the floor.
 #[actix_rt::test]
 async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
-    use actix_outbox::retention::{Retention, RetentionConfig};
+    use actix_outbox::retention::Retention;
     let db = TestDb::new().await;
     let rt = start(
         &db,
@@ -365,11 +373,7 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
         "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
     assert_eq!(db.wait_for(stamped, 30, WAIT).await, 30);
     actix_rt::time::sleep(Duration::from_millis(50)).await;
-    let now = RetentionConfig::default()
-        .published_outbox_after(Duration::from_millis(1))
-        .processed_inbox_after(Duration::from_secs(3600))
-        .idempotency_keys_after(Duration::from_secs(3600))
-        .cursor_backlog_after(Duration::MAX);
+    let now = outbox_after(Duration::from_millis(1)).cursor_backlog_after(Duration::MAX);
     let retention = Retention::new(db.pool.clone(), now).unwrap();
     retention.run_once().await.unwrap();
     let outbox = "SELECT count(*) AS n FROM actix_outbox.outbox_events";
@@ -402,7 +406,7 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
 /// Without the move, the outbox keeps all 30 rows.
 #[actix_rt::test]
 async fn a_paused_cursor_consumers_old_backlog_moves_into_its_inbox() {
-    use actix_outbox::retention::{Retention, RetentionConfig};
+    use actix_outbox::retention::Retention;
     let db = TestDb::new().await;
     let rt = start(
         &db,
@@ -418,10 +422,7 @@ async fn a_paused_cursor_consumers_old_backlog_moves_into_its_inbox() {
     rt.handle().wake();
     assert_once(&db, "busy_cur", 30).await;
     actix_rt::time::sleep(Duration::from_millis(50)).await;
-    let config = RetentionConfig::default()
-        .published_outbox_after(Duration::from_millis(1))
-        .processed_inbox_after(Duration::from_secs(3600))
-        .idempotency_keys_after(Duration::from_secs(3600));
+    let config = outbox_after(Duration::from_millis(1));
     let retention = Retention::new(db.pool.clone(), config).unwrap();
     let report = retention.run_once().await.unwrap();
     assert_eq!(report.cursor_events_moved, 30);
@@ -451,7 +452,7 @@ async fn a_paused_cursor_consumers_old_backlog_moves_into_its_inbox() {
 /// resumes. Every event is applied once.
 #[actix_rt::test]
 async fn the_backlog_move_never_passes_a_younger_stamp() {
-    use actix_outbox::retention::{Retention, RetentionConfig};
+    use actix_outbox::retention::Retention;
     let db = TestDb::new().await;
     let rt = start(
         &db,
@@ -480,10 +481,7 @@ async fn the_backlog_move_never_passes_a_younger_stamp() {
     .await
     .unwrap();
     drop(conn);
-    let config = RetentionConfig::default()
-        .published_outbox_after(Duration::from_secs(60))
-        .processed_inbox_after(Duration::from_secs(3600))
-        .idempotency_keys_after(Duration::from_secs(3600));
+    let config = outbox_after(Duration::from_secs(60));
     let retention = Retention::new(db.pool.clone(), config).unwrap();
     let report = retention.run_once().await.unwrap();
     assert_eq!(
@@ -893,13 +891,7 @@ impl actix::Handler<actix_outbox::Delivery> for RefusesCommit {
         let refused = self.0.clone();
         Box::pin(async move {
             let mut conn = d.conn().await?;
-            diesel::sql_query(
-                "INSERT INTO effects (consumer, event_id, attempt) VALUES ('refused_cur', $1, $2)",
-            )
-            .bind::<diesel::sql_types::Uuid, _>(d.event_id().as_uuid())
-            .bind::<diesel::sql_types::Integer, _>(d.attempt() as i32)
-            .execute(&mut *conn)
-            .await?;
+            write_effect(&mut conn, "refused_cur", &d).await?;
             if d.aggregate_version() == Some(3)
                 && !refused.swap(true, std::sync::atomic::Ordering::SeqCst)
             {
