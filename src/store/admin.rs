@@ -132,13 +132,19 @@ pub(crate) struct Fanout {
     /// Subscribed to the event's type now.
     #[diesel(sql_type = Bool)]
     pub subscribed: bool,
-    /// Has an inbox row for the event.
+    /// The event reached the consumer: it has an inbox row for it, or its cursor has read,
+    /// holds or will read it (`cursor`).
     #[diesel(sql_type = Bool)]
     pub got: bool,
     #[diesel(sql_type = Nullable<BigInt>)]
     pub inbox_id: Option<i64>,
     #[diesel(sql_type = Nullable<Text>)]
     pub status: Option<String>,
+    /// Reads the event's type through its cursor: with no inbox row (`inbox_id` null), the
+    /// status comes from the cursor (RECEIVED: past it, IN_FLIGHT: a batch holds it,
+    /// PROCESSED: the cursor has moved past it), and attempts and times are not recorded.
+    #[diesel(sql_type = Bool)]
+    pub cursor: bool,
     #[diesel(sql_type = Nullable<Integer>)]
     pub attempt_count: Option<i32>,
     #[diesel(sql_type = Nullable<Text>)]

@@ -1313,6 +1313,68 @@ async fn a_row_in_flight_during_a_slow_handler_is_listed_as_such_then_processed(
     db.finish(&[&rt]).await;
 }
 
+/// A consumer reading through its cursor has no inbox row on the happy path, and its fan-out
+/// view says so rather than "never got it": IN_FLIGHT while a batch holds the event, PROCESSED
+/// once the cursor has moved past it, and RECEIVED for an event still past the cursor (here,
+/// paused) — while the processed event of the same aggregate, in the same slot, stays
+/// PROCESSED though a later stamp of that slot lies past the cursor.
+#[actix_rt::test]
+async fn a_cursor_consumers_fan_out_view_follows_its_cursor() {
+    let db = TestDb::new().await;
+    let slow = Behaviour {
+        work: Duration::from_secs(6),
+        ..Behaviour::default()
+    };
+    let cfg = consumer("slow_cur", 3)
+        .cursor(true)
+        .handler_timeout(Duration::from_secs(30));
+    let rt = start(&db, vec![(cfg, slow)]).await;
+    let app = init_service(App::new().service(admin_scope("/ops", config(&db)))).await;
+    let consumer_of = |v: &Value| v["consumers"][0].clone();
+
+    db.enqueue_one("o-1").await;
+    rt.handle().wake();
+    let leased = "SELECT count(*) AS n FROM actix_outbox.inbox_leases WHERE consumer = 'slow_cur'";
+    assert_eq!(db.wait_for(leased, 1, WAIT).await, 1);
+    let outbox = json_of(&call!(app, get("/ops/outbox")).1);
+    let first = outbox["items"][0]["id"].as_str().unwrap().to_owned();
+    let held = consumer_of(&json_of(
+        &call!(app, get(&format!("/ops/events/{first}"))).1,
+    ));
+    assert_eq!(held["status"], "IN_FLIGHT", "{held}");
+    assert_eq!(held["cursor"], true, "{held}");
+    assert_eq!(held["got"], true, "{held}");
+    assert!(held["inbox_id"].is_null(), "{held}");
+
+    assert_eq!(db.wait_for(leased, 0, WAIT).await, 0);
+    pause(&db, "slow_cur").await;
+    db.enqueue_one("o-1").await;
+    rt.handle().wake();
+    let published =
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
+    assert_eq!(db.wait_for(published, 2, WAIT).await, 2);
+    let outbox = json_of(&call!(app, get("/ops/outbox")).1);
+    let second = outbox["items"][0]["id"].as_str().unwrap().to_owned();
+    assert_ne!(first, second);
+    let done = json_of(&call!(app, get(&format!("/ops/events/{first}"))).1);
+    assert_eq!(consumer_of(&done)["status"], "PROCESSED", "{done}");
+    assert_eq!(done["reached"], 1, "{done}");
+    let waiting = consumer_of(&json_of(
+        &call!(app, get(&format!("/ops/events/{second}"))).1,
+    ));
+    assert_eq!(waiting["status"], "RECEIVED", "{waiting}");
+    assert_eq!(
+        db.count(&inbox_rows_of("slow_cur")).await,
+        0,
+        "the view wrote inbox rows"
+    );
+    db.finish(&[&rt]).await;
+}
+
+fn inbox_rows_of(consumer: &str) -> String {
+    format!("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{consumer}'")
+}
+
 /// A bulk retry does not make its rows due all at once: they fall due one after another at a
 /// pace (10 a second unless the request's `"rate"` says), which the answer and the audit row
 /// show. A single retry is due at once.

@@ -53,6 +53,7 @@ const FANOUT: &[&str] = &[
     "got",
     "inbox_id",
     "status",
+    "cursor",
     "attempt_count",
     "error_code",
     "last_error",
