@@ -23,9 +23,13 @@
 //!   inbox: one route for every consumer, so they keep working as before, and wait with
 //!   everyone else while NATS is down.
 //!
+//! - With `CURSOR=1`: both consumers read through their cursors (`ConsumerConfig::cursor`,
+//!   storage v2's first step, experimental), with inbox rows only for exceptions. The
+//!   in-process route only: events received through NATS still get inbox rows.
+//!
 //! Configuration (environment): `DATABASE_URL` (required), `BIND` (default `127.0.0.1:8080`),
 //! `ADMIN_TOKEN`, `PROVIDER_FAIL_RATE` and `CONSUMER_FAIL_RATE` (0.0–1.0, default 0),
-//! `RECONCILE_WINDOW_MS` (default 5000), `NATS_URL`, `NATS_STREAM`, `RUST_LOG`.
+//! `RECONCILE_WINDOW_MS` (default 5000), `CURSOR`, `NATS_URL`, `NATS_STREAM`, `RUST_LOG`.
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/orders cargo run --example order_service
@@ -71,6 +75,7 @@ struct Config {
     provider_fail_rate: f64,
     consumer_fail_rate: f64,
     reconcile_window: Duration,
+    cursor: bool,
 }
 
 impl Config {
@@ -90,6 +95,7 @@ impl Config {
             provider_fail_rate: rate("PROVIDER_FAIL_RATE")?,
             consumer_fail_rate: rate("CONSUMER_FAIL_RATE")?,
             reconcile_window: Duration::from_millis(reconcile_window_ms),
+            cursor: std::env::var("CURSOR").is_ok_and(|v| v == "1"),
         })
     }
 }
@@ -143,13 +149,15 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
                 .jitter(0.2),
         )
         .batch_size(50)
-        .concurrency(2);
+        .concurrency(2)
+        .cursor(cfg.cursor);
     // Analytics is one hot row per status: a batch consumer (one upsert per status per batch),
     // a single batch at a time, retried at a steady pace.
     let analytics = ConsumerConfig::new("analytics")
         .subscribe(ORDER_STATUS_CHANGED)
         .retry(RetryPolicy::fixed(10, Duration::from_millis(250)))
-        .batch_size(200);
+        .batch_size(200)
+        .cursor(cfg.cursor);
 
     // The operator API, dashboard, health and Prometheus metrics under /admin, when a token is
     // configured (at least 16 characters). Its queries use the HTTP handlers' pool, not the
