@@ -345,8 +345,8 @@ impl Batch<'_> {
             ..Default::default()
         };
         let token = rows[0].lease_token;
-        let mut ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        let mut cursor = self.cursor;
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let cursor = self.cursor;
         // Outcomes decided outside the transaction they will commit with (a row charged
         // before a careful pass), settled with the next commit.
         let mut decided: Vec<Outcome> = Vec::new();
@@ -362,29 +362,30 @@ impl Batch<'_> {
             };
             let again = match pass.run(conn, rows, &mut out).await? {
                 PassEnd::Commit(mut back, outcomes, processed) => {
-                    let outcomes = if cursor {
-                        let end = cursor_commit(cfg, &mut back, token, outcomes, ids.len()).await;
-                        match end? {
-                            CursorEnd::Committed(outcomes) => {
-                                record(cfg, &processed, &outcomes, &mut out);
+                    let all: Vec<Outcome> = decided.iter().cloned().chain(outcomes).collect();
+                    // The rows to settle: `None` to go careful, `Some(None)` every outcome.
+                    let settle = if cursor {
+                        let end = cursor_commit(cfg, &mut back, token, &all, ids.len(), careful);
+                        match end.await? {
+                            CursorEnd::Committed => {
+                                record(cfg, &processed, &all, &mut out);
                                 return Ok(out);
                             }
                             // Still a cursor batch until this commit: one refused rolls the
                             // promotion back with it.
-                            CursorEnd::Promoted(outcomes) => Some(outcomes),
+                            CursorEnd::Promoted(settle) => Some(Some(settle)),
                             // A handler left the transaction failed: a careful pass finds which.
                             CursorEnd::Refused => None,
                         }
                     } else {
-                        Some(outcomes)
+                        Some(None)
                     };
-                    match outcomes {
+                    match settle {
                         None => back,
-                        Some(outcomes) => {
-                            let all: Vec<Outcome> =
-                                decided.iter().cloned().chain(outcomes).collect();
+                        Some(settle) => {
+                            let rows = settle.as_deref().unwrap_or(&all);
                             let committed = store::bounded(&mut back, DB_TIMEOUT, async |c| {
-                                inbox::settle_and_commit(c, &all, &cfg.redact).await
+                                inbox::settle_and_commit(c, rows, &cfg.redact).await
                             });
                             match committed.await {
                                 Ok(()) => {
@@ -419,7 +420,7 @@ impl Batch<'_> {
                         let promoted = async {
                             let mut conn = pool.get_owned().await?;
                             store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                                inbox::cursor::promote(c, token, true, true).await
+                                inbox::cursor::promote(c, token, true, true, &[]).await
                             })
                             .await
                         };
@@ -476,64 +477,66 @@ impl Batch<'_> {
             };
             careful = true;
             conn = again;
-            if cursor {
-                // A careful pass settles an inbox batch: the events get inbox rows first.
-                let promoted = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                    inbox::cursor::promote(c, token, true, true).await
-                })
-                .await?;
-                cursor = false;
-                decided = promoted.remap(decided);
-                ids = ids.iter().filter_map(|&seq| promoted.id(seq)).collect();
-            }
             let left: Vec<i64> = ids
                 .iter()
                 .copied()
                 .filter(|id| !decided.iter().any(|o| o.id == *id))
                 .collect();
-            rows = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-                inbox::reload(c, &left, token).await
+            // A cursor batch stays one through its careful pass: only the events that end
+            // unprocessed get inbox rows, with its commit.
+            rows = store::bounded(&mut conn, DB_TIMEOUT, async |c| match cursor {
+                true => inbox::cursor::reload(c, &left, token).await,
+                false => inbox::reload(c, &left, token).await,
             })
             .await?;
         }
     }
 }
 
-/// How a cursor batch's fast pass ended ([`cursor_commit`]).
+/// How a cursor batch's pass ended ([`cursor_commit`]).
 enum CursorEnd {
     /// Every event processed, committed with the cursor's move.
-    Committed(Vec<Outcome>),
-    /// Exceptions: the events got inbox rows in the open transaction; these outcomes name them.
+    Committed,
+    /// Exceptions: the events not processed got inbox rows in the open transaction, which
+    /// moves the cursor past every event when it commits; the outcomes to settle, naming
+    /// those rows.
     Promoted(Vec<Outcome>),
-    /// The commit was refused (a handler left the transaction failed) and rolled back.
+    /// The commit of a fast pass was refused (a handler left the transaction failed) and
+    /// rolled back.
     Refused,
 }
 
-/// Commits a cursor batch whose every event was processed, moving its cursor; else gives its
-/// events inbox rows inside the transaction, for the inbox's settle to commit.
+/// Commits a cursor batch whose every event was processed (`all`, its outcomes, of `leased`
+/// events), moving its cursor; else gives the events not processed inbox rows inside the
+/// transaction, for the inbox's settle to commit with the processed ones' effects and the
+/// cursor's move.
 async fn cursor_commit(
     cfg: &ConsumerConfig,
     conn: &mut OwnedConn,
     token: i64,
-    outcomes: Vec<Outcome>,
+    all: &[Outcome],
     leased: usize,
+    careful: bool,
 ) -> Result<CursorEnd> {
-    let complete =
-        outcomes.len() == leased && outcomes.iter().all(|o| o.settle == Settle::Processed);
-    if !complete {
+    let handled: Vec<i64> = all
+        .iter()
+        .filter(|o| o.settle == Settle::Processed)
+        .map(|o| o.id)
+        .collect();
+    if handled.len() < leased {
         let promoted = store::bounded(conn, DB_TIMEOUT, async |c| {
-            inbox::cursor::promote(c, token, false, true).await
+            inbox::cursor::promote(c, token, false, true, &handled).await
         })
         .await?;
-        return Ok(CursorEnd::Promoted(promoted.remap(outcomes)));
+        return Ok(CursorEnd::Promoted(promoted.remap(all.to_vec())));
     }
     let committed = store::bounded(conn, DB_TIMEOUT, async |c| {
         inbox::cursor::commit(c, cfg.name.as_str(), token).await
     });
     match committed.await {
-        Ok(()) => Ok(CursorEnd::Committed(outcomes)),
+        Ok(()) => Ok(CursorEnd::Committed),
         Err(crate::Error::Database(e))
-            if store::answered_by_server(&e) && !in_transaction(conn) =>
+            if !careful && store::answered_by_server(&e) && !in_transaction(conn) =>
         {
             Ok(CursorEnd::Refused)
         }

@@ -163,6 +163,59 @@ async fn failed_events_get_inbox_rows_and_are_retried_from_there() {
     db.finish(&[]).await;
 }
 
+/// A failure costs an inbox row for the failed event only: the batch's processed events pass
+/// with the cursor in the same commit, as on the happy path. One poison event among 40 in
+/// one batch: it alone has a row (dead-lettered), and the other 39 are applied once each.
+#[actix_rt::test]
+async fn a_failure_in_a_cursor_batch_gives_only_the_failed_event_an_inbox_row() {
+    let db = TestDb::new().await;
+    let poisoned = Behaviour {
+        poison_aggregate: Some("o-7".into()),
+        ..Behaviour::default()
+    };
+    let cfg = consumer("one_row_cur", 2).cursor(true).batch_size(100);
+    let rt = start(&db, vec![(cfg, poisoned)]).await;
+    // o-0, o-2, o-7 and o-8 share a slot (by a hash of the aggregate, checked below): the 40
+    // events are one stamp row, read by one batch.
+    let events: Vec<NewEvent> = (0..40)
+        .map(|i| {
+            let agg = if i == 7 {
+                "o-7"
+            } else {
+                ["o-0", "o-2", "o-8"][i % 3]
+            };
+            NewEvent::new(
+                "ORDER_STATUS_CHANGED",
+                "order",
+                agg,
+                serde_json::json!({ "i": i }),
+            )
+        })
+        .collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'one_row_cur' AND status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let slots = "SELECT count(DISTINCT part) AS n FROM actix_outbox.log_stamps";
+    assert_eq!(
+        db.count(slots).await,
+        1,
+        "the events were spread over slots"
+    );
+    let others = "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'one_row_cur'";
+    assert_eq!(db.wait_for(others, 39, WAIT).await, 39);
+    let all = "SELECT count(*) AS n FROM effects WHERE consumer = 'one_row_cur'";
+    assert_eq!(db.count(all).await, 39, "an effect was applied twice");
+    assert_eq!(
+        db.count(&inbox_rows("one_row_cur")).await,
+        1,
+        "processed events of the failed event's batch got inbox rows"
+    );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
 /// A handler that hangs past its timeout in a cursor batch: the batch's events get inbox rows,
 /// the hung one is charged once its handler lets go, and every event is applied exactly once.
 #[actix_rt::test]

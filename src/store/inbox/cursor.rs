@@ -1,9 +1,9 @@
 //! Cursor delivery (`ConsumerConfig::cursor`, the migration `cursors`): a consumer's batch
 //! leases the events past its cursor, and either commits them all processed, moving the
-//! cursor, or *promotes* its lease first: the events get inbox rows, the lease names those
-//! rows, and the cursor moves past them, in one statement. From then on the batch is an inbox
-//! batch like any other. The rule: an event a cursor moves past is handled in the commit that
-//! moves it, or gets an inbox row in that same commit.
+//! cursor, or *promotes* its lease first: the events not processed get inbox rows, the lease
+//! names those rows, and the cursor moves past every event, in one statement; the batch's
+//! commit settles those rows as an inbox batch's. The rule: an event a cursor moves past is
+//! handled in the commit that moves it, or gets an inbox row in that same commit.
 //!
 //! The rows a cursor batch hands over are [`InboxRow`]s whose `id` is the event's outbox
 //! `seq` until the batch is promoted ([`Promoted`] maps them).
@@ -118,6 +118,34 @@ pub(crate) async fn commit(conn: &mut AsyncPgConnection, consumer: &str, token: 
     Ok(())
 }
 
+/// The events of cursor lease `token` among `seqs`, read again for a careful pass, in the
+/// lease's order: none once the lease is gone or promoted (by the reaper), so a careful pass
+/// never calls a handler with an event its batch no longer holds.
+pub(crate) async fn reload(
+    conn: &mut AsyncPgConnection,
+    seqs: &[i64],
+    token: i64,
+) -> Result<Vec<InboxRow>> {
+    let rows = Prepared(
+        crate::store::sql(
+            "SELECT o.seq AS id, o.id AS event_id, o.event_type, o.event_version, \
+                 o.aggregate_type, o.aggregate_id, o.aggregate_version, o.payload, o.metadata, \
+                 o.correlation_id, o.causation_id, o.created_at AS event_created_at, \
+                 0 AS attempt_count, $2 AS lease_token, false AS alone, \
+                 pg_backend_pid() AS backend \
+             FROM actix_outbox.inbox_leases l \
+             CROSS JOIN unnest(l.events) WITH ORDINALITY AS u(id, ord) \
+             JOIN actix_outbox.outbox_events o ON o.id = u.id \
+             WHERE l.token = $2 AND o.seq = ANY ($1::int8[]) ORDER BY u.ord",
+        )
+        .bind::<diesel::sql_types::Array<BigInt>, _>(seqs)
+        .bind::<BigInt, _>(token),
+    )
+    .load(conn)
+    .await?;
+    Ok(rows)
+}
+
 /// The inbox rows a promotion gave a cursor batch's events: event seq → inbox id.
 #[derive(Debug, Default)]
 pub(crate) struct Promoted(HashMap<i64, i64>);
@@ -148,11 +176,16 @@ impl Promoted {
 /// gone, promotes nothing and, `fenced` (a batch's own lease), raises `AO001`: the reaper took
 /// it, and the batch's effects must not commit. One whose every event already had an inbox
 /// row goes.
+///
+/// `handled`: the seqs of events processed in the open transaction, which get no row: the
+/// commit that moves the cursor past them commits their effects (the cursor's rule). Empty
+/// outside a batch's own transaction.
 pub(crate) async fn promote(
     conn: &mut AsyncPgConnection,
     token: i64,
     own: bool,
     fenced: bool,
+    handled: &[i64],
 ) -> Result<Promoted> {
     #[derive(QueryableByName)]
     struct Row {
@@ -175,6 +208,7 @@ pub(crate) async fn promote(
                      o.correlation_id, o.causation_id, o.created_at, o.seq \
                  FROM l CROSS JOIN unnest(l.events) AS u(id) \
                  JOIN actix_outbox.outbox_events o ON o.id = u.id \
+                 WHERE o.seq <> ALL ($3::int8[]) \
                  ON CONFLICT (event_id, consumer) DO NOTHING RETURNING id, event_seq \
              ), lease AS ( \
                  UPDATE actix_outbox.inbox_leases p \
@@ -194,7 +228,8 @@ pub(crate) async fn promote(
              LEFT JOIN ins i ON true",
         )
         .bind::<BigInt, _>(token)
-        .bind::<Bool, _>(fenced),
+        .bind::<Bool, _>(fenced)
+        .bind::<diesel::sql_types::Array<BigInt>, _>(handled),
     );
     let rows: Vec<Row> = if own {
         guarded(conn, async |mut c| {
@@ -233,7 +268,7 @@ pub(crate) async fn promote_judged(conn: &mut AsyncPgConnection, consumer: &str)
     .load(conn)
     .await?;
     for t in &tokens {
-        promote(conn, t.token, true, false).await?;
+        promote(conn, t.token, true, false, &[]).await?;
     }
     Ok(tokens.len())
 }
