@@ -243,8 +243,9 @@ impl ConsumerConfig {
     /// over 8 slots by aggregate, each with its own cursor, so up to 8 batches of the consumer
     /// read at once (`concurrency`). Only events published by this
     /// database's in-process publisher are read through the cursor; events received from a
-    /// broker still get inbox rows. The inbox list and the dashboard show a cursor consumer's
-    /// exceptions, not the events it processed. Once on for a consumer, it cannot be turned
+    /// broker still get inbox rows. The inbox list, the timeline and the stats show a cursor
+    /// consumer's exceptions, not the events it processed; the event view (`GET
+    /// /events/{id}`) reads its status from the cursor. Once on for a consumer, it cannot be turned
     /// off yet: the runtime refuses to start ([`Error::Config`]). See `docs/storage-v2.md`.
     pub fn cursor(mut self, on: bool) -> Self {
         self.cursor = on;
