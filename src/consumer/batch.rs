@@ -168,9 +168,9 @@ pub(crate) async fn run_batch(
 static TURN: AtomicUsize = AtomicUsize::new(0);
 
 /// A cursor consumer's batch of the events past its cursor (`inbox::cursor`): `None` when
-/// the cursor has nothing for it. Its rows are handed over as the inbox's are; the batch
-/// commits them all processed with the cursor's move, or first gives them inbox rows
-/// (promotes its lease) and settles them as an inbox batch.
+/// the cursor has nothing for it. Its rows are handed over as the inbox's are; one commit
+/// moves the cursor past them all with the processed ones' effects, and gives the others
+/// inbox rows (promotes its lease) to settle there.
 async fn run_cursor(
     pool: &PgPool,
     cfg: &ConsumerConfig,
@@ -326,8 +326,8 @@ struct Batch<'a> {
     /// The handler slot the loop uses; a parked call keeps a use of it until its handler lets
     /// go.
     used: &'a SlotUse,
-    /// A cursor batch: until it is promoted, its rows' ids are event seqs, which no inbox
-    /// statement may see.
+    /// A cursor batch: its rows' ids are event seqs, which no inbox statement may see; the
+    /// promotion names the inbox rows its outcomes settle.
     cursor: bool,
 }
 
@@ -501,8 +501,8 @@ enum CursorEnd {
     /// moves the cursor past every event when it commits; the outcomes to settle, naming
     /// those rows.
     Promoted(Vec<Outcome>),
-    /// The commit of a fast pass was refused (a handler left the transaction failed) and
-    /// rolled back.
+    /// A fast pass's commit, or promotion, was refused (a handler left the transaction
+    /// failed) and rolled back.
     Refused,
 }
 
@@ -526,9 +526,17 @@ async fn cursor_commit(
     if handled.len() < leased {
         let promoted = store::bounded(conn, DB_TIMEOUT, async |c| {
             inbox::cursor::promote(c, token, false, true, &handled).await
-        })
-        .await?;
-        return Ok(CursorEnd::Promoted(promoted.remap(all.to_vec())));
+        });
+        return match promoted.await {
+            Ok(p) => Ok(CursorEnd::Promoted(p.remap(all.to_vec()))),
+            // Refused in a transaction a handler left failed: rolled back, as a refused commit.
+            Err(crate::Error::Database(e)) if !careful && store::answered_by_server(&e) => {
+                let rolled = store::run(conn, "ROLLBACK").await;
+                store::after_commit(conn, rolled)?;
+                Ok(CursorEnd::Refused)
+            }
+            Err(e) => Err(e),
+        };
     }
     let committed = store::bounded(conn, DB_TIMEOUT, async |c| {
         inbox::cursor::commit(c, cfg.name.as_str(), token).await

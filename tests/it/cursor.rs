@@ -361,28 +361,7 @@ async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
     let leased = "SELECT count(*) AS n FROM actix_outbox.inbox_leases \
                   WHERE consumer = 'fence_cur' AND cardinality(events) > 0";
     assert_eq!(db.wait_for(leased, 1, WAIT).await, 1);
-    let promoted = db
-        .count(
-            "WITH l AS (SELECT token, consumer, events FROM actix_outbox.inbox_leases \
-                 WHERE consumer = 'fence_cur' AND cardinality(events) > 0 FOR UPDATE), \
-             ins AS (INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
-                 event_version, aggregate_type, aggregate_id, aggregate_version, payload, \
-                 metadata, correlation_id, causation_id, event_created_at, event_seq) \
-                 SELECT o.id, l.consumer, o.event_type, o.event_version, o.aggregate_type, \
-                     o.aggregate_id, o.aggregate_version, o.payload, o.metadata, \
-                     o.correlation_id, o.causation_id, o.created_at, o.seq \
-                 FROM l CROSS JOIN unnest(l.events) AS u(id) \
-                 JOIN actix_outbox.outbox_events o ON o.id = u.id RETURNING id), \
-             lease AS (UPDATE actix_outbox.inbox_leases p \
-                 SET ids = ARRAY(SELECT id FROM ins), events = '{}', \
-                     held = cardinality(l.events), locked_until = now() - interval '1 hour' \
-                 FROM l WHERE p.token = l.token), \
-             moved AS (UPDATE actix_outbox.consumer_cursors k SET stamp = upto_stamp, \
-                 idx = upto_idx, token = NULL, upto_stamp = NULL, upto_idx = NULL \
-                 FROM l WHERE k.consumer = l.consumer AND k.token = l.token) \
-             SELECT count(*) AS n FROM ins",
-        )
-        .await;
+    let promoted = promote_by_hand(&db, "fence_cur").await;
     assert_eq!(promoted, 5, "the lease was not there to promote");
     assert_once(&db, "fence_cur", 5).await;
     // Settled by the inbox: each a suspect, handled alone, once.
@@ -394,6 +373,32 @@ async fn a_batch_whose_lease_the_reaper_promoted_commits_no_effect() {
     assert_eq!(db.count(all).await, 5, "an effect was applied twice");
     rt.shutdown().await;
     db.finish(&[]).await;
+}
+
+/// Judges `consumer`'s cursor lease dead and promotes it, as the reaper does: its events get
+/// inbox rows that the lease holds, expired. Returns how many rows it made.
+async fn promote_by_hand(db: &TestDb, consumer: &str) -> i64 {
+    let sql = format!(
+        "WITH l AS (SELECT token, consumer, events FROM actix_outbox.inbox_leases \
+                 WHERE consumer = '{consumer}' AND cardinality(events) > 0 FOR UPDATE), \
+             ins AS (INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, \
+                 event_version, aggregate_type, aggregate_id, aggregate_version, payload, \
+                 metadata, correlation_id, causation_id, event_created_at, event_seq) \
+                 SELECT o.id, l.consumer, o.event_type, o.event_version, o.aggregate_type, \
+                     o.aggregate_id, o.aggregate_version, o.payload, o.metadata, \
+                     o.correlation_id, o.causation_id, o.created_at, o.seq \
+                 FROM l CROSS JOIN unnest(l.events) AS u(id) \
+                 JOIN actix_outbox.outbox_events o ON o.id = u.id RETURNING id), \
+             lease AS (UPDATE actix_outbox.inbox_leases p \
+                 SET ids = ARRAY(SELECT id FROM ins), events = '{{}}', \
+                     held = cardinality(l.events), locked_until = now() - interval '1 hour' \
+                 FROM l WHERE p.token = l.token), \
+             moved AS (UPDATE actix_outbox.consumer_cursors k SET stamp = upto_stamp, \
+                 idx = upto_idx, token = NULL, upto_stamp = NULL, upto_idx = NULL \
+                 FROM l WHERE k.consumer = l.consumer AND k.token = l.token) \
+             SELECT count(*) AS n FROM ins",
+    );
+    db.count(&sql).await
 }
 
 /// Retention of published outbox rows after `published`, everything else kept an hour.
@@ -960,7 +965,8 @@ impl actix::Handler<actix_outbox::Delivery> for RefusesCommit {
 /// A cursor batch whose commit is refused after the batch gave some of its events inbox rows
 /// in that same transaction (here a stale event, which is recorded rather than applied; one
 /// aggregate, so one slot and one batch): the promotion rolls back with the commit, the batch
-/// stays a cursor batch, promotes again for its careful pass, and nothing is lost or doubled.
+/// stays a cursor batch, promotes again with its careful pass's commit, and nothing is lost
+/// or doubled.
 /// Every other event is applied once, the stale one never, the refused effect is not kept,
 /// and no event gets two inbox rows. No event is judged as if its process had died: the
 /// refused `COMMIT` ended the transaction, so the batch's careful pass settles it (until the
@@ -1022,4 +1028,301 @@ async fn a_refused_commit_after_a_promotion_in_the_batch_loses_and_doubles_nothi
     assert_eq!(db.count(judged).await, 0, "an event was judged or charged");
     rt.shutdown().await;
     db.finish(&[]).await;
+}
+
+/// A cursor batch whose last handler swallows a failed statement and returns Ok, beside an
+/// event the batch cannot process (newer than this build reads; one aggregate, so one slot
+/// and one batch): the promotion that would give that event its inbox row is refused in the
+/// failed transaction, which rolls back, and the careful pass settles the batch, as after a
+/// refused commit. Every readable event is applied once, only the unreadable one gets an inbox
+/// row, and no event is judged as if its process had died (until a refused promotion counted
+/// as a broken connection, the batch failed and the reaper judged all four).
+#[actix_rt::test]
+async fn a_promotion_refused_in_a_failed_transaction_loses_doubles_and_judges_nothing() {
+    let db = TestDb::new().await;
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .events(actix_outbox::EventRegistry::new().register::<OrderChanged>())
+        .consumer(consumer("swallow_cur", 1).cursor(true), Swallows::default)
+        .start()
+        .await
+        .unwrap();
+    pause(&db, "swallow_cur").await;
+    let events = vec![
+        order("w"),
+        order("w").version(2),
+        order("w"),
+        order("w").aggregate_version(9),
+    ];
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, 4, WAIT).await, 4);
+    resume(&db, "swallow_cur").await;
+    rt.handle().wake();
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'swallow_cur' AND status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    assert_once(&db, "swallow_cur", 3).await;
+    assert_eq!(
+        db.count(&inbox_rows("swallow_cur")).await,
+        1,
+        "processed events got inbox rows"
+    );
+    let judged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                  WHERE consumer = 'swallow_cur' AND (alone OR attempt_count <> 1)";
+    assert_eq!(db.count(judged).await, 0, "an event was judged or charged");
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// `ORDER_STATUS_CHANGED` at version 1, as [`order`] writes it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct OrderChanged {
+    order_id: String,
+}
+
+impl actix_outbox::Event for OrderChanged {
+    const TYPE: &'static str = "ORDER_STATUS_CHANGED";
+    const AGGREGATE_TYPE: &'static str = "order";
+    fn aggregate_id(&self) -> String {
+        self.order_id.clone()
+    }
+}
+
+/// Writes its effect; on its first call for an event of aggregate version 9 it then runs a
+/// statement that fails and returns Ok all the same, leaving the transaction failed.
+#[derive(Clone, Default)]
+struct Swallows(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl actix::Actor for Swallows {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<actix_outbox::Delivery> for Swallows {
+    type Result = actix::ResponseFuture<Result<(), actix_outbox::HandlerError>>;
+
+    fn handle(&mut self, d: actix_outbox::Delivery, _: &mut Self::Context) -> Self::Result {
+        use diesel_async::RunQueryDsl;
+        let swallowed = self.0.clone();
+        Box::pin(async move {
+            let mut conn = d.conn().await?;
+            write_effect(&mut conn, "swallow_cur", &d).await?;
+            if d.aggregate_version() == Some(9)
+                && !swallowed.swap(true, std::sync::atomic::Ordering::SeqCst)
+            {
+                let failed = diesel::sql_query("SELECT 1/0").execute(&mut *conn).await;
+                assert!(failed.is_err(), "1/0 succeeded");
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Enqueues versions 1..=`n` of aggregate `aggregate` (one slot) while `consumer` is paused,
+/// waits until they are stamped, and resumes it: its first batch leases them all.
+async fn one_batch(db: &TestDb, rt: &OutboxRuntime, consumer: &str, aggregate: &str, n: i64) {
+    pause(db, consumer).await;
+    let events: Vec<NewEvent> = (1..=n)
+        .map(|v| order(aggregate).aggregate_version(v))
+        .collect();
+    enqueue_events(db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, n, WAIT).await, n);
+    resume(db, consumer).await;
+    rt.handle().wake();
+}
+
+/// A handler driven by the aggregate version of its event: the first call for `fail` returns
+/// a retryable error, the first for `hang` writes its effect and holds its connection for
+/// two seconds, and every other call writes its effect after `work`. It records each call's
+/// version, in order.
+#[derive(Clone, Default)]
+struct Script {
+    name: &'static str,
+    fail: i64,
+    hang: i64,
+    work: Duration,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<i64>>>,
+}
+
+impl Script {
+    fn calls(&self) -> Vec<i64> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl actix::Actor for Script {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<actix_outbox::Delivery> for Script {
+    type Result = actix::ResponseFuture<Result<(), actix_outbox::HandlerError>>;
+
+    fn handle(&mut self, d: actix_outbox::Delivery, _: &mut Self::Context) -> Self::Result {
+        let this = self.clone();
+        Box::pin(async move {
+            let v = d.aggregate_version().unwrap_or(0);
+            let first = {
+                let mut calls = this.calls.lock().unwrap();
+                let first = !calls.contains(&v);
+                calls.push(v);
+                first
+            };
+            if first && v == this.fail {
+                return Err(actix_outbox::HandlerError::retry("scripted failure"));
+            }
+            let mut conn = d.conn().await?;
+            write_effect(&mut conn, this.name, &d).await?;
+            if first && v == this.hang {
+                actix_rt::time::sleep(Duration::from_secs(2)).await;
+            } else {
+                actix_rt::time::sleep(this.work).await;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A handler that hangs in a cursor batch's careful pass (the batch's first event failed in
+/// its fast pass): the batch's events get inbox rows, the hung event is charged once, the
+/// events after it are given back uncharged, and every event is applied exactly once.
+#[actix_rt::test]
+async fn a_hang_in_a_cursor_batchs_careful_pass_costs_its_own_event_only() {
+    let db = TestDb::new().await;
+    let script = Script {
+        name: "careful_hang",
+        fail: 1,
+        hang: 2,
+        ..Script::default()
+    };
+    let cfg = consumer("careful_hang", 5)
+        .cursor(true)
+        .handler_timeout(Duration::from_millis(300));
+    let handler = script.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(cfg, move || handler.clone())
+        .start()
+        .await
+        .unwrap();
+    one_batch(&db, &rt, "careful_hang", "ch", 4).await;
+    assert_once(&db, "careful_hang", 4).await;
+    assert_eq!(
+        script.calls()[..2],
+        [1, 2],
+        "the hang was not in the careful pass"
+    );
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'careful_hang' AND attempt_count = 2 \
+                       AND aggregate_version IN (1, 2)";
+    assert_eq!(
+        db.wait_for(charged, 2, WAIT).await,
+        2,
+        "the failed and the hung event were not charged one attempt each"
+    );
+    let spared = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                  WHERE consumer = 'careful_hang' AND aggregate_version IN (3, 4) \
+                      AND attempt_count > 1";
+    assert_eq!(db.count(spared).await, 0, "an event given back was charged");
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// The fence on a careful pass's promotion: the batch's first event fails in its fast pass,
+/// and while its careful pass runs, its lease is judged dead and promoted (as the reaper does,
+/// here by hand). The careful pass's commit must then fail and roll its effects back, or they
+/// would commit beside the reaper's inbox rows, each handled again.
+#[actix_rt::test]
+async fn a_careful_pass_whose_lease_the_reaper_promoted_commits_no_effect() {
+    let db = TestDb::new().await;
+    let script = Script {
+        name: "careful_fence",
+        fail: 1,
+        work: Duration::from_millis(300),
+        ..Script::default()
+    };
+    let cfg = consumer("careful_fence", 3)
+        .cursor(true)
+        .batch_size(5)
+        .handler_timeout(Duration::from_secs(1))
+        .lease(Duration::from_secs(4));
+    let handler = script.clone();
+    let rt = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(cfg, move || handler.clone())
+        .start()
+        .await
+        .unwrap();
+    one_batch(&db, &rt, "careful_fence", "cf", 5).await;
+    // Version 2's first call is the careful pass's first.
+    let deadline = std::time::Instant::now() + WAIT;
+    while !script.calls().contains(&2) {
+        assert!(std::time::Instant::now() < deadline, "no careful pass");
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        promote_by_hand(&db, "careful_fence").await,
+        5,
+        "the lease was not there to promote"
+    );
+    assert_once(&db, "careful_fence", 5).await;
+    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'careful_fence' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(done, 5, WAIT).await, 5);
+    let all = "SELECT count(*) AS n FROM effects WHERE consumer = 'careful_fence'";
+    assert_eq!(db.count(all).await, 5, "an effect was applied twice");
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// A cursor consumer whose handler fails every event, in batches of 10: the first batch tries
+/// its first event in the fast pass and three more in the careful pass, which then gives up
+/// (`decide::PROBE`): the batch's other events are given back with their attempts unspent, and
+/// nothing more is tried before the poll (an hour away). The events past that batch stay past
+/// the cursor, with no inbox row.
+#[actix_rt::test]
+async fn a_cursor_batch_failing_everything_tries_a_few_and_rests() {
+    let db = TestDb::new().await;
+    let failing = Behaviour {
+        poison_aggregate: Some("*".into()),
+        ..Default::default()
+    };
+    let cfg = consumer("failing_cur", 1000)
+        .cursor(true)
+        .batch_size(10)
+        .concurrency(1)
+        .poll_interval(Duration::from_secs(3600));
+    let rt = start(&db, vec![(cfg, failing.clone())]).await;
+    let events: Vec<NewEvent> = (0..100).map(|_| order("all")).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE attempt_count > 0";
+    assert_eq!(db.wait_for(charged, 4, WAIT).await, 4);
+    for _ in 0..5 {
+        rt.handle().wake();
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        db.count(charged).await,
+        4,
+        "it tried more of its batch, or claimed again before its poll"
+    );
+    let over = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE attempt_count > 1";
+    assert_eq!(db.count(over).await, 0);
+    assert_eq!(
+        failing
+            .poison_calls
+            .load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
+    assert_eq!(
+        db.count(&inbox_rows("failing_cur")).await,
+        10,
+        "not the first batch's events alone got inbox rows"
+    );
+    db.finish(&[&rt]).await;
 }
