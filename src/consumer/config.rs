@@ -243,10 +243,11 @@ impl ConsumerConfig {
     /// over 8 slots by aggregate, each with its own cursor, so up to 8 batches of the consumer
     /// read at once (`concurrency`). Only events published by this
     /// database's in-process publisher are read through the cursor; events received from a
-    /// broker still get inbox rows. The inbox list, the timeline and the stats show a cursor
-    /// consumer's exceptions, not the events it processed; the event view (`GET
-    /// /events/{id}`) reads its status from the cursor. Once on for a consumer, it cannot be turned
-    /// off yet: the runtime refuses to start ([`Error::Config`]). See `docs/storage-v2.md`.
+    /// broker still get inbox rows. The inbox list and the stats show a cursor consumer's
+    /// exceptions, not the events it processed; the event view (`GET /events/{id}`) and the
+    /// correlation timeline read its status from the cursor. Once on for a consumer, it cannot
+    /// be turned off yet: the runtime refuses to start ([`Error::Config`]). See
+    /// `docs/storage-v2.md`.
     pub fn cursor(mut self, on: bool) -> Self {
         self.cursor = on;
         self

@@ -172,10 +172,12 @@ pub(crate) async fn event_fanout(
         .bind::<Bool, _>(with_payload)
         .load(conn)
         .await?;
-    let consumers: Vec<Fanout> = crate::store::sql(include_str!("admin/event_fanout.sql"))
-        .bind::<SqlUuid, _>(id)
-        .load(conn)
-        .await?;
+    let consumers: Vec<Fanout> = crate::store::sql(super::with_cursor_status(include_str!(
+        "admin/event_fanout.sql"
+    )))
+    .bind::<SqlUuid, _>(id)
+    .load(conn)
+    .await?;
     Ok((outbox.into_iter().next(), consumers))
 }
 

@@ -123,6 +123,12 @@ impl<Q: Query> Query for Prepared<Q> {
     type SqlType = Q::SqlType;
 }
 
+/// `text` with a cursor consumer's status for an event (`cursor_status.sql`, one definition
+/// for the operator's views) where `/* cursor_status */` stands.
+pub(crate) fn with_cursor_status(text: &str) -> String {
+    text.replace("/* cursor_status */", include_str!("cursor_status.sql"))
+}
+
 /// Runs one constant statement through a shared reference, so that it can be pipelined with
 /// others on the same connection (diesel-async sends futures polled together without waiting
 /// for each answer; the server still runs them in the order they were first polled).

@@ -8,6 +8,11 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use crate::error::Result;
 
 /// One record in a correlation timeline. Metadata only, never the payload.
+///
+/// A cursor consumer ([`ConsumerConfig::cursor`](crate::ConsumerConfig::cursor)) has an inbox
+/// row only for an exception. For an event of this database it has none of, its record is
+/// read from its cursor: `inbox`, with the status IN_FLIGHT, RECEIVED or PROCESSED, no
+/// attempts, `at` the event's publication and no `finished_at`.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
 #[non_exhaustive]
 pub struct TimelineEntry {
@@ -55,7 +60,7 @@ pub(crate) async fn timeline(
 ) -> Result<Vec<TimelineEntry>> {
     // How each part is found: `timeline.sql`. Not a cached statement: an operator's query,
     // planned afresh for the tables as they are.
-    let rows = crate::store::sql(include_str!("timeline.sql"))
+    let rows = crate::store::sql(super::with_cursor_status(include_str!("timeline.sql")))
         .bind::<Text, _>(correlation_id)
         .bind::<diesel::sql_types::BigInt, _>(TIMELINE_LIMIT)
         .load(conn)

@@ -3,11 +3,14 @@
 -- this database through their outbox rows (`outbox_events_correlation`, then the inbox's
 -- unique `(event_id, consumer)` index), those whose event has no outbox row here (`external`:
 -- received from another database, or its outbox row deleted by retention) through the inbox's
--- partial correlation index.
+-- partial correlation index. A consumer that reads an event's type through its cursor has an
+-- inbox row only for an exception; for an event of this database with none, its record comes
+-- from its cursor (`cursor_status.sql`, included where the marker stands), with no attempts
+-- and no finishing time, at the event's publication.
 --   $1 correlation id   $2 limit
 WITH o AS MATERIALIZED (
-    SELECT id, event_type, aggregate_id, status, attempt_count, error_code, causation_id,
-        created_at, published_at, seq
+    SELECT id, event_type, aggregate_type, aggregate_id, status, attempt_count, error_code,
+        causation_id, created_at, published_at, seq
     FROM actix_outbox.outbox_events WHERE correlation_id = $1
 )
 SELECT * FROM (
@@ -19,6 +22,13 @@ SELECT * FROM (
     SELECT 'inbox', event_id, event_type, aggregate_id, consumer, status, attempt_count,
         error_code, causation_id, received_at, processed_at, id
     FROM actix_outbox.inbox_events WHERE event_id IN (SELECT id FROM o)
+    UNION ALL
+    SELECT 'inbox', o.id, o.event_type, o.aggregate_id, s.consumer, k.status, 0, NULL,
+        o.causation_id, coalesce(o.published_at, o.created_at), NULL, o.seq
+    FROM o JOIN actix_outbox.consumer_subscriptions s ON s.event_type = o.event_type AND s.cursor
+    CROSS JOIN LATERAL (SELECT /* cursor_status */ AS status) k
+    WHERE k.status IS NOT NULL AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i
+                                               WHERE i.event_id = o.id AND i.consumer = s.consumer)
     UNION ALL
     SELECT 'inbox', event_id, event_type, aggregate_id, consumer, status, attempt_count,
         error_code, causation_id, received_at, processed_at, id

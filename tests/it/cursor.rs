@@ -1326,3 +1326,67 @@ async fn a_cursor_batch_failing_everything_tries_a_few_and_rests() {
     );
     db.finish(&[&rt]).await;
 }
+
+/// The correlation timeline shows what a cursor consumer did with each event, though it has an
+/// inbox row only for the one that failed: PROCESSED for the one it handled, the failed one's
+/// row (DEAD_LETTER), and RECEIVED for one past its cursor while it is paused; each
+/// (event, consumer) once, beside an inbox consumer's records of the same events.
+#[actix_rt::test]
+async fn the_timeline_shows_what_a_cursor_consumer_did_with_each_event() {
+    let db = TestDb::new().await;
+    let poisoned = Behaviour {
+        poison_aggregate: Some("o-bad".into()),
+        ..Behaviour::default()
+    };
+    let rt = start(
+        &db,
+        vec![
+            (consumer("tl_cur", 1).cursor(true), poisoned),
+            (consumer("tl_inbox", 1), Behaviour::default()),
+        ],
+    )
+    .await;
+    let of = |agg: &str| order(agg).correlation_id("corr-tl");
+    enqueue_events(&db, &[of("o-1"), of("o-bad")]).await;
+    rt.handle().wake();
+    let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                WHERE consumer = 'tl_cur' AND status = 'DEAD_LETTER'";
+    assert_eq!(db.wait_for(dead, 1, WAIT).await, 1);
+    let applied = "SELECT count(*) AS n FROM effects WHERE consumer = 'tl_cur'";
+    assert_eq!(db.wait_for(applied, 1, WAIT).await, 1);
+    pause(&db, "tl_cur").await;
+    enqueue_events(&db, &[of("o-2")]).await;
+    rt.handle().wake();
+    let processed = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                     WHERE consumer = 'tl_inbox' AND status = 'PROCESSED'";
+    assert_eq!(db.wait_for(processed, 3, WAIT).await, 3);
+
+    let mut conn = db.pool.get().await.unwrap();
+    let timeline = actix_outbox::ops::timeline(&mut conn, "corr-tl")
+        .await
+        .unwrap();
+    let of_consumer = |c: &str| -> Vec<(String, String)> {
+        timeline
+            .iter()
+            .filter(|e| e.kind == "inbox" && e.consumer.as_deref() == Some(c))
+            .map(|e| (e.aggregate_id.clone(), e.status.clone()))
+            .collect()
+    };
+    let mut cursor = of_consumer("tl_cur");
+    cursor.sort();
+    let want = [
+        ("o-1", "PROCESSED"),
+        ("o-2", "RECEIVED"),
+        ("o-bad", "DEAD_LETTER"),
+    ];
+    assert_eq!(
+        cursor,
+        want.map(|(a, s)| (a.to_owned(), s.to_owned())),
+        "{timeline:#?}"
+    );
+    assert_eq!(of_consumer("tl_inbox").len(), 3, "{timeline:#?}");
+    let outbox = timeline.iter().filter(|e| e.kind == "outbox").count();
+    assert_eq!(outbox, 3, "{timeline:#?}");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}

@@ -617,6 +617,14 @@ const EVENT_FANOUT_SQL: &str = include_str!("../../src/store/admin/event_fanout.
 const TIMELINE_SQL: &str = include_str!("../../src/store/timeline.sql");
 const REPLAY_LIST_SQL: &str = include_str!("../../src/store/replay_list.sql");
 
+/// `sql` as the library sends it: with a cursor consumer's status where its marker stands.
+fn with_cursor_status(sql: &str) -> String {
+    sql.replace(
+        "/* cursor_status */",
+        include_str!("../../src/store/cursor_status.sql"),
+    )
+}
+
 /// The tables a list must never read whole.
 const BIG: &[&str] = &["inbox_events", "outbox_events", "admin_audit", "replays"];
 
@@ -872,14 +880,15 @@ async fn every_operator_list_and_filter_is_read_through_an_index() {
     let event = middle;
     let nodes = explain!(conn, EVENT_OUTBOX_SQL, SqlUuid => event, Bool => false);
     assert_served(&nodes, "outbox_events_pkey", "event, its outbox row");
-    let nodes = explain!(conn, EVENT_FANOUT_SQL, SqlUuid => event);
+    let nodes = explain!(conn, with_cursor_status(EVENT_FANOUT_SQL), SqlUuid => event);
     assert_served(
         &nodes,
         "inbox_events_event_consumer",
         "event, its inbox rows",
     );
     assert_served(&nodes, "outbox_events_pkey", "event, its type");
-    let nodes = explain!(conn, TIMELINE_SQL, Text => "corr-5005", BigInt => 1000_i64);
+    let timeline = with_cursor_status(TIMELINE_SQL);
+    let nodes = explain!(conn, timeline, Text => "corr-5005", BigInt => 1000_i64);
     for index in [
         "outbox_events_correlation",
         "inbox_events_event_consumer",

@@ -3,30 +3,17 @@
 -- subscribed to its type now. A row a lease names shows as IN_FLIGHT.
 --
 -- A consumer that reads the type through its cursor (the migration `cursors`) has an inbox
--- row only for an exception. Without one, its status comes from the cursor's rule (an event
--- a cursor moves past is handled in the commit that moves it, or gets an inbox row in that
--- commit): IN_FLIGHT when a lease names the event, RECEIVED while a stamp past the cursor of
--- the event's slot lists it (read from the cursor on, by the stamps' primary key), and
--- PROCESSED once it is published, since the subscription, and neither.
+-- row only for an exception; without one, its status comes from its cursor
+-- (`cursor_status.sql`, included where the marker stands).
 --   $1 event id
 WITH r AS (SELECT * FROM actix_outbox.inbox_events WHERE event_id = $1),
-     o AS (SELECT id, event_type, status, published_at,
-                  abs(hashtext(aggregate_type || chr(31) || aggregate_id) % 8) AS part
+     o AS (SELECT id, event_type, status, published_at, aggregate_type, aggregate_id
            FROM actix_outbox.outbox_events WHERE id = $1),
      t AS (SELECT coalesce((SELECT event_type FROM o), (SELECT event_type FROM r LIMIT 1)) AS event_type),
      s AS (SELECT consumer, cursor, created_at FROM actix_outbox.consumer_subscriptions
            WHERE event_type = (SELECT event_type FROM t)),
      k AS (
-    SELECT s.consumer, CASE
-        WHEN EXISTS (SELECT FROM actix_outbox.inbox_leases l
-                     WHERE l.consumer = s.consumer AND o.id = ANY (l.events)) THEN 'IN_FLIGHT'
-        WHEN EXISTS (SELECT FROM actix_outbox.consumer_cursors c
-                     JOIN actix_outbox.log_stamps st ON st.part = c.part AND st.stamp >= c.stamp
-                     WHERE c.consumer = s.consumer AND c.part = o.part AND o.id = ANY (st.events)
-                       AND (st.stamp, array_position(st.events, o.id)) > (c.stamp, c.idx))
-            THEN 'RECEIVED'
-        WHEN o.status = 'PUBLISHED' AND o.published_at >= s.created_at THEN 'PROCESSED'
-    END AS status
+    SELECT s.consumer, /* cursor_status */ AS status
     FROM s CROSS JOIN o WHERE s.cursor AND s.consumer NOT IN (SELECT consumer FROM r)
 )
 SELECT c.consumer, c.consumer IN (SELECT consumer FROM s) AS subscribed,
