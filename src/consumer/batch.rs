@@ -506,10 +506,8 @@ enum CursorEnd {
     Refused,
 }
 
-/// Commits a cursor batch whose every event was processed (`all`, its outcomes, of `leased`
-/// events), moving its cursor; else gives the events not processed inbox rows inside the
-/// transaction, for the inbox's settle to commit with the processed ones' effects and the
-/// cursor's move.
+/// Commits a cursor batch whose every event was processed (`all`, its outcomes, of `leased`),
+/// moving its cursor; else gives the others inbox rows in the transaction, for the settle.
 async fn cursor_commit(
     cfg: &ConsumerConfig,
     conn: &mut OwnedConn,
@@ -531,7 +529,9 @@ async fn cursor_commit(
             Ok(p) => Ok(CursorEnd::Promoted(p.remap(all.to_vec()))),
             // Refused in a transaction a handler left failed: rolled back, as a refused commit.
             Err(crate::Error::Database(e)) if !careful && store::answered_by_server(&e) => {
-                let rolled = store::run(conn, "ROLLBACK").await;
+                let rolled =
+                    store::bounded(conn, DB_TIMEOUT, async |c| store::run(c, "ROLLBACK").await)
+                        .await;
                 store::after_commit(conn, rolled)?;
                 Ok(CursorEnd::Refused)
             }
