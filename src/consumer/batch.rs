@@ -46,8 +46,7 @@ pub(crate) struct BatchOutcome {
     pub claimed: usize,
     pub processed: usize,
     pub failed: usize,
-    /// Rows given back unhandled, due again in their place in line: behind the next claim's
-    /// start.
+    /// Rows given back unhandled, due again in their place: behind the next claim's start.
     pub given_back: usize,
     /// Claim again at once, whatever the batch held ([`ScanStart::answered`]).
     pub more: bool,
@@ -74,10 +73,13 @@ pub(crate) async fn run_batch(
 ) -> Result<BatchOutcome> {
     // A cursor consumer reads its cursor first, and its inbox (its exceptions) first one turn
     // in eight, and whenever the cursor has nothing: a backlog past the cursor never holds
-    // its retries up for long.
-    let cursor_first = cfg.cursor && !TURN.fetch_add(1, Ordering::Relaxed).is_multiple_of(8);
+    // its retries up for long. Its cursor's LOW lane goes first one turn in five.
+    let turn = cfg.turn.fetch_add(1, Ordering::Relaxed);
+    let cursor_first = cfg.cursor && !turn.is_multiple_of(8);
+    let low_first = turn.is_multiple_of(5);
+    let cursor = || run_cursor(pool, cfg, handler, hung, draining, used, low_first);
     if cursor_first {
-        if let Some(out) = run_cursor(pool, cfg, handler, hung, draining, used).await? {
+        if let Some(out) = cursor().await? {
             return Ok(out);
         }
     }
@@ -118,7 +120,7 @@ pub(crate) async fn run_batch(
     if rows.is_empty() {
         if cfg.cursor && !cursor_first {
             drop(conn);
-            if let Some(out) = run_cursor(pool, cfg, handler, hung, draining, used).await? {
+            if let Some(out) = cursor().await? {
                 return Ok(out);
             }
         }
@@ -164,9 +166,6 @@ pub(crate) async fn run_batch(
     out
 }
 
-/// Turns of cursor consumers' batches in this process: which source a batch reads first.
-static TURN: AtomicUsize = AtomicUsize::new(0);
-
 /// A cursor consumer's batch of the events past its cursor (`inbox::cursor`): `None` when
 /// the cursor has nothing for it. Its rows are handed over as the inbox's are; one commit
 /// moves the cursor past them all with the processed ones' effects, and gives the others
@@ -178,6 +177,7 @@ async fn run_cursor(
     hung: &Hung,
     draining: &Arc<AtomicBool>,
     used: &SlotUse,
+    low_first: bool,
 ) -> Result<Option<BatchOutcome>> {
     let started = Instant::now();
     let mut conn: OwnedConn = pool.get_owned().await?;
@@ -185,7 +185,7 @@ async fn run_cursor(
     let token = inbox::new_token();
     let limit = i64::from(cfg.batch_size);
     let claimed = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-        inbox::cursor::claim(c, cfg.name.as_str(), limit, lease_ms, token).await
+        inbox::cursor::claim(c, cfg.name.as_str(), limit, lease_ms, token, low_first).await
     })
     .await;
     let claimed = match claimed {

@@ -1,5 +1,6 @@
 //! [`ConsumerConfig`]: how one consumer is run.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +14,8 @@ use crate::retry::RetryPolicy;
 pub struct ConsumerConfig {
     pub(crate) name: ConsumerName,
     pub(crate) event_types: Vec<String>,
+    /// The types of `event_types` subscribed in the HIGH lane.
+    pub(crate) high: Vec<String>,
     pub(crate) retry: RetryPolicy,
     pub(crate) batch_size: u32,
     pub(crate) concurrency: u32,
@@ -36,6 +39,9 @@ pub struct ConsumerConfig {
     /// Set by the builder from [`RuntimeConfig::redact_errors`](crate::RuntimeConfig::redact_errors):
     /// what of a handler's error message is stored and logged.
     pub(crate) redact: Redactor,
+    /// This consumer's batches in this process, counted: which source and lane a batch reads
+    /// first (shared by the clones the runtime makes).
+    pub(crate) turn: Arc<AtomicUsize>,
 }
 
 impl ConsumerConfig {
@@ -50,6 +56,7 @@ impl ConsumerConfig {
         ConsumerConfig {
             name: ConsumerName::unchecked(name),
             event_types: Vec::new(),
+            high: Vec::new(),
             retry: RetryPolicy::default(),
             batch_size: 32,
             concurrency: 1,
@@ -70,12 +77,30 @@ impl ConsumerConfig {
             thread_group: None,
             events: None,
             redact: Redactor::default(),
+            turn: Arc::default(),
         }
     }
     /// Subscribes to an event type.
     pub fn subscribe(mut self, event_type: &str) -> Self {
         if !self.event_types.iter().any(|t| t == event_type) {
             self.event_types.push(event_type.to_owned());
+        }
+        self
+    }
+    /// Subscribes to an event type in the HIGH lane (needs [`cursor`](ConsumerConfig::cursor)):
+    /// this consumer reads the events of its HIGH types before its other events, so a backlog
+    /// of the others does not hold them up, and gives the others one claim in five, so they
+    /// are never starved. A HIGH consumer is one that subscribes to every type this way.
+    ///
+    /// The lane belongs to the event, not to the subscription: an event is stamped HIGH when
+    /// any cursor consumer subscribes to its type as HIGH, and every cursor consumer of that
+    /// type then reads it in its HIGH lane. Lanes order events across types; within a lane,
+    /// events keep their order. The publisher still publishes in commit order. See
+    /// `docs/storage-v2.md#priority-lanes`.
+    pub fn subscribe_high(mut self, event_type: &str) -> Self {
+        self = self.subscribe(event_type);
+        if !self.high.iter().any(|t| t == event_type) {
+            self.high.push(event_type.to_owned());
         }
         self
     }
@@ -241,7 +266,8 @@ impl ConsumerConfig {
     /// Not yet with [`ordered`](ConsumerConfig::ordered) or
     /// [`replay_safe`](ConsumerConfig::replay_safe) ([`Error::Config`]). Events are spread
     /// over 8 slots by aggregate, each with its own cursor, so up to 8 batches of the consumer
-    /// read at once (`concurrency`). Only events published by this
+    /// read at once (`concurrency`); HIGH events ([`subscribe_high`](Self::subscribe_high))
+    /// over 8 more. Only events published by this
     /// database's in-process publisher are read through the cursor; events received from a
     /// broker still get inbox rows. The inbox list and the stats show a cursor consumer's
     /// exceptions, not the events it processed; the event view (`GET /events/{id}`) and the
@@ -315,6 +341,9 @@ impl ConsumerConfig {
             .is_some_and(|g| g.is_empty() || g.len() > 100)
         {
             return bad("thread_group must be 1..=100 bytes");
+        }
+        if !self.high.is_empty() && !self.cursor {
+            return bad("subscribe_high needs cursor(true): lanes are read through a cursor");
         }
         if self.cursor && (self.ordered || self.replay_safe) {
             return bad("cursor delivery does not support ordered or replay_safe yet");

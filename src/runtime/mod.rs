@@ -257,7 +257,7 @@ impl OutboxBuilder {
                     cfg.ordered,
                     cfg.replay_safe,
                     cfg.delay_levels(),
-                    cfg.cursor,
+                    cfg.cursor.then_some(&cfg.high[..]),
                 )
                 .await?;
                 registered.push(contract::Registered { cfg, extra });

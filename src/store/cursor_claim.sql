@@ -1,6 +1,7 @@
 -- A cursor consumer's claim (`inbox::cursor::claim`, the migration `cursors`): lease the
 -- events of consumer $1 among the next $2 entries of one slot past its cursor, for $3
--- milliseconds, to process $4 under token $5, by writing one `inbox_leases` row that names
+-- milliseconds, to process $4 under token $5, a slot of the LOW lane first if $6 (else of
+-- the HIGH lane; the migration `lanes`), by writing one `inbox_leases` row that names
 -- them (`events`) and the token in the slot's cursor, with where the cursor goes when the
 -- batch commits. Committed before any handler
 -- sees an event. None while the consumer is paused, or while other batches hold every slot
@@ -18,13 +19,14 @@ WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())
 ), c AS MATERIALIZED (
-    -- The free cursor of a slot with entries past it, the furthest behind first.
+    -- The free cursor of a slot with entries past it: the lane asked for first, then the
+    -- furthest behind.
     SELECT k.part, k.stamp, k.idx FROM actix_outbox.consumer_cursors k
     WHERE k.consumer = $1 AND k.token IS NULL AND NOT EXISTS (SELECT FROM paused)
       AND EXISTS (SELECT FROM actix_outbox.log_stamps s
                   WHERE s.part = k.part AND s.stamp >= k.stamp
                     AND (s.stamp, cardinality(s.events)) > (k.stamp, k.idx))
-    ORDER BY k.stamp, k.part LIMIT 1
+    ORDER BY (k.part < 8) = $6::bool DESC, k.stamp, k.part LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), stamps AS MATERIALIZED (
     SELECT s.stamp, s.events FROM actix_outbox.log_stamps s

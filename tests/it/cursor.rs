@@ -298,7 +298,11 @@ async fn a_dead_cursor_lease_is_promoted_and_judged_by_the_reaper() {
     );
     let cursor = "SELECT count(*) AS n FROM actix_outbox.consumer_cursors \
                   WHERE consumer = 'dead_cur' AND token IS NULL";
-    assert_eq!(db.count(cursor).await, 8, "a slot's cursor is still leased");
+    assert_eq!(
+        db.count(cursor).await,
+        16,
+        "a slot's cursor is still leased"
+    );
     rt.shutdown().await;
     db.finish(&[]).await;
 }

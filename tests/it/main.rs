@@ -24,6 +24,7 @@ mod fanout;
 mod harness;
 mod hung;
 mod isolation;
+mod lanes;
 mod lifecycle;
 mod logs;
 #[cfg(feature = "nats")]

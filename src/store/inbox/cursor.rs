@@ -28,13 +28,15 @@ pub(crate) struct CursorClaim {
 }
 
 /// Leases up to `limit` events of `consumer` past its cursor for `lease_ms` under `token`
-/// (`cursor_claim.sql`), in a transaction of its own (one round trip).
+/// (`cursor_claim.sql`), from the LOW lane first if `low_first`, else from the HIGH lane
+/// first, in a transaction of its own (one round trip).
 pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     limit: i64,
     lease_ms: i64,
     token: i64,
+    low_first: bool,
 ) -> Result<CursorClaim> {
     #[derive(QueryableByName)]
     struct More {
@@ -47,7 +49,8 @@ pub(crate) async fn claim(
             .bind::<BigInt, _>(limit)
             .bind::<BigInt, _>(lease_ms)
             .bind::<Text, _>(store::process_id())
-            .bind::<BigInt, _>(token),
+            .bind::<BigInt, _>(token)
+            .bind::<Bool, _>(low_first),
     );
     // After the claim, in its transaction: whether entries lie past what it read, or past a
     // cursor no other batch holds (a slot another batch holds is that batch's to go on with:

@@ -111,7 +111,8 @@ impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
 /// ([`unsubscribe`](crate::ops::unsubscribe)), since another instance may still run the older code.
 /// Returns the subscriptions in the database that `event_types` no longer lists. `ordered`
 /// is set on each subscription (the last instance to start decides, as during a rolling
-/// deploy), and rows fanned out from then on carry it.
+/// deploy), and rows fanned out from then on carry it. `cursor`: the consumer reads through
+/// its cursors (one per slot and lane, made here), with the types it subscribes to as HIGH.
 pub(crate) async fn register_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -119,7 +120,7 @@ pub(crate) async fn register_consumer(
     ordered: bool,
     replay_safe: bool,
     delays: Option<(i64, i64)>,
-    cursor: bool,
+    cursor: Option<&[String]>,
 ) -> Result<Vec<String>> {
     #[derive(QueryableByName)]
     struct Subscription {
@@ -131,7 +132,7 @@ pub(crate) async fn register_consumer(
         #[diesel(sql_type = diesel::sql_types::Bool)]
         exists: bool,
     }
-    if !cursor {
+    if cursor.is_none() {
         // A cursor's unread events must not be stranded: turning it off safely (every unread
         // event given an inbox row, against publishers stamping at that moment) is not built.
         let c: Cursor = Prepared(
@@ -158,13 +159,16 @@ pub(crate) async fn register_consumer(
                         critical_delay_ms = $6 \
                     WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
                            consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6)), \
-              s AS (INSERT INTO actix_outbox.consumer_subscriptions (consumer, event_type, ordered, cursor) \
-                    SELECT $1, t, $3, $7 FROM unnest($2::text[]) AS t \
-                    ON CONFLICT (consumer, event_type) DO UPDATE SET ordered = $3, cursor = $7 \
-                    WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor) <> ($3, $7)), \
+              s AS (INSERT INTO actix_outbox.consumer_subscriptions \
+                        (consumer, event_type, ordered, cursor, high) \
+                    SELECT $1, t, $3, $7, t = ANY ($8::text[]) FROM unnest($2::text[]) AS t \
+                    ON CONFLICT (consumer, event_type) DO UPDATE \
+                    SET ordered = $3, cursor = $7, high = excluded.high \
+                    WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor, \
+                           consumer_subscriptions.high) <> ($3, $7, excluded.high)), \
               on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx) \
                     SELECT $1, part, last, 9223372036854775807 \
-                    FROM actix_outbox.log_head, generate_series(0, 7) AS part WHERE $7 \
+                    FROM actix_outbox.log_head, generate_series(0, 15) AS part WHERE $7 \
                     ON CONFLICT DO NOTHING) \
          SELECT event_type FROM actix_outbox.consumer_subscriptions \
          WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
@@ -175,7 +179,8 @@ pub(crate) async fn register_consumer(
         .bind::<diesel::sql_types::Bool, _>(replay_safe)
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.0))
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.1))
-        .bind::<diesel::sql_types::Bool, _>(cursor),
+        .bind::<diesel::sql_types::Bool, _>(cursor.is_some())
+        .bind::<Array<Text>, _>(cursor.unwrap_or_default()),
     )
     .load(conn)
     .await?;
