@@ -57,6 +57,39 @@ async fn a_cursor_consumer_gets_every_event_once_and_no_inbox_row() {
     db.finish(&[]).await;
 }
 
+/// A batch reads every slot with new entries, not one: events of 16 aggregates, spread over
+/// several slots, are applied by one batch (one transaction: their effects share an `xmin`),
+/// so a trickle of events over many aggregates waits for one batch, not one per slot.
+#[actix_rt::test]
+async fn one_batch_reads_every_slot_with_new_entries() {
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("wide_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    pause(&db, "wide_cur").await;
+    let events: Vec<NewEvent> = (0..16).map(|i| order(&format!("o-wide-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, 16, WAIT).await, 16);
+    let slots = "SELECT count(DISTINCT part) AS n FROM actix_outbox.log_stamps";
+    assert!(db.count(slots).await > 1, "the events share one slot");
+    resume(&db, "wide_cur").await;
+    rt.handle().wake();
+    assert_once(&db, "wide_cur", 16).await;
+    let batches = "SELECT count(DISTINCT xmin::text) AS n FROM effects WHERE consumer = 'wide_cur'";
+    assert_eq!(
+        db.count(batches).await,
+        1,
+        "the slots were read one batch each"
+    );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
 /// The invariant: a stamp's number comes from `log_head`, whose lock its transaction holds to
 /// its commit. A stamping transaction held open for a second (here the test's own, publishing
 /// events of its own) holds every later stamp back, and no cursor passes it: with 16
