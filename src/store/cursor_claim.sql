@@ -13,11 +13,11 @@
 -- order takes a prefix of each slot's entries, so each slot's cursor goes past what was read
 -- of it and no further. Under a backlog the first slot fills the batch, as concurrent
 -- batches fill theirs from other slots; under a trickle one batch takes every slot's few
--- new entries instead of one batch per slot. Of
--- those entries it takes the consumer's (a subscribed type, and no inbox row for the event
--- yet: one published while the consumer was switched to its cursor is in the inbox). When no
--- entry is the consumer's, the cursors move at once and nothing is leased. Entries are cut
--- before the outbox is read: each costs a lookup of its outbox row and of an inbox row.
+-- new entries instead of one batch per slot. Of those entries it takes the consumer's (a
+-- subscribed type, and no inbox row for the event yet: one published while the consumer was
+-- switched to its cursor is in the inbox). When no entry is the consumer's, the cursors move
+-- at once and nothing is leased. Entries are cut before the outbox is read: each costs a
+-- lookup of its outbox row and of an inbox row.
 WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())

@@ -79,8 +79,8 @@ async fn a_high_event_overtakes_a_low_backlog_and_low_keeps_its_share() {
     );
     assert_eq!(db.wait_for(&high_done, HIGH, WAIT).await, HIGH);
     let high_after = resumed.elapsed();
-    // 2,000 HIGH events in 8 slots take about 24 claims of up to 100; LOW's turns among them
-    // (one in five) give it about 6 claims of 100.
+    // 2,000 HIGH events take at least 20 claims of up to 100; LOW's turns among them (one in
+    // five) give it about 5 claims of 100.
     let low_before = db.count(&before_last_high("ORDER_STATUS_CHANGED")).await;
     assert!(
         low_before >= 300,
