@@ -70,11 +70,7 @@ async fn one_batch_reads_every_slot_with_new_entries() {
     .await;
     pause(&db, "wide_cur").await;
     let events: Vec<NewEvent> = (0..16).map(|i| order(&format!("o-wide-{i}"))).collect();
-    enqueue_events(&db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, 16, WAIT).await, 16);
+    stamp(&db, &rt, &events, 16).await;
     let slots = "SELECT count(DISTINCT part) AS n FROM actix_outbox.log_stamps";
     assert!(db.count(slots).await > 1, "the events share one slot");
     resume(&db, "wide_cur").await;
@@ -86,6 +82,60 @@ async fn one_batch_reads_every_slot_with_new_entries() {
         1,
         "the slots were read one batch each"
     );
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}
+
+/// The fill-up skips a slot another claim holds, whole: it neither waits for the lock nor
+/// moves that slot's cursor. With the cursor row of one slot locked (as a concurrent claim
+/// locks it), the events of the other slots are applied and the held slot's are not; once
+/// the lock goes they are applied too, every event exactly once.
+#[actix_rt::test]
+async fn the_fill_up_skips_a_slot_another_claim_holds_and_reads_it_later() {
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("held_cur", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    pause(&db, "held_cur").await;
+    let events: Vec<NewEvent> = (0..16).map(|i| order(&format!("o-held-{i}"))).collect();
+    stamp(&db, &rt, &events, 16).await;
+    // The last slot with entries: a claim starts from the first, so it reaches this one only
+    // by filling up.
+    let last = "(SELECT max(part) FROM actix_outbox.log_stamps)";
+    let slots = "SELECT count(DISTINCT part) AS n FROM actix_outbox.log_stamps";
+    assert!(db.count(slots).await > 1, "the events share one slot");
+    let held = db
+        .count(&format!(
+            "SELECT sum(cardinality(events))::int8 AS n FROM actix_outbox.log_stamps \
+             WHERE part = {last}"
+        ))
+        .await;
+    let mut holder = AsyncPgConnection::establish(&db.url).await.unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT FROM actix_outbox.consumer_cursors \
+             WHERE consumer = 'held_cur' AND part = {last} FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    resume(&db, "held_cur").await;
+    rt.handle().wake();
+    let applied = "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'held_cur'";
+    assert_eq!(db.wait_for(applied, 16 - held, WAIT).await, 16 - held);
+    // A few more polls: the held slot's events still wait, its cursor unmoved.
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(db.count(applied).await, 16 - held, "a held slot was read");
+    let unmoved = format!(
+        "SELECT count(*) AS n FROM actix_outbox.consumer_cursors \
+         WHERE consumer = 'held_cur' AND part = {last} AND token IS NULL \
+           AND stamp < (SELECT min(stamp) FROM actix_outbox.log_stamps WHERE part = {last})"
+    );
+    assert_eq!(db.count(&unmoved).await, 1, "the held slot's cursor moved");
+    holder.batch_execute("COMMIT").await.unwrap();
+    rt.handle().wake();
+    assert_once(&db, "held_cur", 16).await;
     rt.shutdown().await;
     db.finish(&[]).await;
 }
@@ -294,11 +344,7 @@ async fn a_dead_cursor_lease_is_promoted_and_judged_by_the_reaper() {
     let rt = start(&db, vec![(cfg, Behaviour::default())]).await;
     pause(&db, "dead_cur").await;
     let events: Vec<NewEvent> = (0..5).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue_events(&db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, 5, WAIT).await, 5);
+    stamp(&db, &rt, &events, 5).await;
     {
         // A process leases the cursor's events, as a claim does, and dies.
         let mut dying = AsyncPgConnection::establish(&db.url).await.unwrap();
@@ -462,11 +508,7 @@ async fn retention_keeps_what_a_cursor_has_not_read_and_no_more() {
     pause(&db, "keep_cur").await;
     // Three aggregates: most slots never see an event.
     let events: Vec<NewEvent> = (0..30).map(|i| order(&format!("o-{}", i % 3))).collect();
-    enqueue_events(&db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, 30, WAIT).await, 30);
+    stamp(&db, &rt, &events, 30).await;
     actix_rt::time::sleep(Duration::from_millis(50)).await;
     let now = outbox_after(Duration::from_millis(1)).cursor_backlog_after(Duration::MAX);
     let retention = Retention::new(db.pool.clone(), now).unwrap();
@@ -640,11 +682,7 @@ async fn health_counts_what_waits_past_a_cursor() {
     .await;
     pause(&db, "lag_cur").await;
     let events: Vec<NewEvent> = (0..12).map(|i| order(&format!("o-{i}"))).collect();
-    enqueue_events(&db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, 12, WAIT).await, 12);
+    stamp(&db, &rt, &events, 12).await;
     actix_rt::time::sleep(Duration::from_millis(50)).await;
     let health = HealthConfig::default()
         .inbox_warn_after(Duration::from_millis(10))
@@ -1035,11 +1073,7 @@ async fn a_refused_commit_after_a_promotion_in_the_batch_loses_and_doubles_nothi
         .into_iter()
         .map(|v| order("s").aggregate_version(v))
         .collect();
-    enqueue_events(&db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, 8, WAIT).await, 8);
+    stamp(&db, &rt, &events, 8).await;
     resume(&db, "refused_cur").await;
     rt.handle().wake();
     assert_once(&db, "refused_cur", 7).await;
@@ -1091,11 +1125,7 @@ async fn a_promotion_refused_in_a_failed_transaction_loses_doubles_and_judges_no
         order("w"),
         order("w").aggregate_version(9),
     ];
-    enqueue_events(&db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, 4, WAIT).await, 4);
+    stamp(&db, &rt, &events, 4).await;
     resume(&db, "swallow_cur").await;
     rt.handle().wake();
     let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
@@ -1157,6 +1187,16 @@ impl actix::Handler<actix_outbox::Delivery> for Swallows {
     }
 }
 
+/// Enqueues `events` in one transaction, wakes the runtime and waits until the stamps list
+/// `total` events in all (those of earlier calls included).
+async fn stamp(db: &TestDb, rt: &OutboxRuntime, events: &[NewEvent], total: i64) {
+    enqueue_events(db, events).await;
+    rt.handle().wake();
+    let stamped =
+        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
+    assert_eq!(db.wait_for(stamped, total, WAIT).await, total);
+}
+
 /// Enqueues versions 1..=`n` of aggregate `aggregate` (one slot) while `consumer` is paused,
 /// waits until they are stamped, and resumes it: its first batch leases them all.
 async fn one_batch(db: &TestDb, rt: &OutboxRuntime, consumer: &str, aggregate: &str, n: i64) {
@@ -1164,11 +1204,7 @@ async fn one_batch(db: &TestDb, rt: &OutboxRuntime, consumer: &str, aggregate: &
     let events: Vec<NewEvent> = (1..=n)
         .map(|v| order(aggregate).aggregate_version(v))
         .collect();
-    enqueue_events(db, &events).await;
-    rt.handle().wake();
-    let stamped =
-        "SELECT coalesce(sum(cardinality(events)), 0)::int8 AS n FROM actix_outbox.log_stamps";
-    assert_eq!(db.wait_for(stamped, n, WAIT).await, n);
+    stamp(db, rt, &events, n).await;
     resume(db, consumer).await;
     rt.handle().wake();
 }
