@@ -2,8 +2,8 @@
 -- its HIGH subscriptions before the others, and gives the others one claim in five, so
 -- that a LOW backlog does not hold a HIGH event up, and LOW is never starved.
 --
--- An event's lane is chosen when it is stamped (`claim.sql`): HIGH when a cursor consumer
--- subscribes to its type as HIGH. HIGH events are stamped in slots 8 to 15, the slot of their
+-- An event's lane is chosen when it is stamped (`claim.sql`): HIGH when every cursor consumer
+-- of its type subscribes to it as HIGH. HIGH events are stamped in slots 8 to 15, the slot of their
 -- aggregate plus 8, so each consumer has a cursor per slot and lane, and a claim picks the
 -- lane before the slot. No stamp lists an event in slots 8 to 15 before this migration,
 -- so every cursor consumer's new cursors start at the newest stamp, as a new consumer's do.

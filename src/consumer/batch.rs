@@ -72,11 +72,11 @@ pub(crate) async fn run_batch(
     scan: &ScanStart<Place>,
 ) -> Result<BatchOutcome> {
     // A cursor consumer reads its cursor first, and its inbox (its exceptions) first one turn
-    // in eight, and whenever the cursor has nothing: a backlog past the cursor never holds
-    // its retries up for long. Its cursor's LOW lane goes first one turn in five.
+    // in eight and whenever the cursor has nothing, so retries never wait long. With a HIGH
+    // type, its LOW lane goes first one turn in five; with none, both lanes in stamp order.
     let turn = cfg.turn.fetch_add(1, Ordering::Relaxed);
     let cursor_first = cfg.cursor && !turn.is_multiple_of(8);
-    let low_first = turn.is_multiple_of(5);
+    let low_first = (!cfg.high.is_empty()).then_some(turn.is_multiple_of(5));
     let cursor = || run_cursor(pool, cfg, handler, hung, draining, used, low_first);
     if cursor_first {
         if let Some(out) = cursor().await? {
@@ -177,7 +177,7 @@ async fn run_cursor(
     hung: &Hung,
     draining: &Arc<AtomicBool>,
     used: &SlotUse,
-    low_first: bool,
+    low_first: Option<bool>,
 ) -> Result<Option<BatchOutcome>> {
     let started = Instant::now();
     let mut conn: OwnedConn = pool.get_owned().await?;

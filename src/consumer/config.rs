@@ -92,10 +92,14 @@ impl ConsumerConfig {
     /// of the others does not hold them up, and gives the others one claim in five, so they
     /// are never starved. A HIGH consumer is one that subscribes to every type this way.
     ///
-    /// The lane belongs to the event, not to the subscription: an event is stamped HIGH when
-    /// any cursor consumer subscribes to its type as HIGH, and every cursor consumer of that
-    /// type then reads it in its HIGH lane. Lanes order events across types; within a lane,
-    /// events keep their order. The publisher still publishes in commit order. See
+    /// The lane belongs to the event: it is stamped HIGH only when every cursor consumer of
+    /// its type subscribes to it as HIGH (a consumer reading the type LOW keeps it LOW for
+    /// all, and the start records the contract finding `HIGH_LANE_OVERRULED` naming it, a
+    /// warning unless the contract check is off), so no consumer finds an aggregate's
+    /// events in two lanes unless it asked for both. Lanes order events across types: an
+    /// aggregate with events of a HIGH and a LOW type can be applied out of order, so
+    /// `skip_stale` with both lanes is refused (`CONFIG_INVALID`). Within a lane, events keep
+    /// their order. The publisher still publishes in commit order. See
     /// `docs/storage-v2.md#priority-lanes`.
     pub fn subscribe_high(mut self, event_type: &str) -> Self {
         self = self.subscribe(event_type);
@@ -344,6 +348,15 @@ impl ConsumerConfig {
         }
         if !self.high.is_empty() && !self.cursor {
             return bad("subscribe_high needs cursor(true): lanes are read through a cursor");
+        }
+        if self.skip_stale
+            && self.event_types.iter().any(|t| !self.high.contains(t))
+            && !self.high.is_empty()
+        {
+            return bad(
+                "skip_stale with HIGH and LOW types: lanes can apply an aggregate's older \
+                 LOW event after a newer HIGH one, and skip_stale would skip it",
+            );
         }
         if self.cursor && (self.ordered || self.replay_safe) {
             return bad("cursor delivery does not support ordered or replay_safe yet");

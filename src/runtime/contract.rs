@@ -25,11 +25,13 @@ pub enum ContractCheck {
     Refuse,
 }
 
-/// A consumer of this build: its name, the types it subscribes to, and the subscriptions the
-/// database holds for it that it no longer lists.
+/// A consumer of this build: its name, the types it subscribes to, the subscriptions the
+/// database holds for it that it no longer lists, and, of its HIGH types, the other cursor
+/// consumers that read one LOW (type, consumer), which keeps that type in the LOW lane.
 pub(crate) struct Registered<'a> {
     pub cfg: &'a ConsumerConfig,
     pub extra: Vec<String>,
+    pub low_readers: Vec<(String, String)>,
 }
 
 /// The findings, from what was read. Pure, so that each rule is tested on its own.
@@ -59,6 +61,19 @@ pub(crate) fn findings(
                     "{name} is subscribed to {t} in the database, but this build's {name} does \
                      not subscribe to it: its events are still fanned out to {name}; remove the \
                      subscription (ops::unsubscribe) once no instance needs it"
+                ),
+            ));
+        }
+        for (t, reader) in &c.low_readers {
+            out.push(finding(
+                "HIGH_LANE_OVERRULED",
+                name,
+                t,
+                reader.clone(),
+                format!(
+                    "{name} subscribes to {t} as HIGH, but the cursor consumer {reader} reads \
+                     it LOW: an event is HIGH only when every cursor consumer of its type asks, \
+                     so {t} stays in the LOW lane for all"
                 ),
             ));
         }
@@ -184,10 +199,12 @@ mod tests {
             Registered {
                 cfg: &mail,
                 extra: vec!["CANCELLED".into()],
+                low_readers: vec![("PLACED".into(), "audit".into())],
             },
             Registered {
                 cfg: &ledger,
                 extra: vec![],
+                low_readers: vec![],
             },
         ];
         let window = [
@@ -201,17 +218,22 @@ mod tests {
             codes(&found),
             vec![
                 ("SUBSCRIPTION_UNHANDLED", "mail", "CANCELLED"),
+                ("HIGH_LANE_OVERRULED", "mail", "PLACED"),
                 ("SUBSCRIBED_TYPE_UNSEEN", "mail", "PLACDE"),
                 ("VERSION_UNLIFTABLE", "", "PLACED"),
             ]
         );
-        assert_eq!(found[2].detail, "v1");
-        assert!(found[2].message.contains("PLACED v1 has no upcaster to v2"));
+        assert_eq!(found[1].detail, "audit");
+        assert_eq!(found[3].detail, "v1");
+        assert!(found[3].message.contains("PLACED v1 has no upcaster to v2"));
         // A fresh database: nothing stored, so no type is "unseen" yet.
         let fresh = findings(&consumers, &[], Some(&registry), 100);
         assert_eq!(
             codes(&fresh),
-            vec![("SUBSCRIPTION_UNHANDLED", "mail", "CANCELLED")]
+            vec![
+                ("SUBSCRIPTION_UNHANDLED", "mail", "CANCELLED"),
+                ("HIGH_LANE_OVERRULED", "mail", "PLACED"),
+            ]
         );
         // A newer version than this build reads is a rolling deploy, not a finding.
         let newer = findings(

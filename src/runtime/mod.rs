@@ -260,7 +260,16 @@ impl OutboxBuilder {
                     cfg.cursor.then_some(&cfg.high[..]),
                 )
                 .await?;
-                registered.push(contract::Registered { cfg, extra });
+                registered.push(contract::Registered {
+                    cfg,
+                    extra,
+                    low_readers: Vec::new(),
+                });
+            }
+            // Once all are registered: a LOW reader may be one of this build's consumers.
+            for r in registered.iter_mut().filter(|r| !r.cfg.high.is_empty()) {
+                r.low_readers =
+                    store::inbox::high_overruled(&mut conn, r.cfg.name.as_str()).await?;
             }
             let (mode, window) = (self.config.contract_check, self.config.contract_window);
             let events = self.events.as_deref();

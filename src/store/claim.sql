@@ -38,11 +38,12 @@ WITH due AS (
     -- Events a cursor consumer subscribes to get no inbox row of it: they are listed in one
     -- stamp (a row per slot of 8, by aggregate, and lane), numbered by the update of
     -- `log_head`, whose lock this claim holds to its commit (the migration `cursors`). An
-    -- event is HIGH, in slots 8 to 15, when a cursor consumer subscribes to its type as HIGH
-    -- (the migration `lanes`). Costs nothing when no consumer reads through a cursor.
+    -- event is HIGH, in slots 8 to 15, when every cursor consumer of its type subscribes to
+    -- it as HIGH (the migration `lanes`), so no consumer reads an aggregate in two slots
+    -- unless it asked to. Costs nothing when no consumer reads through a cursor.
     SELECT p.id, p.seq, abs(hashtext(p.aggregate_type || chr(31) || p.aggregate_id) % 8)
-        + CASE WHEN EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
-                            WHERE s.event_type = p.event_type AND s.cursor AND s.high)
+        + CASE WHEN NOT EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
+                                WHERE s.event_type = p.event_type AND s.cursor AND NOT s.high)
           THEN 8 ELSE 0 END AS part
     FROM published p
     WHERE EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s

@@ -5,32 +5,35 @@
 -- goes when the batch commits. Committed before any handler sees an event. None while the
 -- consumer is paused, or while other batches hold every slot with entries past its cursor.
 --
--- It reads a first slot (the LOW lane's first if $6, else the HIGH lane's), then the other
--- free slots with entries past their cursors, each from at most 8 stamps: stamps are read in
--- number order, and a stamp is visible only once every smaller one is (the invariant of
--- `log_head`), so a cursor that moves forward over what it read never passes an event. The
+-- It reads a first slot, the one whose next entry is oldest (of the LOW lane first if $6, of
+-- the HIGH lane first if not, of either if $6 is NULL: a consumer with no HIGH type), then the
+-- other free slots with entries past their cursors, each from at most 8 stamps: stamps are
+-- read in number order, and a stamp is visible only once every smaller one is (the invariant
+-- of `log_head`), so a cursor that moves forward over what it read never passes an event. The
 -- entries are cut to the first $2 in the order (first slot, lane, stamp, slot, place): that
 -- order takes a prefix of each slot's entries, so each slot's cursor goes past what was read
--- of it and no further. Under a backlog the first slot fills the batch, as concurrent
--- batches fill theirs from other slots; under a trickle one batch takes every slot's few
--- new entries instead of one batch per slot. Of those entries it takes the consumer's (a
--- subscribed type, and no inbox row for the event yet: one published while the consumer was
--- switched to its cursor is in the inbox). When no entry is the consumer's, the cursors move
--- at once and nothing is leased. Entries are cut before the outbox is read: each costs a
--- lookup of its outbox row and of an inbox row.
+-- of it and no further. Under a backlog the first slot fills the batch, as concurrent batches
+-- fill theirs from other slots; under a trickle one batch takes every slot's few new entries
+-- instead of one batch per slot. Of those entries it takes the consumer's (a subscribed type,
+-- and no inbox row for the event yet: one published while the consumer was switched to its
+-- cursor is in the inbox). When no entry is the consumer's, the cursors move at once and
+-- nothing is leased. Entries are cut before the outbox is read: each costs a lookup of its
+-- outbox row and of an inbox row.
 WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())
 ), first AS MATERIALIZED (
     -- The free cursor of a slot with entries past it: the lane asked for first, then the
-    -- furthest behind. Locked, so that concurrent claims each start from a slot of their own.
+    -- slot whose next entry has the smallest stamp. Locked, so that concurrent claims each
+    -- start from a slot of their own.
     SELECT k.part, k.stamp, k.idx FROM actix_outbox.consumer_cursors k
+    CROSS JOIN LATERAL (SELECT s.stamp AS next FROM actix_outbox.log_stamps s
+                        WHERE s.part = k.part AND s.stamp >= k.stamp
+                          AND (s.stamp, cardinality(s.events)) > (k.stamp, k.idx)
+                        ORDER BY s.stamp LIMIT 1) n
     WHERE k.consumer = $1 AND k.token IS NULL AND NOT EXISTS (SELECT FROM paused)
-      AND EXISTS (SELECT FROM actix_outbox.log_stamps s
-                  WHERE s.part = k.part AND s.stamp >= k.stamp
-                    AND (s.stamp, cardinality(s.events)) > (k.stamp, k.idx))
-    ORDER BY (k.part < 8) = $6::bool DESC, k.stamp, k.part LIMIT 1
-    FOR UPDATE SKIP LOCKED
+    ORDER BY (k.part < 8) = $6::bool DESC, n.next, k.part LIMIT 1
+    FOR UPDATE OF k SKIP LOCKED
 ), c AS MATERIALIZED (
     -- That slot, and the other free slots with entries past their cursors, read unlocked:
     -- the cut below takes the first slot's entries, then the others' (lane, stamp order).

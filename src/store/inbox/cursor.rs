@@ -28,15 +28,16 @@ pub(crate) struct CursorClaim {
 }
 
 /// Leases up to `limit` events of `consumer` past its cursor for `lease_ms` under `token`
-/// (`cursor_claim.sql`), from the LOW lane first if `low_first`, else from the HIGH lane
-/// first, in a transaction of its own (one round trip).
+/// (`cursor_claim.sql`), from the LOW lane first if `low_first` is `Some(true)`, from the HIGH
+/// lane first if `Some(false)`, in stamp order across both if `None` (a consumer with no HIGH
+/// type), in a transaction of its own (one round trip).
 pub(crate) async fn claim(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     limit: i64,
     lease_ms: i64,
     token: i64,
-    low_first: bool,
+    low_first: Option<bool>,
 ) -> Result<CursorClaim> {
     #[derive(QueryableByName)]
     struct More {
@@ -50,7 +51,7 @@ pub(crate) async fn claim(
             .bind::<BigInt, _>(lease_ms)
             .bind::<Text, _>(store::process_id())
             .bind::<BigInt, _>(token)
-            .bind::<Bool, _>(low_first),
+            .bind::<diesel::sql_types::Nullable<Bool>, _>(low_first),
     );
     // After the claim, in its transaction: whether entries lie past what it read, or past a
     // cursor no other batch holds (a slot another batch holds is that batch's to go on with:

@@ -187,6 +187,34 @@ pub(crate) async fn register_consumer(
     Ok(extra.into_iter().map(|s| s.event_type).collect())
 }
 
+/// For each type `consumer` subscribes to as HIGH, the cursor consumers that read it LOW and
+/// so keep it in the LOW lane for all (`claim.sql`): (event type, consumer), in that order.
+pub(crate) async fn high_overruled(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+) -> Result<Vec<(String, String)>> {
+    #[derive(QueryableByName)]
+    struct Low {
+        #[diesel(sql_type = Text)]
+        event_type: String,
+        #[diesel(sql_type = Text)]
+        consumer: String,
+    }
+    let low: Vec<Low> = crate::store::sql(
+        "SELECT h.event_type, l.consumer FROM actix_outbox.consumer_subscriptions h \
+         JOIN actix_outbox.consumer_subscriptions l \
+             ON l.event_type = h.event_type AND l.cursor AND NOT l.high \
+         WHERE h.consumer = $1 AND h.cursor AND h.high ORDER BY 1, 2",
+    )
+    .bind::<Text, _>(consumer)
+    .load(conn)
+    .await?;
+    Ok(low
+        .into_iter()
+        .map(|l| (l.event_type, l.consumer))
+        .collect())
+}
+
 /// Removes one subscription. `None` when the consumer was never registered, else whether the
 /// subscription existed.
 pub(crate) async fn remove_subscription(
