@@ -1,6 +1,9 @@
 -- Refused while a HIGH event waits past a cursor: the cursors of slots 8 to 15 are the only
 -- readers of those events, and dropping them would lose them. Let them drain first (or turn
--- `subscribe_high` off and wait until health shows no lag).
+-- `subscribe_high` off and wait until health shows no lag). The table lock comes first: every
+-- publishing claim reads the subscriptions, so none can stamp between the check and the drop
+-- (one that waits for the lock fails on the dropped column, and its events stay due).
+LOCK TABLE consumer_subscriptions IN ACCESS EXCLUSIVE MODE;
 DO $$
 BEGIN
     IF EXISTS (SELECT FROM consumer_cursors k

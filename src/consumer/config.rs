@@ -95,11 +95,11 @@ impl ConsumerConfig {
     /// The lane belongs to the event: it is stamped HIGH only when every cursor consumer of
     /// its type subscribes to it as HIGH (a consumer reading the type LOW keeps it LOW for
     /// all, and the start records the contract finding `HIGH_LANE_OVERRULED` naming it, a
-    /// warning unless the contract check is off), so no consumer finds an aggregate's
-    /// events in two lanes unless it asked for both. Lanes order events across types: an
-    /// aggregate with events of a HIGH and a LOW type can be applied out of order, so
-    /// `skip_stale` with both lanes is refused (`CONFIG_INVALID`). Within a lane, events keep
-    /// their order. The publisher still publishes in commit order. See
+    /// warning unless the contract check is off). Lanes order events across types: an
+    /// aggregate with events of a HIGH and a LOW type can be applied out of order (as it can
+    /// for any consumer while a type's lane changes), so `skip_stale` with both lanes, which
+    /// would skip the older event every time, is refused (`CONFIG_INVALID`). Within a lane,
+    /// events keep their order. The publisher still publishes in commit order. See
     /// `docs/storage-v2.md#priority-lanes`.
     pub fn subscribe_high(mut self, event_type: &str) -> Self {
         self = self.subscribe(event_type);

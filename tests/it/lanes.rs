@@ -374,3 +374,49 @@ async fn skip_stale_with_both_lanes_is_refused() {
     rt.shutdown().await;
     db.finish(&[]).await;
 }
+
+/// A revert that runs while a publisher stamps loses no HIGH event: the down migration locks
+/// the subscriptions before its check, so a publishing claim cannot stamp between the check
+/// and the drop of the HIGH lane (it fails on the dropped column once the revert commits, and
+/// its events stay due). The consumer is paused so that nothing reads them in between.
+#[actix_rt::test]
+async fn a_revert_racing_a_publisher_loses_no_high_event() {
+    const DOWN: &str = include_str!("../../migrations/2026-12-05-000026_lanes/down.sql");
+    let (head, tail) = DOWN
+        .split_once("DELETE FROM consumer_cursors")
+        .expect("down.sql drops the HIGH cursors");
+    let db = TestDb::new().await;
+    let vip = consumer("vip", 3).subscribe_high(HIGH_TYPE).cursor(true);
+    let rt = start(&db, vec![(vip, Behaviour::default())]).await;
+    pause(&db, "vip").await;
+    let mut revert = db.pool.get().await.unwrap();
+    revert
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL search_path TO actix_outbox; {head}"
+        ))
+        .await
+        .expect("nothing waits past a cursor yet");
+    let events: Vec<NewEvent> = (0..3).map(|i| payment(&format!("p-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    // Time for the publisher to claim them; with the check unlocked, it stamps them now.
+    actix_rt::time::sleep(Duration::from_secs(1)).await;
+    revert
+        .batch_execute(&format!("DELETE FROM consumer_cursors {tail}; COMMIT"))
+        .await
+        .unwrap();
+    drop(revert);
+    rt.shutdown().await;
+    let stranded = format!(
+        "SELECT count(*) AS n FROM actix_outbox.outbox_events o \
+         WHERE o.event_type = '{HIGH_TYPE}' AND o.status = 'PUBLISHED' \
+           AND NOT EXISTS (SELECT FROM actix_outbox.log_stamps s WHERE o.id = ANY (s.events)) \
+           AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i WHERE i.event_id = o.id)"
+    );
+    assert_eq!(
+        db.count(&stranded).await,
+        0,
+        "events were published into a lane the revert dropped"
+    );
+    db.finish(&[]).await;
+}
