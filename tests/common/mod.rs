@@ -218,6 +218,16 @@ pub async fn pause(db: &TestDb, consumer: &str) {
         .unwrap();
 }
 
+/// Whether `consumer` reads through its cursors (one per slot and lane) and stamps were made:
+/// a cursor variant of a test asserts it, so that it cannot pass on the inbox's path.
+pub async fn read_through_cursors(db: &TestDb, consumer: &str) -> bool {
+    let cursors = format!(
+        "SELECT count(*) AS n FROM actix_outbox.consumer_cursors WHERE consumer = '{consumer}'"
+    );
+    let stamped = "SELECT last AS n FROM actix_outbox.log_head";
+    db.count(&cursors).await == 16 && db.count(stamped).await > 0
+}
+
 /// Resumes `consumer` as an operator would.
 pub async fn resume(db: &TestDb, consumer: &str) {
     let mut conn = db.pool.get().await.unwrap();

@@ -436,6 +436,18 @@ async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
 
 #[actix_rt::test]
 async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
+    two_runtimes_on_one_database(false).await;
+}
+
+/// The same with the consumers reading through cursors (storage v2): both runtimes' batches
+/// of a consumer share its cursors. Processed means an effect, as a cursor consumer has no
+/// inbox row per event; the inbox holds only exceptions, of which none may be a dead letter.
+#[actix_rt::test]
+async fn two_runtimes_on_one_database_process_every_event_once_per_cursor_consumer() {
+    two_runtimes_on_one_database(true).await;
+}
+
+async fn two_runtimes_on_one_database(cursor: bool) {
     let db = TestDb::new().await;
     let names = ["alpha", "beta", "gamma"];
     let cfgs = || {
@@ -443,7 +455,7 @@ async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
             .iter()
             .map(|n| {
                 (
-                    consumer(n, 5).concurrency(2).batch_size(16),
+                    consumer(n, 5).concurrency(2).batch_size(16).cursor(cursor),
                     Behaviour::default(),
                 )
             })
@@ -481,13 +493,27 @@ async fn two_runtimes_on_one_database_process_every_event_once_per_consumer() {
         p.await.unwrap();
     }
 
-    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
-    assert_eq!(db.wait_for(done, 6000, WAIT).await, 6000);
-    assert_eq!(
-        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
-            .await,
-        6000
-    );
+    if cursor {
+        let done = "SELECT count(*) AS n FROM (SELECT DISTINCT consumer, event_id FROM effects) e";
+        assert_eq!(db.wait_for(done, 6000, WAIT).await, 6000);
+        let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                    WHERE status = 'DEAD_LETTER'";
+        assert_eq!(db.count(dead).await, 0);
+        for name in names {
+            assert!(
+                read_through_cursors(&db, name).await,
+                "{name} not on cursors"
+            );
+        }
+    } else {
+        let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
+        assert_eq!(db.wait_for(done, 6000, WAIT).await, 6000);
+        assert_eq!(
+            db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+                .await,
+            6000
+        );
+    }
     for name in names {
         let per =
             format!("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = '{name}'");

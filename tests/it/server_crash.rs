@@ -147,12 +147,26 @@ async fn place(url: &str, order: &str) -> Result<(), actix_outbox::Error> {
 
 #[actix_rt::test]
 async fn a_server_crash_mid_run_loses_nothing_and_duplicates_nothing() {
+    server_crash_mid_run(false).await;
+}
+
+/// The same with the consumer reading through its cursors (storage v2): leases, cursor moves
+/// and stamps in flight when the server dies.
+#[actix_rt::test]
+async fn a_server_crash_mid_run_loses_nothing_and_duplicates_nothing_on_cursors() {
+    server_crash_mid_run(true).await;
+}
+
+async fn server_crash_mid_run(cursor: bool) {
     let cluster = Cluster::start();
     let db = TestDb::new_on(&cluster.url()).await;
     let runtime = start(
         &db,
         vec![(
-            consumer("c1", 50).batch_size(16).concurrency(2),
+            consumer("c1", 50)
+                .batch_size(16)
+                .concurrency(2)
+                .cursor(cursor),
             Behaviour::default(),
         )],
     )
@@ -207,6 +221,12 @@ async fn a_server_crash_mid_run_loses_nothing_and_duplicates_nothing() {
         "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status <> 'PUBLISHED'",
     )
     .await;
+    if cursor {
+        // Counted on a fresh connection: the pool's went down with the server.
+        let cursors = "SELECT count(*) AS n FROM actix_outbox.consumer_cursors \
+                       WHERE consumer = 'c1' AND (SELECT last FROM actix_outbox.log_head) > 0";
+        assert_eq!(count(&db.url, cursors).await, 16, "not on cursors");
+    }
     assert_eq!(orders, n, "every order committed once");
     assert_eq!(events, n, "one event per committed order");
     assert_eq!(distinct, n, "an event's effect was lost");
