@@ -835,6 +835,18 @@ async fn a_shutdown_does_not_wait_out_a_rate_limit_pause() {
 
 #[actix_rt::test]
 async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
+    connections_dropped_mid_run(false).await;
+}
+
+/// The same with both consumers reading through cursors (storage v2): claims, batches and
+/// cursor moves lose their sessions. Processed means an effect, as a cursor consumer has no
+/// inbox row per event.
+#[actix_rt::test]
+async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect_on_cursors() {
+    connections_dropped_mid_run(true).await;
+}
+
+async fn connections_dropped_mid_run(cursor: bool) {
     let db = TestDb::new().await;
     let busy = Behaviour {
         work: Duration::from_millis(3),
@@ -848,8 +860,17 @@ async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
         pool,
         fast_runtime(),
         vec![
-            (consumer("c1", 5).batch_size(20), busy.clone()),
-            (consumer("c2", 5).batch_size(20).concurrency(2), busy),
+            (
+                consumer("c1", 5).batch_size(20).cursor(cursor),
+                busy.clone(),
+            ),
+            (
+                consumer("c2", 5)
+                    .batch_size(20)
+                    .concurrency(2)
+                    .cursor(cursor),
+                busy,
+            ),
         ],
     )
     .await;
@@ -867,10 +888,17 @@ async fn connections_dropped_mid_run_lose_nothing_and_repeat_no_effect() {
     }
     assert!(killed >= 3, "sessions were terminated: {killed}");
     for c in ["c1", "c2"] {
-        let done = format!(
-            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{c}' AND status = 'PROCESSED'"
-        );
+        let done = match cursor {
+            false => format!(
+                "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                 WHERE consumer = '{c}' AND status = 'PROCESSED'"
+            ),
+            true => {
+                format!("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = '{c}'")
+            }
+        };
         assert_eq!(db.wait_for(&done, 300, WAIT).await, 300, "{c}");
+        assert_eq!(read_through_cursors(&db, c).await, cursor, "{c}");
     }
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 600);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);

@@ -190,6 +190,16 @@ const BACKLOG: i64 = 15 * POOL as i64;
 async fn a_hung_consumer_costs_only_itself(
     batch: bool,
 ) -> (TestDb, OutboxRuntime, Vec<uuid::Uuid>) {
+    hung_consumer_costs_only_itself(batch, false).await
+}
+
+/// [`a_hung_consumer_costs_only_itself`] with `cursor`: both consumers read through cursors
+/// (storage v2), and processed means an effect, as a cursor consumer has no inbox row per
+/// event.
+async fn hung_consumer_costs_only_itself(
+    batch: bool,
+    cursor: bool,
+) -> (TestDb, OutboxRuntime, Vec<uuid::Uuid>) {
     let metrics = prometheus();
     let db = TestDb::new().await;
     let gate = Gate::default();
@@ -200,6 +210,7 @@ async fn a_hung_consumer_costs_only_itself(
         ("hang-one", "ok-beside-one")
     };
     let hang_cfg = consumer(hang, 3)
+        .cursor(cursor)
         .batch_size(10)
         .concurrency(1)
         .handler_timeout(Duration::from_millis(300));
@@ -208,7 +219,10 @@ async fn a_hung_consumer_costs_only_itself(
         pool,
         (hang_cfg, gate.clone()),
         batch,
-        vec![(consumer(ok, 3).batch_size(10), Behaviour::default())],
+        vec![(
+            consumer(ok, 3).batch_size(10).cursor(cursor),
+            Behaviour::default(),
+        )],
     )
     .await;
 
@@ -227,9 +241,14 @@ async fn a_hung_consumer_costs_only_itself(
     // never a healthy batch between two statements.
     let mut most = 0;
 
-    let ok_done = format!(
-        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{ok}' AND status = 'PROCESSED'"
-    );
+    let done = |c: &str| match cursor {
+        false => format!(
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+             WHERE consumer = '{c}' AND status = 'PROCESSED'"
+        ),
+        true => format!("SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = '{c}'"),
+    };
+    let ok_done = done(ok);
     let published =
         "SELECT count(*) AS n FROM actix_outbox.outbox_events WHERE status = 'PUBLISHED'";
     let stalled = format!("outbox_consumer_stalled{{consumer=\"{hang}\"}} 1");
@@ -263,9 +282,7 @@ async fn a_hung_consumer_costs_only_itself(
     assert_eq!(published_n, BACKLOG, "the publisher published every event");
     assert_eq!(ok_n, BACKLOG, "the healthy consumer processed every event");
     assert!(!gate.is_released(), "all of it while `{hang}` still hung");
-    let hang_done = format!(
-        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{hang}' AND status = 'PROCESSED'"
-    );
+    let hang_done = done(hang);
     assert_eq!(
         db.count(&hang_done).await,
         0,
@@ -276,9 +293,7 @@ async fn a_hung_consumer_costs_only_itself(
 
     gate.release();
     let hung = gate.hung_events();
-    let hang_all = format!(
-        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = '{hang}' AND status = 'PROCESSED'"
-    );
+    let hang_all = done(hang);
     assert_eq!(
         db.wait_for(&hang_all, BACKLOG, WAIT).await,
         BACKLOG,
@@ -299,6 +314,29 @@ async fn a_hung_consumer_costs_only_itself(
     // Nothing is left parked: the sampler sees no hung session now.
     assert_eq!(db.idle_in_transaction().await, 0);
     (db, rt, hung)
+}
+
+/// [`a_handler_hanging_on_its_connection_costs_only_its_consumer`] on cursors: the same bound
+/// and the same drain once the handlers let go; the hung calls' events end with inbox rows
+/// (a hung call's lease is promoted), processed on their second attempt, and no other event
+/// has one.
+#[actix_rt::test]
+async fn a_handler_hanging_on_its_connection_costs_only_its_cursor_consumer() {
+    let (db, rt, hung) = hung_consumer_costs_only_itself(false, true).await;
+    assert_eq!(hung.len(), 2, "one event per hung call");
+    let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'hang-one'";
+    let retried = format!(
+        "{rows} AND status = 'PROCESSED' AND attempt_count = 2 AND event_id IN ({})",
+        quoted(&hung)
+    );
+    assert_eq!(
+        db.count(&retried).await,
+        2,
+        "each hung event charged, then retried"
+    );
+    let charged = format!("{rows} AND attempt_count > 1");
+    assert_eq!(db.count(&charged).await, 2, "no other event was charged");
+    db.finish(&[&rt]).await;
 }
 
 /// A one-per-call handler that hangs holding `d.conn()`: see
