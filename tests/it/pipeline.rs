@@ -117,17 +117,23 @@ async fn backlog(db: &TestDb, n: u64, aggregates: u64) {
     }
 }
 
-async fn start_piped(
+/// Starts `piped` (pipeline `pipeline`, failing on event `poison`), reading through cursors
+/// (storage v2) if `cursor`.
+async fn start_piped_on(
     db: &TestDb,
     pipeline: u32,
     poison: Option<u64>,
+    cursor: bool,
 ) -> (OutboxRuntime, Arc<Seen>) {
     let seen = Arc::new(Seen::default());
     let handler = Piped {
         seen: seen.clone(),
         poison,
     };
-    let cfg = consumer("piped", 2).batch_size(100).pipeline(pipeline);
+    let cfg = consumer("piped", 2)
+        .batch_size(100)
+        .pipeline(pipeline)
+        .cursor(cursor);
     let rt = OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
         .consumer(cfg, move || handler.clone())
@@ -139,13 +145,34 @@ async fn start_piped(
 
 #[actix_rt::test]
 async fn a_pipelined_consumer_takes_many_deliveries_at_once_and_writes_each_effect_once() {
+    pipelined_consumer(false).await;
+}
+
+/// The same on cursors (storage v2): each aggregate's events sit in one slot in stamp order.
+/// Processed means an effect, and no event may need an inbox row.
+#[actix_rt::test]
+async fn a_pipelined_cursor_consumer_takes_many_deliveries_at_once_and_writes_each_effect_once() {
+    pipelined_consumer(true).await;
+}
+
+async fn pipelined_consumer(cursor: bool) {
     let db = TestDb::new().await;
     backlog(&db, 600, 12).await;
-    let (rt, seen) = start_piped(&db, 32, None).await;
+    let (rt, seen) = start_piped_on(&db, 32, None, cursor).await;
 
-    let done =
-        "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' AND attempt_count = 1";
+    let done = match cursor {
+        false => {
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+             WHERE status = 'PROCESSED' AND attempt_count = 1"
+        }
+        true => "SELECT count(DISTINCT event_id) AS n FROM effects",
+    };
     assert_eq!(db.wait_for(done, 600, WAIT).await, 600);
+    if cursor {
+        assert!(read_through_cursors(&db, "piped").await);
+        let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events";
+        assert_eq!(db.count(rows).await, 0, "an event needed an inbox row");
+    }
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 600);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
     // Handed over together: more than one in flight, never more than the pipeline.
@@ -163,15 +190,37 @@ async fn a_pipelined_consumer_takes_many_deliveries_at_once_and_writes_each_effe
 
 #[actix_rt::test]
 async fn a_failure_among_pipelined_deliveries_is_charged_to_its_own_event() {
+    pipelined_failure(false).await;
+}
+
+/// The same on cursors (storage v2): only the failing event gets an inbox row, where it
+/// spends its attempts; the others are processed past the cursor.
+#[actix_rt::test]
+async fn a_failure_among_pipelined_cursor_deliveries_is_charged_to_its_own_event() {
+    pipelined_failure(true).await;
+}
+
+async fn pipelined_failure(cursor: bool) {
     let db = TestDb::new().await;
     backlog(&db, 300, 300).await;
-    let (rt, _) = start_piped(&db, 64, Some(137)).await;
+    let (rt, _) = start_piped_on(&db, 64, Some(137), cursor).await;
 
     // Its batch is handed over again one delivery at a time: the others commit their effect
     // on their first counted attempt, and only the failing event spends attempts.
-    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
-                   AND attempt_count = 1";
+    let healthy = match cursor {
+        false => {
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
+             AND attempt_count = 1"
+        }
+        true => "SELECT count(DISTINCT event_id) AS n FROM effects",
+    };
     assert_eq!(db.wait_for(healthy, 299, WAIT).await, 299);
+    if cursor {
+        assert!(read_through_cursors(&db, "piped").await);
+        let others = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                      WHERE aggregate_id <> 'agg-137'";
+        assert_eq!(db.count(others).await, 0, "another event got an inbox row");
+    }
     let dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
                 AND aggregate_id = 'agg-137' AND attempt_count = 2 \
                 AND last_error LIKE '%injected failure%'";

@@ -363,9 +363,10 @@ fn deploy_consumer() -> ConsumerConfig {
 async fn deploy_child_entry() {
     let url = std::env::var("AO_CHILD_DB").expect("started by a child-process test");
     let pool = actix_outbox::connect(&url, 6).await.unwrap();
+    let cursor = std::env::var("AO_DEPLOY_CURSOR").is_ok();
     let rt = OutboxRuntime::builder(pool)
         .config(fast_runtime().shutdown_timeout(Duration::from_millis(200)))
-        .consumer(deploy_consumer(), || Slow)
+        .consumer(deploy_consumer().cursor(cursor), || Slow)
         .start()
         .await
         .expect("start runtime");
@@ -385,7 +386,24 @@ async fn deploy_child_entry() {
 /// test guards the rule, it did not fail on the engine before.
 #[actix_rt::test]
 async fn graceful_restarts_mid_handler_spend_no_attempt() {
+    graceful_restarts_mid_handler(false).await;
+}
+
+/// The same with the consumer reading through its cursors (storage v2): a cut-off event is
+/// given back past the cursor, so no event gets an inbox row at all. Processed means an
+/// effect, as a cursor consumer has no inbox row per event.
+#[actix_rt::test]
+async fn graceful_restarts_mid_handler_spend_no_attempt_on_cursors() {
+    graceful_restarts_mid_handler(true).await;
+}
+
+async fn graceful_restarts_mid_handler(cursor: bool) {
     let db = TestDb::new().await;
+    let deploy_consumer = || deploy_consumer().cursor(cursor);
+    let env: &[(&str, &str)] = match cursor {
+        true => &[("AO_DEPLOY_CURSOR", "1")],
+        false => &[],
+    };
     let setup = start_one(&db, deploy_consumer(), recorder("deploy")).await;
     setup.shutdown().await;
     let events: Vec<NewEvent> = (0..DEPLOY_EVENTS)
@@ -394,7 +412,7 @@ async fn graceful_restarts_mid_handler_spend_no_attempt() {
     enqueue_events(&db, &events).await;
 
     for _ in 0..DEPLOYS {
-        let mut child = spawn_entry(&db.url, "stalls::deploy_child_entry", &[]);
+        let mut child = spawn_entry(&db.url, "stalls::deploy_child_entry", env);
         let status = within(WAIT, async {
             loop {
                 if let Some(s) = child.try_wait().unwrap() {
@@ -410,10 +428,22 @@ async fn graceful_restarts_mid_handler_spend_no_attempt() {
     // process's leases are judged on the next poll.
     let rt = start_one(&db, deploy_consumer(), recorder("deploy")).await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
-                WHERE consumer = 'deploy' AND status = 'PROCESSED'";
+    let done = match cursor {
+        false => {
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                  WHERE consumer = 'deploy' AND status = 'PROCESSED'"
+        }
+        true => "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'deploy'",
+    };
     let n = DEPLOY_EVENTS as i64;
     assert_eq!(db.wait_for(done, n, WAIT).await, n);
+    assert_eq!(read_through_cursors(&db, "deploy").await, cursor);
+    if cursor {
+        // Given back, a cut-off event stays past the cursor: an inbox row would mean its
+        // lease was judged (promoted by the reaper), not given back.
+        let rows = "SELECT count(*) AS n FROM actix_outbox.inbox_events";
+        assert_eq!(db.count(rows).await, 0, "a cut-off event got an inbox row");
+    }
     rt.shutdown().await;
     let spent = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
                  WHERE consumer = 'deploy' AND (attempt_count <> 1 OR suspicions > 0)";
