@@ -38,6 +38,12 @@ async fn a_batch_consumer_gets_a_backlog_in_batches_and_writes_each_effect_once(
 /// attempts are counted and it alone is dead-lettered, while every healthy event commits its
 /// effect once, on its first counted attempt.
 async fn poison_in_a_batch(poison: Poison, timeout: Duration, error: &str) {
+    poison_in_a_batch_on(poison, timeout, error, false).await;
+}
+
+/// [`poison_in_a_batch`] with the consumer reading through its cursors (storage v2) if
+/// `cursor`: processed means an effect, and only the poison event may get an inbox row.
+async fn poison_in_a_batch_on(poison: Poison, timeout: Duration, error: &str, cursor: bool) {
     let db = TestDb::new().await;
     let conn = db.pool.get().await.unwrap();
     actix_outbox::enqueue(&conn, &order_event("healthy-first"))
@@ -53,11 +59,23 @@ async fn poison_in_a_batch(poison: Poison, timeout: Duration, error: &str) {
         poison,
         ..Default::default()
     };
-    let cfg = consumer("bulk", 2).batch_size(20).handler_timeout(timeout);
+    let cfg = consumer("bulk", 2)
+        .batch_size(20)
+        .handler_timeout(timeout)
+        .cursor(cursor);
     let rt = start_batch(&db, vec![(cfg, behaviour)]).await;
 
-    let healthy = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
-                   AND attempt_count = 1 AND aggregate_id <> 'poison'";
+    let healthy = match cursor {
+        false => {
+            "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED' \
+             AND attempt_count = 1 AND aggregate_id <> 'poison'"
+        }
+        true => {
+            "SELECT count(DISTINCT e.event_id) AS n FROM effects e \
+             JOIN actix_outbox.outbox_events o ON o.id = e.event_id \
+             WHERE o.aggregate_id <> 'poison'"
+        }
+    };
     assert_eq!(db.wait_for(healthy, 301, WAIT).await, 301);
     let dead = format!(
         "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'DEAD_LETTER' \
@@ -65,11 +83,19 @@ async fn poison_in_a_batch(poison: Poison, timeout: Duration, error: &str) {
          AND error_code = 'INBOX_CONSUMER_FAILED' AND last_error LIKE '%{error}%'"
     );
     assert_eq!(db.wait_for(&dead, 1, WAIT).await, 1);
-    assert_eq!(
-        db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
-            .await,
-        302
-    );
+    if cursor {
+        assert!(read_through_cursors(&db, "bulk").await);
+        // The narrowing's other events are processed past the cursor, not given rows.
+        let others = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                      WHERE aggregate_id <> 'poison' AND attempt_count > 1";
+        assert_eq!(db.count(others).await, 0, "a healthy event was charged");
+    } else {
+        assert_eq!(
+            db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events")
+                .await,
+            302
+        );
+    }
     // The poison event's effects rolled back with each attempt; the others committed once.
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 301);
     assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
@@ -94,6 +120,24 @@ async fn a_batch_that_hangs_is_narrowed_down_to_the_event_that_hangs() {
         "did not finish within",
     )
     .await;
+}
+
+#[actix_rt::test]
+async fn a_cursor_batch_that_fails_is_narrowed_down_to_the_failing_event() {
+    let failure = "injected failure";
+    poison_in_a_batch_on(Poison::Fail, Duration::from_secs(30), failure, true).await;
+}
+
+#[actix_rt::test]
+async fn a_cursor_batch_that_kills_its_handler_is_narrowed_down_to_the_event_that_does() {
+    let killed = "panicked or stopped";
+    poison_in_a_batch_on(Poison::Kill, Duration::from_secs(30), killed, true).await;
+}
+
+#[actix_rt::test]
+async fn a_cursor_batch_that_hangs_is_narrowed_down_to_the_event_that_hangs() {
+    let hung = "did not finish within";
+    poison_in_a_batch_on(Poison::Hang, Duration::from_millis(300), hung, true).await;
 }
 
 /// A consumer paused for over a day — as an operator pauses one whose events keep killing its
