@@ -506,17 +506,20 @@ async fn two_consumers_aborting_child_entry() {
         work,
         ..Default::default()
     };
+    let cursor = std::env::var("AO_CHILD_CURSOR").is_ok();
     let consumers = vec![
         (
             consumer("c1", 2)
                 .batch_size(20)
-                .handler_timeout(CHILD_TIMEOUT),
+                .handler_timeout(CHILD_TIMEOUT)
+                .cursor(cursor),
             killer,
         ),
         (
             consumer("c2", 2)
                 .batch_size(20)
-                .handler_timeout(CHILD_TIMEOUT),
+                .handler_timeout(CHILD_TIMEOUT)
+                .cursor(cursor),
             healthy,
         ),
     ];
@@ -723,6 +726,83 @@ async fn a_process_death_is_not_counted_against_another_consumers_events() {
         db.count(c2_once).await,
         42,
         "c2 processed every event on its first attempt, the poison one too"
+    );
+    assert!(deaths >= 2, "the process died {deaths} times");
+    assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 41 + 42);
+    assert_eq!(db.count(MAX_EFFECTS_PER_EVENT).await, 1);
+    db.finish(&[]).await;
+}
+
+/// The same with both consumers reading through cursors (storage v2): a dead process's cursor
+/// leases are promoted and judged, and still only `c1`'s poison event is charged. Processed
+/// means an effect; an inbox row of any other event must show no charged attempt.
+#[actix_rt::test]
+async fn a_process_death_is_not_counted_against_another_cursor_consumers_events() {
+    let db = TestDb::new().await;
+    let cfg = |name: &str| consumer(name, 2).cursor(true);
+    let setup = start(
+        &db,
+        vec![
+            (cfg("c1"), Behaviour::default()),
+            (cfg("c2"), Behaviour::default()),
+        ],
+    )
+    .await;
+    setup.shutdown().await;
+    produce_with_poison(&db, 1, 40).await;
+
+    let c1_dead = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'c1' \
+        AND aggregate_id = 'poison' AND status = 'DEAD_LETTER' AND attempt_count = 2 \
+        AND error_code = 'INBOX_ATTEMPT_INTERRUPTED'";
+    let applied = |c: &str| {
+        format!(
+            "SELECT count(DISTINCT e.event_id) AS n FROM effects e \
+             JOIN actix_outbox.outbox_events o ON o.id = e.event_id \
+             WHERE e.consumer = '{c}' AND o.aggregate_id <> 'poison'"
+        )
+    };
+    let c2_poison = "SELECT count(*) AS n FROM effects e \
+        JOIN actix_outbox.outbox_events o ON o.id = e.event_id \
+        WHERE e.consumer = 'c2' AND o.aggregate_id = 'poison'";
+    let (c1_healthy, c2_healthy) = (applied("c1"), applied("c2"));
+    let until = [
+        (c1_dead, 1),
+        (&c1_healthy, 41),
+        (&c2_healthy, 41),
+        (c2_poison, 1),
+    ];
+    let deaths = restart_until(
+        &db,
+        "failure::two_consumers_aborting_child_entry",
+        &[("AO_CHILD_CURSOR", "1")],
+        &until,
+    )
+    .await;
+
+    assert!(read_through_cursors(&db, "c1").await && read_through_cursors(&db, "c2").await);
+    assert_eq!(
+        db.count(c1_dead).await,
+        1,
+        "c1's poison event is dead-lettered"
+    );
+    assert_eq!(
+        db.count(&c1_healthy).await,
+        41,
+        "c1's other events processed"
+    );
+    assert_eq!(db.count(&c2_healthy).await, 41, "c2's events processed");
+    assert_eq!(
+        db.count(c2_poison).await,
+        1,
+        "c2 processed the poison event too"
+    );
+    let charged = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+        WHERE NOT (consumer = 'c1' AND aggregate_id = 'poison') \
+          AND (attempt_count > 1 OR status = 'DEAD_LETTER')";
+    assert_eq!(
+        db.count(charged).await,
+        0,
+        "another event was charged a death"
     );
     assert!(deaths >= 2, "the process died {deaths} times");
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 41 + 42);
