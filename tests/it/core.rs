@@ -389,6 +389,17 @@ async fn a_handlers_nested_transaction_is_undone_with_its_failed_attempt() {
 
 #[actix_rt::test]
 async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
+    handler_panics(false).await;
+}
+
+/// The same with the consumers reading through cursors (storage v2): each panicking event
+/// gets an inbox row, where its retry is counted. Processed means an effect.
+#[actix_rt::test]
+async fn a_cursor_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
+    handler_panics(true).await;
+}
+
+async fn handler_panics(cursor: bool) {
     let db = TestDb::new().await;
     let panicky = Behaviour {
         panic_attempts: 1,
@@ -402,17 +413,31 @@ async fn a_handler_panic_is_retried_like_an_error_and_delivery_goes_on() {
     let rt = start(
         &db,
         vec![
-            (consumer("panicky", 5), panicky),
-            (consumer("killer", 5), killer),
-            (consumer("calm", 5), Behaviour::default()),
+            (consumer("panicky", 5).cursor(cursor), panicky),
+            (consumer("killer", 5).cursor(cursor), killer),
+            (consumer("calm", 5).cursor(cursor), Behaviour::default()),
         ],
     )
     .await;
     db.produce(30, "o").await;
     rt.handle().wake();
 
-    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
+    let done = match cursor {
+        false => "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'",
+        true => "SELECT count(*) AS n FROM (SELECT DISTINCT consumer, event_id FROM effects) e",
+    };
     assert_eq!(db.wait_for(done, 90, WAIT).await, 90);
+    if cursor {
+        for c in ["panicky", "killer", "calm"] {
+            assert!(read_through_cursors(&db, c).await, "{c}");
+        }
+        let calm = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'calm'";
+        assert_eq!(
+            db.count(calm).await,
+            0,
+            "a calm consumer's event needed an inbox row"
+        );
+    }
     // Every panicking delivery rolled back; each event has exactly one effect per consumer.
     assert_eq!(db.count("SELECT count(*) AS n FROM effects").await, 90);
     assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
@@ -596,11 +621,29 @@ async fn a_killed_publisher_is_restarted_and_the_backlog_drains() {
 
 #[actix_rt::test]
 async fn every_actor_is_restarted_after_a_panic_and_delivery_continues() {
+    actors_restarted_after_a_panic(false).await;
+}
+
+/// The same with the consumer reading through its cursors (storage v2). Processed means an
+/// effect.
+#[actix_rt::test]
+async fn every_actor_is_restarted_after_a_panic_and_cursor_delivery_continues() {
+    actors_restarted_after_a_panic(true).await;
+}
+
+async fn actors_restarted_after_a_panic(cursor: bool) {
     let db = TestDb::new().await;
-    let rt = start(&db, vec![(consumer("c1", 5), Behaviour::default())]).await;
+    let rt = start(
+        &db,
+        vec![(consumer("c1", 5).cursor(cursor), Behaviour::default())],
+    )
+    .await;
     db.produce(10, "before").await;
     rt.handle().wake();
-    let done = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
+    let done = match cursor {
+        false => "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'",
+        true => "SELECT count(DISTINCT event_id) AS n FROM effects",
+    };
     assert_eq!(db.wait_for(done, 10, WAIT).await, 10);
 
     for fault in [
@@ -621,6 +664,7 @@ async fn every_actor_is_restarted_after_a_panic_and_delivery_continues() {
     for child in ["registry", "consumer:c1", "reconciler"] {
         assert_eq!(status.restarts.get(child), Some(&1), "{child}: {status:?}");
     }
+    assert_eq!(read_through_cursors(&db, "c1").await, cursor);
     assert_eq!(db.count(EFFECTS_PER_EVENT_MAX).await, 1);
     db.finish(&[&rt]).await;
 }
