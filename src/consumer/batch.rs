@@ -50,8 +50,7 @@ pub(crate) struct BatchOutcome {
     pub given_back: usize,
     /// Claim again at once, whatever the batch held ([`ScanStart::answered`]).
     pub more: bool,
-    /// The soonest retry this batch scheduled (or a row it gave back), so the actor can wake
-    /// for it.
+    /// The soonest retry this batch scheduled (or a row it gave back), for the actor's wake.
     pub next_retry: Option<std::time::Duration>,
     /// The handler actor stopped (panicked) during the batch and must be replaced.
     pub handler_lost: bool,
@@ -75,7 +74,7 @@ pub(crate) async fn run_batch(
     // in eight and whenever the cursor has nothing, so retries never wait long. With a HIGH
     // type, its LOW lane goes first one turn in five; with none, both lanes in stamp order.
     let turn = cfg.turn.fetch_add(1, Ordering::Relaxed);
-    let cursor_first = cfg.cursor && !turn.is_multiple_of(8);
+    let cursor_first = cfg.reads_cursor() && !turn.is_multiple_of(8);
     let low_first = (!cfg.high.is_empty()).then_some(turn.is_multiple_of(5));
     let cursor = || run_cursor(pool, cfg, handler, hung, draining, used, low_first);
     if cursor_first {
@@ -118,7 +117,7 @@ pub(crate) async fn run_batch(
         }
     };
     if rows.is_empty() {
-        if cfg.cursor && !cursor_first {
+        if cfg.reads_cursor() && !cursor_first {
             drop(conn);
             if let Some(out) = cursor().await? {
                 return Ok(out);
@@ -147,16 +146,14 @@ pub(crate) async fn run_batch(
         .await
         .map(|o| BatchOutcome { alone, more, ..o });
     if !matches!(&out, Ok(o) if o.given_back == 0 && !o.kept) {
-        // Rows were given back, or will be, behind the next claim's start. (Rows that failed
-        // fall due later, ahead of it.)
+        // Rows were given back, or will be, behind the next claim's start (failed ones later).
         scan.reset();
     }
     // Settled, or left to the reaper on purpose.
     unsettled.rows.clear();
     if let Err(e) = &out {
         // The batch failed (its connection broke, its backend crashed, a statement timed out)
-        // with rows still leased. It settles nothing itself: its own handler may have caused
-        // the failure.
+        // with rows still leased. It settles nothing: its own handler may have caused it.
         if matches!(e, crate::Error::DatabaseTimeout(_)) {
             // What silenced this connection has most likely silenced the idle ones too.
             store::sweep_idle(pool).await;
@@ -169,7 +166,7 @@ pub(crate) async fn run_batch(
 /// A cursor consumer's batch of the events past its cursor (`inbox::cursor`): `None` when
 /// the cursor has nothing for it. Its rows are handed over as the inbox's are; one commit
 /// moves the cursor past them all with the processed ones' effects, and gives the others
-/// inbox rows (promotes its lease) to settle there.
+/// inbox rows (promotes its lease).
 async fn run_cursor(
     pool: &PgPool,
     cfg: &ConsumerConfig,
@@ -196,6 +193,11 @@ async fn run_cursor(
         }
     };
     if claimed.rows.is_empty() {
+        // Turning its cursors off: dropped once nothing is left for it there.
+        let retire = async |c: &mut _| inbox::cursor::retire(c, cfg.name.as_str()).await;
+        if !cfg.cursor && !claimed.more && store::bounded(&mut conn, DB_TIMEOUT, retire).await? {
+            cfg.retiring.store(false, Ordering::Relaxed);
+        }
         return Ok(claimed.more.then(|| BatchOutcome {
             more: true,
             ..Default::default()
@@ -244,8 +246,7 @@ async fn expire(pool: &PgPool, cfg: &ConsumerConfig, token: i64) {
         if expired.await.is_ok() {
             return;
         }
-        // A statement this small fails only with its connection (a terminated session's
-        // first error is the server's, with its own code): not lent again.
+        // A statement this small fails only with its connection: not lent again.
         store::poison(&mut conn);
     }
 }
@@ -323,11 +324,10 @@ struct Batch<'a> {
     handler: &'a HandlerRef,
     started: Instant,
     draining: &'a Arc<AtomicBool>,
-    /// The handler slot the loop uses; a parked call keeps a use of it until its handler lets
-    /// go.
+    /// The handler slot the loop uses; a parked call keeps a use of it until it lets go.
     used: &'a SlotUse,
-    /// A cursor batch: its rows' ids are event seqs, which no inbox statement may see; the
-    /// promotion names the inbox rows its outcomes settle.
+    /// A cursor batch: its rows' ids are event seqs, no inbox statement's; its promotion names
+    /// the inbox rows its outcomes settle.
     cursor: bool,
 }
 

@@ -1,6 +1,6 @@
 //! [`ConsumerConfig`]: how one consumer is run.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +42,9 @@ pub struct ConsumerConfig {
     /// This consumer's batches in this process, counted: which source and lane a batch reads
     /// first (shared by the clones the runtime makes).
     pub(crate) turn: Arc<AtomicUsize>,
+    /// Set at start when the consumer's cursor is turned off while it still has cursors: it
+    /// reads them until it drops them (the migration `cursor_off`).
+    pub(crate) retiring: Arc<AtomicBool>,
 }
 
 impl ConsumerConfig {
@@ -78,6 +81,7 @@ impl ConsumerConfig {
             events: None,
             redact: Redactor::default(),
             turn: Arc::default(),
+            retiring: Arc::default(),
         }
     }
     /// Subscribes to an event type.
@@ -275,9 +279,11 @@ impl ConsumerConfig {
     /// database's in-process publisher are read through the cursor; events received from a
     /// broker still get inbox rows. The inbox list and the stats show a cursor consumer's
     /// exceptions, not the events it processed; the event view (`GET /events/{id}`) and the
-    /// correlation timeline read its status from the cursor. Once on for a consumer, it cannot
-    /// be turned off yet: the runtime refuses to start ([`Error::Config`]). See
-    /// `docs/storage-v2.md`.
+    /// correlation timeline read its status from the cursor. Turned off again, the consumer's
+    /// new events get inbox rows from its next start, and it reads what waits past its
+    /// cursors until it can drop them: once every transaction open at that start has ended
+    /// and nothing of its own is left past them. `ordered` is refused ([`Error::Config`])
+    /// until they are dropped. See `docs/storage-v2.md`.
     pub fn cursor(mut self, on: bool) -> Self {
         self.cursor = on;
         self
@@ -319,6 +325,11 @@ impl ConsumerConfig {
     /// The consumer's name.
     pub fn name(&self) -> &ConsumerName {
         &self.name
+    }
+
+    /// Whether its batches read cursors: it reads through them, or is turning them off.
+    pub(crate) fn reads_cursor(&self) -> bool {
+        self.cursor || self.retiring.load(Ordering::Relaxed)
     }
 
     pub(crate) fn validate(&self) -> crate::Result<()> {

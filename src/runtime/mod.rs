@@ -250,7 +250,7 @@ impl OutboxBuilder {
             let mut conn = self.pool.get().await?;
             let mut registered = Vec::with_capacity(self.consumers.len());
             for (cfg, _) in &self.consumers {
-                let extra = store::inbox::register_consumer(
+                let (extra, retiring) = store::inbox::register_consumer(
                     &mut conn,
                     cfg.name.as_str(),
                     &cfg.event_types,
@@ -260,6 +260,8 @@ impl OutboxBuilder {
                     cfg.cursor.then_some(&cfg.high[..]),
                 )
                 .await?;
+                cfg.retiring
+                    .store(retiring, std::sync::atomic::Ordering::Relaxed);
                 registered.push(contract::Registered {
                     cfg,
                     extra,

@@ -16,9 +16,9 @@
 -- fill theirs from other slots; under a trickle one batch takes every slot's few new entries
 -- instead of one batch per slot. Of those entries it takes the consumer's (a subscribed type,
 -- and no inbox row for the event yet: one published while the consumer was switched to its
--- cursor is in the inbox). When no entry is the consumer's, the cursors move at once and
--- nothing is leased. Entries are cut before the outbox is read: each costs a lookup of its
--- outbox row and of an inbox row.
+-- cursor, or off it, is in the inbox). When no entry is the consumer's, the cursors move at
+-- once and nothing is leased. Entries are cut before the outbox is read: each costs a lookup
+-- of its outbox row and of an inbox row.
 WITH paused AS (
     SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 AND s.paused
         AND (s.paused_until IS NULL OR s.paused_until > now())
@@ -77,7 +77,7 @@ WITH paused AS (
     SELECT e.part, e.stamp, e.ord, o.* FROM entries e
     JOIN actix_outbox.outbox_events o ON o.id = e.id
     WHERE o.event_type IN (SELECT event_type FROM actix_outbox.consumer_subscriptions
-                           WHERE consumer = $1 AND cursor)
+                           WHERE consumer = $1)
       AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i
                       WHERE i.event_id = o.id AND i.consumer = $1)
 ), upto AS (

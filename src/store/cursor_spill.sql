@@ -40,7 +40,7 @@ WITH c AS MATERIALIZED (
     FROM entries e CROSS JOIN c
     JOIN actix_outbox.outbox_events o ON o.id = e.id
     WHERE o.event_type IN (SELECT event_type FROM actix_outbox.consumer_subscriptions
-                           WHERE consumer = c.consumer AND cursor)
+                           WHERE consumer = c.consumer)
     ON CONFLICT (event_id, consumer) DO NOTHING RETURNING 1
 ), upto AS (
     SELECT stamp, ord FROM entries ORDER BY stamp DESC, ord DESC LIMIT 1

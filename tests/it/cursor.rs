@@ -386,37 +386,106 @@ async fn a_dead_cursor_lease_is_promoted_and_judged_by_the_reaper() {
     db.finish(&[]).await;
 }
 
-/// Turning cursor delivery off again is refused, before anything is written: the unread
-/// events past the cursor would otherwise be stranded.
+/// Turning a cursor off again (the migration `cursor_off`). A backlog of 30 events waits past
+/// the cursors when the consumer restarts with `cursor(false)`; a transaction open at that
+/// start then stamps one more event for the cursors and commits late, as a publisher's claim
+/// that began before the switch would. Every event is applied exactly once: the backlog and
+/// the late one through the cursors, the events published after the switch through inbox
+/// rows. The cursors are kept while that transaction is open, dropped once it has ended,
+/// and `ordered` is refused while they remain.
 #[actix_rt::test]
-async fn turning_a_cursor_off_again_is_refused() {
+async fn turning_a_cursor_off_delivers_every_event_once_and_drops_the_cursors() {
     let db = TestDb::new().await;
     let rt = start(
         &db,
         vec![(consumer("off_cur", 3).cursor(true), Behaviour::default())],
     )
     .await;
+    pause(&db, "off_cur").await;
+    stamp(
+        &db,
+        &rt,
+        &(0..30)
+            .map(|i| order(&format!("b-{i}")))
+            .collect::<Vec<_>>(),
+        30,
+    )
+    .await;
     rt.shutdown().await;
-    let started = OutboxRuntime::builder(db.pool.clone())
-        .config(fast_runtime())
-        .consumer(consumer("off_cur", 3), || Recorder {
-            name: "off_cur".into(),
-            behaviour: Behaviour::default(),
-        })
-        .start()
-        .await;
-    let err = started
-        .err()
-        .expect("turning the cursor off must be refused");
-    assert!(matches!(err, actix_outbox::Error::Config(_)), "got {err:?}");
-    assert_eq!(err.code().to_string(), "CONFIG_INVALID");
+
+    // Open before the switch; it stamps for the cursors only after it.
+    let mut late = AsyncPgConnection::establish(&db.url).await.unwrap();
+    late.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let rt = start(&db, vec![(consumer("off_cur", 3), Behaviour::default())]).await;
     let flags = "SELECT count(*) AS n FROM actix_outbox.consumer_subscriptions \
                  WHERE consumer = 'off_cur' AND cursor";
     assert_eq!(
         db.count(flags).await,
-        1,
-        "the refused start changed the subscription"
+        0,
+        "the subscription still reads a cursor"
     );
+    actix_outbox::enqueue(&late, &order("late")).await.unwrap();
+    late.batch_execute(
+        "UPDATE actix_outbox.outbox_events SET status = 'PUBLISHED', published_at = now() \
+             WHERE aggregate_id = 'late'; \
+         WITH head AS (UPDATE actix_outbox.log_head SET last = last + 1 RETURNING last) \
+         INSERT INTO actix_outbox.log_stamps (part, stamp, events) \
+         SELECT abs(hashtext(o.aggregate_type || chr(31) || o.aggregate_id) % 8), head.last, \
+                ARRAY[o.id] \
+         FROM actix_outbox.outbox_events o, head WHERE o.aggregate_id = 'late'",
+    )
+    .await
+    .unwrap();
+    resume(&db, "off_cur").await;
+    let after: Vec<NewEvent> = (0..20).map(|i| order(&format!("a-{i}"))).collect();
+    enqueue_events(&db, &after).await;
+    rt.handle().wake();
+    let applied = "SELECT count(DISTINCT event_id) AS n FROM effects WHERE consumer = 'off_cur'";
+    assert_eq!(db.wait_for(applied, 50, WAIT).await, 50);
+    assert_eq!(
+        db.count(&inbox_rows("off_cur")).await,
+        20,
+        "the new events' rows"
+    );
+    let cursors =
+        "SELECT count(*) AS n FROM actix_outbox.consumer_cursors WHERE consumer = 'off_cur'";
+    // Several of its loops have found nothing left meanwhile (100 ms polls).
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        db.count(cursors).await,
+        16,
+        "dropped while a transaction open at the switch ran"
+    );
+    let ordered = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(consumer("off_cur", 3).ordered(true), || Recorder {
+            name: "off_cur".into(),
+            behaviour: Behaviour::default(),
+        })
+        .start()
+        .await
+        .err()
+        .expect("ordered with cursors left must be refused");
+    assert_eq!(ordered.code().to_string(), "CONFIG_INVALID");
+
+    late.batch_execute("COMMIT").await.unwrap();
+    rt.handle().wake();
+    assert_eq!(
+        db.wait_for(applied, 51, WAIT).await,
+        51,
+        "the late stamp was lost"
+    );
+    assert_eq!(
+        db.wait_for(cursors, 0, WAIT).await,
+        0,
+        "the cursors were never dropped"
+    );
+    let more: Vec<NewEvent> = (0..5).map(|i| order(&format!("c-{i}"))).collect();
+    enqueue_events(&db, &more).await;
+    rt.handle().wake();
+    assert_once(&db, "off_cur", 56).await;
+    assert_eq!(db.count(&inbox_rows("off_cur")).await, 25);
+    rt.shutdown().await;
     db.finish(&[]).await;
 }
 

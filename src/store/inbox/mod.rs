@@ -113,6 +113,9 @@ impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
 /// is set on each subscription (the last instance to start decides, as during a rolling
 /// deploy), and rows fanned out from then on carry it. `cursor`: the consumer reads through
 /// its cursors (one per slot and lane, made here), with the types it subscribes to as HIGH.
+/// Without, a consumer that still has cursors is turning them off: its subscriptions' flag
+/// is committed off first, then the transactions open at that moment are listed
+/// ([`cursor::retire`]). Also returns whether it is turning them off.
 pub(crate) async fn register_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -121,7 +124,7 @@ pub(crate) async fn register_consumer(
     replay_safe: bool,
     delays: Option<(i64, i64)>,
     cursor: Option<&[String]>,
-) -> Result<Vec<String>> {
+) -> Result<(Vec<String>, bool)> {
     #[derive(QueryableByName)]
     struct Subscription {
         #[diesel(sql_type = Text)]
@@ -132,23 +135,26 @@ pub(crate) async fn register_consumer(
         #[diesel(sql_type = diesel::sql_types::Bool)]
         exists: bool,
     }
-    if cursor.is_none() {
-        // A cursor's unread events must not be stranded: turning it off safely (every unread
-        // event given an inbox row, against publishers stamping at that moment) is not built.
-        let c: Cursor = Prepared(
-            crate::store::sql(
-                "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors WHERE consumer = $1) AS exists",
+    let retiring = match cursor {
+        Some(_) => false,
+        None => {
+            let c: Cursor = Prepared(
+                crate::store::sql(
+                    "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors WHERE consumer = $1) AS exists",
+                )
+                .bind::<Text, _>(consumer),
             )
-            .bind::<Text, _>(consumer),
-        )
-        .get_result(conn)
-        .await?;
-        if c.exists {
-            return Err(crate::Error::Config(format!(
-                "consumer {consumer} reads through a cursor: cursor delivery cannot be turned \
-                 off yet (ConsumerConfig::cursor(true))"
-            )));
+            .get_result(conn)
+            .await?;
+            c.exists
         }
+    };
+    if retiring && ordered {
+        // Its cursors' events are read in no aggregate's order, beside the ordered inbox.
+        return Err(crate::Error::Config(format!(
+            "consumer {consumer} still reads through cursors it is turning off: ordered can \
+             be turned on once they are dropped"
+        )));
     }
     let extra: Vec<Subscription> = Prepared(
         crate::store::sql(
@@ -156,9 +162,12 @@ pub(crate) async fn register_consumer(
                         (consumer, replay_safe, allowed_delay_ms, critical_delay_ms) \
                     VALUES ($1, $4, $5, $6) \
                     ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4, allowed_delay_ms = $5, \
-                        critical_delay_ms = $6 \
+                        critical_delay_ms = $6, \
+                        cursor_off_vxids = CASE WHEN $7 THEN NULL \
+                                                ELSE consumer_states.cursor_off_vxids END \
                     WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
-                           consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6)), \
+                           consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6) \
+                       OR ($7 AND consumer_states.cursor_off_vxids IS NOT NULL)), \
               s AS (INSERT INTO actix_outbox.consumer_subscriptions \
                         (consumer, event_type, ordered, cursor, high) \
                     SELECT $1, t, $3, $7, t = ANY ($8::text[]) FROM unnest($2::text[]) AS t \
@@ -184,7 +193,10 @@ pub(crate) async fn register_consumer(
     )
     .load(conn)
     .await?;
-    Ok(extra.into_iter().map(|s| s.event_type).collect())
+    if retiring {
+        cursor::turning_off(conn, consumer).await?;
+    }
+    Ok((extra.into_iter().map(|s| s.event_type).collect(), retiring))
 }
 
 /// For each type `consumer` subscribes to as HIGH, the cursor consumers that read it LOW and

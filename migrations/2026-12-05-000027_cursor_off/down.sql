@@ -1,0 +1,1 @@
+ALTER TABLE consumer_states DROP COLUMN IF EXISTS cursor_off_vxids;
