@@ -1532,3 +1532,42 @@ async fn the_timeline_shows_what_a_cursor_consumer_did_with_each_event() {
     drop(conn);
     db.finish(&[&rt]).await;
 }
+
+/// A consumer turning its cursors off never drops them while a subscription of it reads
+/// through a cursor again: here an instance of a build without the off switch (or a start
+/// racing this one) sets the flag back on after the switch, leaving the list of open
+/// transactions in place. Events stamped from then on are read through the cursors, by the
+/// consumer still reading them, exactly once; dropping them would lose every later event.
+#[actix_rt::test]
+async fn cursors_are_not_dropped_while_the_flag_is_back_on() {
+    let db = TestDb::new().await;
+    let rt = start(
+        &db,
+        vec![(consumer("flip", 3).cursor(true), Behaviour::default())],
+    )
+    .await;
+    rt.shutdown().await;
+    let rt = start(&db, vec![(consumer("flip", 3), Behaviour::default())]).await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "UPDATE actix_outbox.consumer_subscriptions SET cursor = true WHERE consumer = 'flip'",
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let events: Vec<NewEvent> = (0..20).map(|i| order(&format!("f-{i}"))).collect();
+    enqueue_events(&db, &events).await;
+    rt.handle().wake();
+    assert_once(&db, "flip", 20).await;
+    // Its loops have found nothing left many times over (100 ms polls).
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    let cursors = "SELECT count(*) AS n FROM actix_outbox.consumer_cursors WHERE consumer = 'flip'";
+    assert_eq!(db.count(cursors).await, 16, "dropped while the flag was on");
+    let more: Vec<NewEvent> = (0..5).map(|i| order(&format!("g-{i}"))).collect();
+    enqueue_events(&db, &more).await;
+    rt.handle().wake();
+    assert_once(&db, "flip", 25).await;
+    assert_eq!(db.count(&inbox_rows("flip")).await, 0);
+    rt.shutdown().await;
+    db.finish(&[]).await;
+}

@@ -331,14 +331,15 @@ pub(crate) async fn spill(
 
 /// Lists the transactions open now as the ones that may still stamp an event for `consumer`'s
 /// cursors, which it is turning off: run after the commit that set its subscriptions' flag
-/// off, since a claim that begins later fans its events out to its inbox instead. Run again
-/// by a later start, the list only shrinks to what is still open.
+/// off and its list to `{pending}`, since a claim that begins later fans its events out to
+/// its inbox instead. Replaces only `{pending}`: a start with the cursor on since then has
+/// cleared it (in the same statement as the flag), and the row's lock orders the two.
 pub(crate) async fn turning_off(conn: &mut AsyncPgConnection, consumer: &str) -> Result<()> {
     crate::store::sql(
         "UPDATE actix_outbox.consumer_states SET cursor_off_vxids = \
              (SELECT coalesce(array_agg(l.virtualxid), '{}') FROM pg_locks l \
               WHERE l.locktype = 'virtualxid' AND l.pid <> pg_backend_pid()) \
-         WHERE consumer = $1",
+         WHERE consumer = $1 AND cursor_off_vxids = '{pending}'",
     )
     .bind::<Text, _>(consumer)
     .execute(conn)
@@ -347,58 +348,84 @@ pub(crate) async fn turning_off(conn: &mut AsyncPgConnection, consumer: &str) ->
 }
 
 /// Drops the cursors of `consumer`, which is turning them off, once it may: every transaction
-/// listed by [`turning_off`] has ended, no batch holds a cursor, and no entry past them is the
-/// consumer's (a subscribed type with no inbox row of it). Two statements, in this order: the
-/// first reads `pg_locks` (live, not a snapshot), so the second's snapshot, taken after it,
-/// holds every stamp a listed transaction made. Returns whether the consumer has no cursors
-/// left (then it stops reading them).
+/// listed by [`turning_off`] has ended, no subscription of it reads through a cursor, no
+/// batch holds a cursor, and no entry past them is the consumer's (a subscribed type with no
+/// inbox row of it). In this order: `pg_locks` is read (live, not a snapshot); then, in one
+/// transaction, the consumer's state row is locked if it still holds that list (a start since
+/// has replaced or cleared it), and the cursors are dropped by a statement whose snapshot,
+/// taken after that read, holds every stamp a listed transaction made. Returns whether the
+/// consumer has no cursors left (then it stops reading them).
 pub(crate) async fn retire(conn: &mut AsyncPgConnection, consumer: &str) -> Result<bool> {
+    use diesel_async::AsyncConnection;
     #[derive(QueryableByName)]
     struct Ready {
-        #[diesel(sql_type = Bool)]
-        ready: bool,
+        #[diesel(sql_type = Nullable<diesel::sql_types::Array<Text>>)]
+        listed: Option<Vec<String>>,
         #[diesel(sql_type = Bool)]
         none: bool,
     }
+    #[derive(QueryableByName)]
+    struct Dropped {
+        #[diesel(sql_type = Bool)]
+        dropped: bool,
+    }
     let r: Ready = crate::store::sql(
-        "SELECT EXISTS (SELECT FROM actix_outbox.consumer_states s \
-                        WHERE s.consumer = $1 AND s.cursor_off_vxids IS NOT NULL \
-                          AND NOT EXISTS (SELECT FROM pg_locks l WHERE l.locktype = 'virtualxid' \
-                                            AND l.virtualxid = ANY (s.cursor_off_vxids))) AS ready, \
+        "SELECT (SELECT s.cursor_off_vxids FROM actix_outbox.consumer_states s \
+                 WHERE s.consumer = $1 AND NOT 'pending' = ANY (s.cursor_off_vxids) \
+                   AND NOT EXISTS (SELECT FROM pg_locks l WHERE l.locktype = 'virtualxid' \
+                                     AND l.virtualxid = ANY (s.cursor_off_vxids))) AS listed, \
                 NOT EXISTS (SELECT FROM actix_outbox.consumer_cursors WHERE consumer = $1) AS none",
     )
     .bind::<Text, _>(consumer)
     .get_result(conn)
     .await?;
-    if !r.ready || r.none {
+    let Some(listed) = r.listed.filter(|_| !r.none) else {
         return Ok(r.none);
-    }
-    let dropped: Vec<Ready> = crate::store::sql(
-        "WITH k AS MATERIALIZED ( \
-             SELECT part, stamp, idx, token FROM actix_outbox.consumer_cursors \
-             WHERE consumer = $1 FOR UPDATE \
-         ), mine AS ( \
-             SELECT FROM k JOIN actix_outbox.log_stamps s ON s.part = k.part AND s.stamp >= k.stamp \
-             CROSS JOIN LATERAL unnest(s.events) WITH ORDINALITY AS u(id, ord) \
-             JOIN actix_outbox.outbox_events o ON o.id = u.id \
-             WHERE (s.stamp, u.ord) > (k.stamp, k.idx) \
-               AND o.event_type IN (SELECT event_type FROM actix_outbox.consumer_subscriptions \
-                                    WHERE consumer = $1) \
-               AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i \
-                               WHERE i.event_id = o.id AND i.consumer = $1) \
-         ), gone AS ( \
-             DELETE FROM actix_outbox.consumer_cursors c WHERE c.consumer = $1 \
-               AND NOT EXISTS (SELECT FROM k WHERE k.token IS NOT NULL) \
-               AND NOT EXISTS (SELECT FROM mine) \
-             RETURNING 1 \
-         ), off AS ( \
-             UPDATE actix_outbox.consumer_states SET cursor_off_vxids = NULL \
-             WHERE consumer = $1 AND EXISTS (SELECT FROM gone) \
-         ) \
-         SELECT true AS ready, true AS none FROM gone LIMIT 1",
-    )
-    .bind::<Text, _>(consumer)
-    .load(conn)
-    .await?;
-    Ok(!dropped.is_empty())
+    };
+    conn.transaction::<_, crate::Error, _>(async |c| {
+        let held: Vec<Dropped> = crate::store::sql(
+            "SELECT true AS dropped FROM actix_outbox.consumer_states \
+             WHERE consumer = $1 AND cursor_off_vxids = $2 FOR UPDATE",
+        )
+        .bind::<Text, _>(consumer)
+        .bind::<diesel::sql_types::Array<Text>, _>(&listed)
+        .load(c)
+        .await?;
+        if !held.iter().any(|h| h.dropped) {
+            return Ok(false);
+        }
+        let dropped: Vec<Dropped> = crate::store::sql(
+            "WITH k AS MATERIALIZED ( \
+                 SELECT part, stamp, idx, token FROM actix_outbox.consumer_cursors \
+                 WHERE consumer = $1 FOR UPDATE \
+             ), mine AS ( \
+                 SELECT FROM k JOIN actix_outbox.log_stamps s \
+                     ON s.part = k.part AND s.stamp >= k.stamp \
+                 CROSS JOIN LATERAL unnest(s.events) WITH ORDINALITY AS u(id, ord) \
+                 JOIN actix_outbox.outbox_events o ON o.id = u.id \
+                 WHERE (s.stamp, u.ord) > (k.stamp, k.idx) \
+                   AND o.event_type IN (SELECT event_type \
+                                        FROM actix_outbox.consumer_subscriptions \
+                                        WHERE consumer = $1) \
+                   AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i \
+                                   WHERE i.event_id = o.id AND i.consumer = $1) \
+             ), gone AS ( \
+                 DELETE FROM actix_outbox.consumer_cursors c WHERE c.consumer = $1 \
+                   AND NOT EXISTS (SELECT FROM k WHERE k.token IS NOT NULL) \
+                   AND NOT EXISTS (SELECT FROM mine) \
+                   AND NOT EXISTS (SELECT FROM actix_outbox.consumer_subscriptions \
+                                   WHERE consumer = $1 AND cursor) \
+                 RETURNING 1 \
+             ), off AS ( \
+                 UPDATE actix_outbox.consumer_states SET cursor_off_vxids = NULL \
+                 WHERE consumer = $1 AND EXISTS (SELECT FROM gone) \
+             ) \
+             SELECT true AS dropped FROM gone LIMIT 1",
+        )
+        .bind::<Text, _>(consumer)
+        .load(c)
+        .await?;
+        Ok(dropped.iter().any(|d| d.dropped))
+    })
+    .await
 }

@@ -114,8 +114,9 @@ impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
 /// deploy), and rows fanned out from then on carry it. `cursor`: the consumer reads through
 /// its cursors (one per slot and lane, made here), with the types it subscribes to as HIGH.
 /// Without, a consumer that still has cursors is turning them off: its subscriptions' flag
-/// is committed off first, then the transactions open at that moment are listed
-/// ([`cursor::retire`]). Also returns whether it is turning them off.
+/// and a `{pending}` list are committed first, then the transactions open at that moment are
+/// listed ([`cursor::turning_off`]); with, the list is cleared in the same statement as the
+/// flag. Also returns whether it is turning them off.
 pub(crate) async fn register_consumer(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -163,11 +164,11 @@ pub(crate) async fn register_consumer(
                     VALUES ($1, $4, $5, $6) \
                     ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4, allowed_delay_ms = $5, \
                         critical_delay_ms = $6, \
-                        cursor_off_vxids = CASE WHEN $7 THEN NULL \
+                        cursor_off_vxids = CASE WHEN $7 THEN NULL WHEN $9 THEN '{pending}' \
                                                 ELSE consumer_states.cursor_off_vxids END \
                     WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
                            consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6) \
-                       OR ($7 AND consumer_states.cursor_off_vxids IS NOT NULL)), \
+                       OR $7 OR $9), \
               s AS (INSERT INTO actix_outbox.consumer_subscriptions \
                         (consumer, event_type, ordered, cursor, high) \
                     SELECT $1, t, $3, $7, t = ANY ($8::text[]) FROM unnest($2::text[]) AS t \
@@ -189,7 +190,8 @@ pub(crate) async fn register_consumer(
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.0))
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.1))
         .bind::<diesel::sql_types::Bool, _>(cursor.is_some())
-        .bind::<Array<Text>, _>(cursor.unwrap_or_default()),
+        .bind::<Array<Text>, _>(cursor.unwrap_or_default())
+        .bind::<diesel::sql_types::Bool, _>(retiring),
     )
     .load(conn)
     .await?;
