@@ -25,7 +25,9 @@ SELECT * FROM (
     UNION ALL
     SELECT 'inbox', o.id, o.event_type, o.aggregate_id, s.consumer, k.status, 0, NULL,
         o.causation_id, coalesce(o.published_at, o.created_at), NULL, o.seq
-    FROM o JOIN actix_outbox.consumer_subscriptions s ON s.event_type = o.event_type AND s.cursor
+    FROM o JOIN actix_outbox.consumer_subscriptions s ON s.event_type = o.event_type
+        AND (s.cursor OR EXISTS (SELECT FROM actix_outbox.consumer_cursors kc
+                                 WHERE kc.consumer = s.consumer))
     CROSS JOIN LATERAL (SELECT /* cursor_status */ AS status) k
     WHERE k.status IS NOT NULL AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i
                                                WHERE i.event_id = o.id AND i.consumer = s.consumer)

@@ -1368,6 +1368,15 @@ async fn a_cursor_consumers_fan_out_view_follows_its_cursor() {
         0,
         "the view wrote inbox rows"
     );
+    // Turned off while the event still waits past its cursor: the view follows the cursor
+    // the consumer reads until it drops it.
+    rt.shutdown().await;
+    let rt = start(&db, vec![(consumer("slow_cur", 3), Behaviour::default())]).await;
+    let retiring = consumer_of(&json_of(
+        &call!(app, get(&format!("/ops/events/{second}"))).1,
+    ));
+    assert_eq!(retiring["status"], "RECEIVED", "{retiring}");
+    assert_eq!(retiring["cursor"], false, "{retiring}");
     db.finish(&[&rt]).await;
 }
 

@@ -2,9 +2,9 @@
 -- an inbox row for it (by the inbox's unique `(event_id, consumer)` index) and those
 -- subscribed to its type now. A row a lease names shows as IN_FLIGHT.
 --
--- A consumer that reads the type through its cursor (the migration `cursors`) has an inbox
--- row only for an exception; without one, its status comes from its cursor
--- (`cursor_status.sql`, included where the marker stands).
+-- A consumer that reads the type through its cursor (the migration `cursors`), or still has
+-- cursors it is turning off, has an inbox row only for an exception; without one, its status
+-- comes from its cursor (`cursor_status.sql`, included where the marker stands).
 --   $1 event id
 WITH r AS (SELECT * FROM actix_outbox.inbox_events WHERE event_id = $1),
      o AS (SELECT id, event_type, status, published_at, aggregate_type, aggregate_id
@@ -14,7 +14,9 @@ WITH r AS (SELECT * FROM actix_outbox.inbox_events WHERE event_id = $1),
            WHERE event_type = (SELECT event_type FROM t)),
      k AS (
     SELECT s.consumer, /* cursor_status */ AS status
-    FROM s CROSS JOIN o WHERE s.cursor AND s.consumer NOT IN (SELECT consumer FROM r)
+    FROM s CROSS JOIN o WHERE s.consumer NOT IN (SELECT consumer FROM r)
+      AND (s.cursor OR EXISTS (SELECT FROM actix_outbox.consumer_cursors kc
+                               WHERE kc.consumer = s.consumer))
 )
 SELECT c.consumer, c.consumer IN (SELECT consumer FROM s) AS subscribed,
     r.id IS NOT NULL OR k.status IS NOT NULL AS got, r.id AS inbox_id,
