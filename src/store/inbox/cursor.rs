@@ -332,13 +332,16 @@ pub(crate) async fn spill(
 /// Lists the transactions open now as the ones that may still stamp an event for `consumer`'s
 /// cursors, which it is turning off: run after the commit that set its subscriptions' flag
 /// off and its list to `{pending}`, since a claim that begins later fans its events out to
-/// its inbox instead. Replaces only `{pending}`: a start with the cursor on since then has
-/// cleared it (in the same statement as the flag), and the row's lock orders the two.
+/// its inbox instead. Only sessions of this database can stamp here, so only theirs are
+/// listed. Replaces only `{pending}`: a start with the cursor on since then has cleared it
+/// (in the same statement as the flag), and the row's lock orders the two.
 pub(crate) async fn turning_off(conn: &mut AsyncPgConnection, consumer: &str) -> Result<()> {
     crate::store::sql(
         "UPDATE actix_outbox.consumer_states SET cursor_off_vxids = \
              (SELECT coalesce(array_agg(l.virtualxid), '{}') FROM pg_locks l \
-              WHERE l.locktype = 'virtualxid' AND l.pid <> pg_backend_pid()) \
+              WHERE l.locktype = 'virtualxid' AND l.pid <> pg_backend_pid() \
+                AND l.pid IN (SELECT pid FROM pg_stat_activity \
+                              WHERE datname = current_database())) \
          WHERE consumer = $1 AND cursor_off_vxids = '{pending}'",
     )
     .bind::<Text, _>(consumer)
