@@ -25,7 +25,7 @@ use diesel::sql_types::{
     Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
 };
 use diesel::QueryableByName;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 use crate::error::Result;
 use crate::event::redact::Redactor;
@@ -157,7 +157,7 @@ pub(crate) async fn register_consumer(
              be turned on once they are dropped"
         )));
     }
-    let extra: Vec<Subscription> = Prepared(
+    let register = Prepared(
         crate::store::sql(
             "WITH c AS (INSERT INTO actix_outbox.consumer_states \
                         (consumer, replay_safe, allowed_delay_ms, critical_delay_ms) \
@@ -192,9 +192,21 @@ pub(crate) async fn register_consumer(
         .bind::<diesel::sql_types::Bool, _>(cursor.is_some())
         .bind::<Array<Text>, _>(cursor.unwrap_or_default())
         .bind::<diesel::sql_types::Bool, _>(retiring),
-    )
-    .load(conn)
-    .await?;
+    );
+    let extra: Vec<Subscription> = conn
+        .transaction::<_, crate::Error, _>(async |c| {
+            // Before anything of the consumer is written (PostgreSQL runs a statement's
+            // writing CTEs in no set order): a drop of its cursors (`cursor::retire`) holds
+            // this row from its check to its commit, so the two never interleave.
+            crate::store::sql(
+                "SELECT FROM actix_outbox.consumer_states WHERE consumer = $1 FOR NO KEY UPDATE",
+            )
+            .bind::<Text, _>(consumer)
+            .execute(c)
+            .await?;
+            Ok(register.load(c).await?)
+        })
+        .await?;
     if retiring {
         cursor::turning_off(conn, consumer).await?;
     }
