@@ -281,9 +281,9 @@ impl ConsumerConfig {
     /// exceptions, not the events it processed; the event view (`GET /events/{id}`) and the
     /// correlation timeline read its status from the cursor. Turned off again, the consumer's
     /// new events get inbox rows from its next start, and it reads what waits past its
-    /// cursors until it can drop them: once every transaction open at that start has ended
-    /// and nothing of its own is left past them. `ordered` is refused ([`Error::Config`])
-    /// until they are dropped. See `docs/storage-v2.md`.
+    /// cursors until it can drop them: once every transaction of the database open at that
+    /// start has ended and nothing of its own is left past them. `ordered` is refused
+    /// ([`Error::Config`]) until they are dropped. See `docs/storage-v2.md`.
     pub fn cursor(mut self, on: bool) -> Self {
         self.cursor = on;
         self
