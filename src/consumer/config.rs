@@ -361,8 +361,8 @@ impl ConsumerConfig {
             return bad("subscribe_high needs cursor(true): lanes are read through a cursor");
         }
         if self.skip_stale
-            && self.event_types.iter().any(|t| !self.high.contains(t))
             && !self.high.is_empty()
+            && self.event_types.iter().any(|t| !self.high.contains(t))
         {
             return bad(
                 "skip_stale with HIGH and LOW types: lanes can apply an aggregate's older \

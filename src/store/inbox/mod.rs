@@ -22,7 +22,7 @@ pub(crate) use settle::{settle_and_commit, settle_now, Failure, Outcome, Settle}
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{
-    Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+    Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
 };
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
@@ -106,6 +106,52 @@ impl<'a> From<&'a InboxRow> for crate::telemetry::EventFields<'a> {
     }
 }
 
+/// [`register_consumer`]'s statement: the consumer's state row, its subscriptions and, with
+/// a cursor, its cursors (one per slot and lane); answers the subscriptions it no longer lists.
+///   $1 consumer  $2 event types  $3 ordered  $4 replay_safe  $5, $6 delays  $7 cursor
+///   $8 HIGH types  $9 turning its cursors off
+const REGISTER: &str = "WITH c AS (INSERT INTO actix_outbox.consumer_states \
+                (consumer, replay_safe, allowed_delay_ms, critical_delay_ms) \
+            VALUES ($1, $4, $5, $6) \
+            ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4, allowed_delay_ms = $5, \
+                critical_delay_ms = $6, \
+                cursor_off_vxids = CASE WHEN $7 THEN NULL WHEN $9 THEN '{pending}' \
+                                        ELSE consumer_states.cursor_off_vxids END \
+            WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
+                   consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6) \
+               OR $7 OR $9), \
+      s AS (INSERT INTO actix_outbox.consumer_subscriptions \
+                (consumer, event_type, ordered, cursor, high) \
+            SELECT $1, t, $3, $7, t = ANY ($8::text[]) FROM unnest($2::text[]) AS t \
+            ON CONFLICT (consumer, event_type) DO UPDATE \
+            SET ordered = $3, cursor = $7, high = excluded.high \
+            WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor, \
+                   consumer_subscriptions.high) <> ($3, $7, excluded.high)), \
+      on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx) \
+            SELECT $1, part, last, 9223372036854775807 \
+            FROM actix_outbox.log_head, generate_series(0, 15) AS part WHERE $7 \
+            ON CONFLICT DO NOTHING) \
+ SELECT event_type FROM actix_outbox.consumer_subscriptions \
+ WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type";
+
+/// Whether `consumer` has cursors.
+async fn has_cursors(conn: &mut AsyncPgConnection, consumer: &str) -> Result<bool> {
+    #[derive(QueryableByName)]
+    struct Found {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+    }
+    let found: Found = Prepared(
+        crate::store::sql(
+            "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors WHERE consumer = $1) AS exists",
+        )
+        .bind::<Text, _>(consumer),
+    )
+    .get_result(conn)
+    .await?;
+    Ok(found.exists)
+}
+
 /// Records a consumer and its subscriptions. Idempotent; several instances may run it at once.
 /// Subscriptions are only ever added here: removing one is an operator's decision
 /// ([`unsubscribe`](crate::ops::unsubscribe)), since another instance may still run the older code.
@@ -131,80 +177,40 @@ pub(crate) async fn register_consumer(
         #[diesel(sql_type = Text)]
         event_type: String,
     }
-    #[derive(QueryableByName)]
-    struct Cursor {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        exists: bool,
-    }
-    let retiring = match cursor {
-        Some(_) => false,
-        None => {
-            let c: Cursor = Prepared(
-                crate::store::sql(
-                    "SELECT EXISTS (SELECT FROM actix_outbox.consumer_cursors WHERE consumer = $1) AS exists",
-                )
-                .bind::<Text, _>(consumer),
-            )
-            .get_result(conn)
-            .await?;
-            c.exists
-        }
-    };
-    if retiring && ordered {
-        // Its cursors' events are read in no aggregate's order, beside the ordered inbox.
-        return Err(crate::Error::Config(format!(
-            "consumer {consumer} still reads through cursors it is turning off: ordered can \
-             be turned on once they are dropped"
-        )));
-    }
-    let register = Prepared(
-        crate::store::sql(
-            "WITH c AS (INSERT INTO actix_outbox.consumer_states \
-                        (consumer, replay_safe, allowed_delay_ms, critical_delay_ms) \
-                    VALUES ($1, $4, $5, $6) \
-                    ON CONFLICT (consumer) DO UPDATE SET replay_safe = $4, allowed_delay_ms = $5, \
-                        critical_delay_ms = $6, \
-                        cursor_off_vxids = CASE WHEN $7 THEN NULL WHEN $9 THEN '{pending}' \
-                                                ELSE consumer_states.cursor_off_vxids END \
-                    WHERE (consumer_states.replay_safe, consumer_states.allowed_delay_ms, \
-                           consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6) \
-                       OR $7 OR $9), \
-              s AS (INSERT INTO actix_outbox.consumer_subscriptions \
-                        (consumer, event_type, ordered, cursor, high) \
-                    SELECT $1, t, $3, $7, t = ANY ($8::text[]) FROM unnest($2::text[]) AS t \
-                    ON CONFLICT (consumer, event_type) DO UPDATE \
-                    SET ordered = $3, cursor = $7, high = excluded.high \
-                    WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor, \
-                           consumer_subscriptions.high) <> ($3, $7, excluded.high)), \
-              on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx) \
-                    SELECT $1, part, last, 9223372036854775807 \
-                    FROM actix_outbox.log_head, generate_series(0, 15) AS part WHERE $7 \
-                    ON CONFLICT DO NOTHING) \
-         SELECT event_type FROM actix_outbox.consumer_subscriptions \
-         WHERE consumer = $1 AND event_type <> ALL ($2::text[]) ORDER BY event_type",
-        )
-        .bind::<Text, _>(consumer)
-        .bind::<Array<Text>, _>(event_types)
-        .bind::<diesel::sql_types::Bool, _>(ordered)
-        .bind::<diesel::sql_types::Bool, _>(replay_safe)
-        .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.0))
-        .bind::<diesel::sql_types::Nullable<diesel::sql_types::BigInt>, _>(delays.map(|d| d.1))
-        .bind::<diesel::sql_types::Bool, _>(cursor.is_some())
-        .bind::<Array<Text>, _>(cursor.unwrap_or_default())
-        .bind::<diesel::sql_types::Bool, _>(retiring),
-    );
-    let extra: Vec<Subscription> = conn
+    let (extra, retiring) = conn
         .transaction::<_, crate::Error, _>(async |c| {
-            // Before anything of the consumer is written (PostgreSQL runs a statement's
-            // writing CTEs in no set order): a drop of its cursors (`cursor::retire`) holds
-            // this row from its check to its commit, so the two never interleave.
+            // Before anything of the consumer is read or written (PostgreSQL runs a
+            // statement's writing CTEs in no set order): a drop of its cursors
+            // (`cursor::retire`) holds this row from its check to its commit, so the two never
+            // interleave.
             crate::store::sql(
                 "SELECT FROM actix_outbox.consumer_states WHERE consumer = $1 FOR NO KEY UPDATE",
             )
             .bind::<Text, _>(consumer)
             .execute(c)
             .await?;
-            Ok(register.load(c).await?)
+            let retiring = cursor.is_none() && has_cursors(c, consumer).await?;
+            if retiring && ordered {
+                // Its cursors' events are read in no aggregate's order, beside the ordered inbox.
+                return Err(crate::Error::Config(format!(
+                    "consumer {consumer} still reads through cursors it is turning off: ordered can \
+                     be turned on once they are dropped"
+                )));
+            }
+            let register = Prepared(
+                crate::store::sql(REGISTER)
+                    .bind::<Text, _>(consumer)
+                    .bind::<Array<Text>, _>(event_types)
+                    .bind::<Bool, _>(ordered)
+                    .bind::<Bool, _>(replay_safe)
+                    .bind::<Nullable<BigInt>, _>(delays.map(|d| d.0))
+                    .bind::<Nullable<BigInt>, _>(delays.map(|d| d.1))
+                    .bind::<Bool, _>(cursor.is_some())
+                    .bind::<Array<Text>, _>(cursor.unwrap_or_default())
+                    .bind::<Bool, _>(retiring),
+            );
+            let extra: Vec<Subscription> = register.load(c).await?;
+            Ok((extra, retiring))
         })
         .await?;
     if retiring {
