@@ -271,8 +271,9 @@ impl ConsumerConfig {
     /// a row given back, a death, a hung handler), which then follows the inbox's rules. So a
     /// delivered event costs no inbox row at all. Default off.
     ///
-    /// Not yet with [`ordered`](ConsumerConfig::ordered) or
-    /// [`replay_safe`](ConsumerConfig::replay_safe) ([`Error::Config`]). Events are spread
+    /// Not yet with [`ordered`](ConsumerConfig::ordered) ([`Error::Config`]). A replay
+    /// ([`ops::replay`](crate::ops::replay)) re-applies what it read through its cursors while
+    /// the outbox keeps those events, then its inbox rows. Events are spread
     /// over 8 slots by aggregate, each with its own cursor, so up to 8 batches of the consumer
     /// read at once (`concurrency`); HIGH events ([`subscribe_high`](Self::subscribe_high))
     /// over 8 more. Only events published by this
@@ -369,8 +370,8 @@ impl ConsumerConfig {
                  LOW event after a newer HIGH one, and skip_stale would skip it",
             );
         }
-        if self.cursor && (self.ordered || self.replay_safe) {
-            return bad("cursor delivery does not support ordered or replay_safe yet");
+        if self.cursor && self.ordered {
+            return bad("cursor delivery does not support ordered yet");
         }
         if self.mailbox_capacity == 0 {
             return bad("mailbox_capacity must be at least 1");

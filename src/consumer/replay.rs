@@ -82,6 +82,7 @@ async fn step(
         attempts,
         rate,
         since,
+        log,
     }) = locked.await?
     else {
         // Another instance is stepping it: look again after a poll interval.
@@ -95,24 +96,36 @@ async fn step(
     } else {
         (rate / 10.0).ceil().clamp(1.0, f64::from(cfg.batch_size)) as i64
     };
+    // The events read through cursors first, then the inbox rows.
     let mut rows = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-        stmt::rows(c, id, limit).await
+        if log {
+            stmt::log_rows(c, id, limit).await
+        } else {
+            stmt::rows(c, id, limit).await
+        }
     })
     .await?;
-    let Some(last) = rows.last().map(|r| r.id) else {
-        // Nothing left past the cursor: done, or failed if rows it counted are gone.
-        advance(&mut conn, id, None, 0).await?;
-        return Ok(StepEnd::Stepped);
+    let last = if log {
+        Past::Log(rows.last().map(|r| r.event_id))
+    } else {
+        Past::Inbox(rows.last().map(|r| r.id))
     };
+    if rows.is_empty() {
+        // Nothing left past the cursor: on to the inbox rows, or done (failed if rows it
+        // counted are gone).
+        advance(&mut conn, id, last, 0).await?;
+        return Ok(StepEnd::Stepped);
+    }
     let walked = rows.len() as i64;
     if cfg.skip_stale {
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        let stale =
-            store::bounded(&mut conn, DB_TIMEOUT, async |c| stmt::stale(c, &ids).await).await?;
-        rows.retain(|r| !stale.contains(&r.id));
+        let stale = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
+            stmt::stale(c, cfg.name.as_str(), &rows).await
+        })
+        .await?;
+        rows.retain(|r| !stale.contains(&r.event_id));
         if rows.is_empty() {
             // Walked past, as a live delivery of them would be: counted as done.
-            advance(&mut conn, id, Some(last), walked).await?;
+            advance(&mut conn, id, last, walked).await?;
             return Ok(StepEnd::Stepped);
         }
     }
@@ -128,7 +141,7 @@ async fn step(
     let call = lend::hand_over(cfg, handler, conn, &mut rows, 1, DeliveryMode::Replay).await;
     let lost = call.lost;
     let failure = match (call.result, call.conn) {
-        (Ok(()), Some(mut conn)) => match advance(&mut conn, id, Some(last), walked).await {
+        (Ok(()), Some(mut conn)) => match advance(&mut conn, id, last, walked).await {
             Ok(()) => None,
             // A handler that swallowed a failed statement leaves a transaction that cannot
             // commit.
@@ -214,10 +227,19 @@ async fn step(
 /// until it lets go, so a process that dies meanwhile holds it off no longer than this.
 const HOLD_OFF: Duration = Duration::from_secs(5);
 
+/// Where a step leaves its walk: past this outbox event or inbox row, or (`None`) at the end
+/// of that walk.
+#[derive(Clone, Copy)]
+enum Past {
+    Log(Option<uuid::Uuid>),
+    Inbox(Option<i64>),
+}
+
 /// Moves the cursor with the step's effects and commits them together.
-async fn advance(conn: &mut OwnedConn, id: i64, last: Option<i64>, applied: i64) -> Result<()> {
-    store::bounded(conn, DB_TIMEOUT, async |c| {
-        stmt::advance(c, id, last, applied).await
+async fn advance(conn: &mut OwnedConn, id: i64, past: Past, applied: i64) -> Result<()> {
+    store::bounded(conn, DB_TIMEOUT, async |c| match past {
+        Past::Log(last) => stmt::log_advance(c, id, last, applied).await,
+        Past::Inbox(last) => stmt::advance(c, id, last, applied).await,
     })
     .await?;
     tm(conn, Step::Commit).await

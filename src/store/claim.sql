@@ -12,14 +12,26 @@
 -- existed (always: rare, and logged at `info`), and with $4 `event` per event published and
 -- `received` per inbox row written. `last_seq`, on the `total` row: the highest seq published.
 WITH due AS (
-    SELECT id FROM actix_outbox.outbox_events
+    SELECT id, event_type FROM actix_outbox.outbox_events
     WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() AND seq > $5
     ORDER BY seq LIMIT (SELECT $1::int8)
     FOR UPDATE SKIP LOCKED
+), head AS (
+    -- Events a cursor consumer subscribes to get no inbox row of it: they are listed in one
+    -- stamp (`stamped`), numbered by this update of `log_head`, whose lock the claim holds to
+    -- its commit (the migration `cursors`), and each keeps its stamp's number (`stamp`, the
+    -- migration `replay_log`). Costs nothing when no consumer reads through a cursor.
+    UPDATE actix_outbox.log_head SET last = last + 1
+    WHERE EXISTS (SELECT FROM due d JOIN actix_outbox.consumer_subscriptions s
+                  ON s.event_type = d.event_type AND s.cursor)
+    RETURNING last
 ), published AS (
     UPDATE actix_outbox.outbox_events o
     SET status = 'PUBLISHED', published_at = now(), updated_at = now(),
-        attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL
+        attempt_count = o.attempt_count + 1, locked_by = NULL, locked_until = NULL,
+        stamp = CASE WHEN EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
+                                  WHERE s.event_type = o.event_type AND s.cursor)
+                THEN (SELECT last FROM head) END
     WHERE o.id = ANY (ARRAY(SELECT id FROM due))
     RETURNING o.*
 ), delivered AS (
@@ -35,22 +47,15 @@ WITH due AS (
     ON CONFLICT (event_id, consumer) DO NOTHING
     RETURNING consumer, event_id
 ), to_stamp AS (
-    -- Events a cursor consumer subscribes to get no inbox row of it: they are listed in one
-    -- stamp (a row per slot of 8, by aggregate, and lane), numbered by the update of
-    -- `log_head`, whose lock this claim holds to its commit (the migration `cursors`). An
-    -- event is HIGH, in slots 8 to 15, when every cursor consumer of its type subscribes to
-    -- it as HIGH (the migration `lanes`), so no consumer reads an aggregate in two slots
-    -- unless it asked to. Costs nothing when no consumer reads through a cursor.
+    -- The stamp has a row per slot of 8, by aggregate, and lane. An event is HIGH, in slots
+    -- 8 to 15, when every cursor consumer of its type subscribes to it as HIGH (the migration
+    -- `lanes`), so no consumer reads an aggregate in two slots unless it asked to.
     SELECT p.id, p.seq, abs(hashtext(p.aggregate_type || chr(31) || p.aggregate_id) % 8)
         + CASE WHEN NOT EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
                                 WHERE s.event_type = p.event_type AND s.cursor AND NOT s.high)
           THEN 8 ELSE 0 END AS part
     FROM published p
-    WHERE EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s
-                  WHERE s.event_type = p.event_type AND s.cursor)
-), head AS (
-    UPDATE actix_outbox.log_head SET last = last + 1
-    WHERE EXISTS (SELECT FROM to_stamp) RETURNING last
+    WHERE p.stamp IS NOT NULL
 ), stamped AS (
     INSERT INTO actix_outbox.log_stamps (part, stamp, events)
     SELECT t.part, head.last, array_agg(t.id ORDER BY t.seq) FROM head, to_stamp t

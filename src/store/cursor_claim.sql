@@ -74,7 +74,10 @@ WITH paused AS (
     SELECT * FROM cut
     WHERE part = (SELECT part FROM first) OR part IN (SELECT part FROM locked)
 ), mine AS MATERIALIZED (
-    SELECT e.part, e.stamp, e.ord, o.* FROM entries e
+    SELECT e.part, e.stamp, e.ord, o.id, o.seq, o.event_type, o.event_version,
+        o.aggregate_type, o.aggregate_id, o.aggregate_version, o.payload, o.metadata,
+        o.correlation_id, o.causation_id, o.created_at
+    FROM entries e
     JOIN actix_outbox.outbox_events o ON o.id = e.id
     WHERE o.event_type IN (SELECT event_type FROM actix_outbox.consumer_subscriptions
                            WHERE consumer = $1)

@@ -2,6 +2,14 @@
 //! that match its range, in inbox order, and `cursor_id` moves in the transaction that applies
 //! them. So the rows it has re-applied are exactly the matching rows up to its cursor, on
 //! every instance and through any crash. It never writes an inbox row.
+//!
+//! A consumer that reads through cursors has no inbox row of an event it handled there, so a
+//! replay first walks those events in the outbox (migration `replay_log`): *the published
+//! events of its range that it has no inbox row of and whose stamp is below its oldest unread
+//! stamp when the replay was asked for.* Stamps become visible in number order, so that set
+//! is fixed when it is asked for: a later stamp has a larger number. The walk's position,
+//! (`log_at`, `log_id`), moves in the step's transaction as `cursor_id` does, and retention
+//! keeps the outbox rows it has yet to reach.
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text, Timestamptz};
@@ -36,6 +44,31 @@ const MATCHING: &str =
      AND (r.created_from IS NULL OR i.event_created_at >= r.created_from) \
      AND (r.created_until IS NULL OR i.event_created_at < r.created_until) \
      AND (r.correlation_id IS NULL OR i.correlation_id = r.correlation_id)";
+
+/// The outbox rows a replay walks before its inbox rows: events the consumer read through its
+/// cursors (a stamp below `log_below`, published since it subscribed to the type, no inbox
+/// row of it). An event stamped for another consumer's cursor while this one read the type
+/// from its inbox has an inbox row of it. One whose PROCESSED inbox row retention deleted
+/// before the replay was asked for is walked here: it was processed too.
+const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
+     AND EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s WHERE s.consumer = r.consumer \
+                 AND s.event_type = o.event_type AND o.published_at >= s.created_at) \
+     AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i \
+                     WHERE i.event_id = o.id AND i.consumer = r.consumer) \
+     AND (r.event_types IS NULL OR o.event_type = ANY (r.event_types)) \
+     AND (r.created_from IS NULL OR o.created_at >= r.created_from) \
+     AND (r.created_until IS NULL OR o.created_at < r.created_until) \
+     AND (r.correlation_id IS NULL OR o.correlation_id = r.correlation_id)";
+
+/// The consumer's oldest stamp with an entry past its cursor of that stamp's slot (a batch's
+/// leased entries are past it until the batch commits), or the next stamp when none is:
+/// every event of a smaller stamp that it subscribes to, it has read.
+const OLDEST_UNREAD: &str = "least( \
+     (SELECT min(st.stamp) FROM actix_outbox.consumer_cursors k \
+      JOIN actix_outbox.log_stamps st ON st.part = k.part AND st.stamp >= k.stamp \
+           AND (st.stamp, cardinality(st.events)) > (k.stamp, k.idx) \
+      WHERE k.consumer = $1), \
+     (SELECT last + 1 FROM actix_outbox.log_head))";
 
 /// One replay, as the operator API and [`ops::replays`](crate::ops::replays) show it.
 #[derive(Debug, Clone, PartialEq, QueryableByName, Serialize)]
@@ -136,17 +169,22 @@ pub(crate) async fn insert(
     let sql = format!(
         "WITH r AS (SELECT $1::text AS consumer, $2::text[] AS event_types, \
                            $3::timestamptz AS created_from, $4::timestamptz AS created_until, \
-                           $5::text AS correlation_id, now() AS requested_at), \
+                           $5::text AS correlation_id, now() AS requested_at, \
+                           {OLDEST_UNREAD} AS log_below), \
               m AS (SELECT count(*) AS total, min(i.id) AS first, max(i.id) AS last \
-                    FROM r JOIN actix_outbox.inbox_events i ON {MATCHING}) \
+                    FROM r JOIN actix_outbox.inbox_events i ON {MATCHING}), \
+              l AS (SELECT count(*) AS total FROM r JOIN actix_outbox.outbox_events o ON {LOG_MATCHING}) \
          INSERT INTO actix_outbox.replays (consumer, event_types, created_from, created_until, correlation_id, \
                               upto_id, cursor_id, total, rate, requested_by, reason, requested_at, \
-                              status, finished_at) \
+                              status, finished_at, log_below, log_at, log_id) \
          SELECT r.consumer, r.event_types, r.created_from, r.created_until, r.correlation_id, \
-                coalesce(m.last, 0), coalesce(m.first - 1, 0), m.total, $6, $7, $8, r.requested_at, \
-                CASE WHEN m.total = 0 THEN 'DONE' ELSE 'RUNNING' END, \
-                CASE WHEN m.total = 0 THEN now() END \
-         FROM r, m RETURNING {COLUMNS}"
+                coalesce(m.last, 0), coalesce(m.first - 1, 0), m.total + l.total, $6, $7, $8, \
+                r.requested_at, \
+                CASE WHEN m.total + l.total = 0 THEN 'DONE' ELSE 'RUNNING' END, \
+                CASE WHEN m.total + l.total = 0 THEN now() END, \
+                CASE WHEN l.total > 0 THEN r.log_below END, '-infinity', \
+                '00000000-0000-0000-0000-000000000000' \
+         FROM r, m, l RETURNING {COLUMNS}"
     );
     let row = crate::store::sql(sql)
         .bind::<Text, _>(range.consumer)
@@ -232,7 +270,8 @@ pub(crate) async fn lock_due(
     consumer: &str,
 ) -> Result<Option<Locked>> {
     let rows: Vec<Locked> = crate::store::sql(
-        "SELECT id, attempts, rate, now() AS since FROM actix_outbox.replays \
+        "SELECT id, attempts, rate, now() AS since, log_below IS NOT NULL AS log \
+         FROM actix_outbox.replays \
          WHERE consumer = $1 AND status = 'RUNNING' AND next_step_at <= now() \
            AND NOT EXISTS (SELECT FROM actix_outbox.consumer_states s WHERE s.consumer = $1 \
                AND s.paused AND (s.paused_until IS NULL OR s.paused_until > now())) \
@@ -272,26 +311,47 @@ pub(crate) struct Locked {
     /// The step's transaction's start: its session existed by then.
     #[diesel(sql_type = Timestamptz)]
     pub since: DateTime<Utc>,
+    /// Whether it still walks the events its consumer read through cursors
+    /// ([`log_rows`]), before its inbox rows.
+    #[diesel(sql_type = Bool)]
+    pub log: bool,
 }
 
-/// Of `ids`, the rows older than the version their consumer has recorded for their aggregate:
-/// a consumer that skips stale events would not apply them live, and does not re-apply them.
-pub(crate) async fn stale(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>> {
+/// Of `rows`, the events older than the version `consumer` has recorded for their
+/// aggregate: a consumer that skips stale events would not apply them live, and does not
+/// re-apply them.
+pub(crate) async fn stale(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    rows: &[InboxRow],
+) -> Result<Vec<uuid::Uuid>> {
     #[derive(QueryableByName)]
     struct Id {
-        #[diesel(sql_type = BigInt)]
-        id: i64,
+        #[diesel(sql_type = diesel::sql_types::Uuid)]
+        event_id: uuid::Uuid,
     }
-    let rows: Vec<Id> = crate::store::sql(
-        "SELECT i.id FROM actix_outbox.inbox_events i \
-         JOIN actix_outbox.aggregate_versions v ON v.consumer = i.consumer \
-              AND v.aggregate_type = i.aggregate_type AND v.aggregate_id = i.aggregate_id \
-         WHERE i.id = ANY ($1) AND i.aggregate_version < v.version",
+    let (mut ids, mut types, mut aggregates, mut versions) = (vec![], vec![], vec![], vec![]);
+    for r in rows {
+        ids.push(r.event_id);
+        types.push(r.aggregate_type.as_str());
+        aggregates.push(r.aggregate_id.as_str());
+        versions.push(r.aggregate_version);
+    }
+    let stale: Vec<Id> = crate::store::sql(
+        "SELECT e.event_id FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int8[]) \
+                AS e(event_id, aggregate_type, aggregate_id, version) \
+         JOIN actix_outbox.aggregate_versions v ON v.consumer = $1 \
+              AND v.aggregate_type = e.aggregate_type AND v.aggregate_id = e.aggregate_id \
+         WHERE e.version < v.version",
     )
-    .bind::<Array<BigInt>, _>(ids)
+    .bind::<Text, _>(consumer)
+    .bind::<Array<diesel::sql_types::Uuid>, _>(ids)
+    .bind::<Array<Text>, _>(types)
+    .bind::<Array<Text>, _>(aggregates)
+    .bind::<Array<Nullable<BigInt>>, _>(versions)
     .load(conn)
     .await?;
-    Ok(rows.into_iter().map(|r| r.id).collect())
+    Ok(stale.into_iter().map(|r| r.event_id).collect())
 }
 
 /// The next `limit` rows of replay `id` past its cursor, as deliveries of attempt
@@ -316,6 +376,65 @@ pub(crate) async fn rows(
         .load(conn)
         .await?;
     Ok(rows)
+}
+
+/// The next `limit` events of replay `id`'s walk through what its consumer read through
+/// cursors ([`LOG_MATCHING`]), as deliveries of attempt `attempts + 1` of the step.
+pub(crate) async fn log_rows(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    limit: i64,
+) -> Result<Vec<InboxRow>> {
+    let sql = format!(
+        "SELECT o.seq AS id, o.id AS event_id, o.event_type, o.event_version, o.aggregate_type, \
+                o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
+                o.causation_id, o.created_at AS event_created_at, r.attempts AS attempt_count, \
+                0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
+         FROM actix_outbox.replays r JOIN actix_outbox.outbox_events o \
+              ON (o.published_at, o.id) > (r.log_at, r.log_id) AND {LOG_MATCHING} \
+         WHERE r.id = $1 ORDER BY o.published_at, o.id LIMIT $2"
+    );
+    let rows = crate::store::sql(sql)
+        .bind::<BigInt, _>(id)
+        .bind::<BigInt, _>(limit)
+        .load(conn)
+        .await?;
+    Ok(rows)
+}
+
+/// Moves replay `id`'s walk through the outbox past event `last` with `applied` events more
+/// done, in the step's transaction, or (`None`: none was left) ends that walk, so that the
+/// next step walks its inbox rows. Fails if `last` is not a published event, so that a step
+/// never commits effects without moving.
+pub(crate) async fn log_advance(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    last: Option<uuid::Uuid>,
+    applied: i64,
+) -> Result<()> {
+    let moved = crate::store::sql(
+        "UPDATE actix_outbox.replays r SET \
+                log_at = CASE WHEN $2::uuid IS NULL THEN NULL ELSE o.published_at END, \
+                log_id = o.id, log_below = CASE WHEN $2::uuid IS NOT NULL THEN r.log_below END, \
+                done = r.done + $3, attempts = 0, error_code = NULL, last_error = NULL, \
+                next_step_at = now() + make_interval(secs => $3 / r.rate) \
+         FROM (SELECT $2::uuid AS id, NULL::timestamptz AS published_at WHERE $2::uuid IS NULL \
+               UNION ALL SELECT id, published_at FROM actix_outbox.outbox_events \
+               WHERE id = $2 AND status = 'PUBLISHED') o \
+         WHERE r.id = $1 AND r.log_below IS NOT NULL",
+    )
+    .bind::<BigInt, _>(id)
+    .bind::<Nullable<diesel::sql_types::Uuid>, _>(last)
+    .bind::<BigInt, _>(applied)
+    .execute(conn)
+    .await?;
+    if moved == 1 {
+        Ok(())
+    } else {
+        // The event is gone (retention keeps it; an operator's DELETE does not): the step
+        // rolls back, and the next one walks on without it.
+        Err(diesel::result::Error::NotFound.into())
+    }
 }
 
 /// Moves the cursor past `last` with `applied` rows more done, in the step's transaction; the

@@ -81,6 +81,8 @@ pub(crate) async fn delete_expired(
         // cursor has yet to pass goes (none at or past the least seq of the stamps from the
         // slowest cursor's on, among cursors with entries past them: a slot with none would
         // hold the floor for ever), and the stamps every such cursor passed go with the run.
+        // Nor does an event a running replay has yet to walk through its stamp
+        // (`replays.log_below`): it would end short (`REPLAY_GAP`).
         Expired::PublishedOutbox => {
             "WITH slowest AS ( \
                  SELECT min(k.stamp) AS stamp FROM actix_outbox.consumer_cursors k \
@@ -97,11 +99,14 @@ pub(crate) async fn delete_expired(
                  WHERE stamp < coalesce((SELECT stamp FROM slowest), \
                                         (SELECT last + 1 FROM actix_outbox.log_head))), \
              expired AS ( \
-                 SELECT id, published_at FROM actix_outbox.outbox_events \
+                 SELECT id, published_at FROM actix_outbox.outbox_events o \
                  WHERE status = 'PUBLISHED' AND published_at < now() - $1 * interval '1 millisecond' \
                    AND published_at >= coalesce($3, '-infinity') \
                    AND (published_at, id) > (coalesce($3, '-infinity'), coalesce($4, '00000000-0000-0000-0000-000000000000')) \
                    AND seq < (SELECT floor FROM cursors) \
+                   AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
+                       WHERE r.status = 'RUNNING' AND o.stamp < r.log_below \
+                         AND (o.published_at, o.id) > (r.log_at, r.log_id)) \
                  ORDER BY published_at, id LIMIT $2 FOR UPDATE SKIP LOCKED), \
              locked AS ( \
                  SELECT id, event_id FROM actix_outbox.inbox_events \

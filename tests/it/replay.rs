@@ -20,9 +20,12 @@ use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 
 /// Writes one row per delivery it handles (`mode`: live or replay), in the delivery's
 /// transaction. Fails the first replay attempt of the event whose `n` is `fail_replay_of`.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct Projector {
     fail_replay_of: Option<u64>,
+    /// Fails the first live attempt of every event whose `n` this divides, so that it is
+    /// retried from an inbox row.
+    fail_live_every: Option<u64>,
     /// Time each delivery takes after its write, so that steps are in flight when a fault
     /// strikes.
     work: Duration,
@@ -37,6 +40,7 @@ impl Handler<Delivery> for Projector {
 
     fn handle(&mut self, d: Delivery, _: &mut Context<Self>) -> Self::Result {
         let (fail_replay_of, work) = (self.fail_replay_of, self.work);
+        let fail_live_every = self.fail_live_every;
         Box::pin(async move {
             let mode = match d.mode() {
                 DeliveryMode::Replay => "replay",
@@ -57,6 +61,11 @@ impl Handler<Delivery> for Projector {
             if mode == "replay" && d.attempt() == 1 && n.is_some() && n == fail_replay_of {
                 // Its write above rolls back with the step.
                 return Err(HandlerError::retry("injected replay failure"));
+            }
+            let every = fail_live_every.unwrap_or(0);
+            if mode == "live" && d.attempt() == 1 && every > 0 && n.is_some_and(|n| n % every == 0)
+            {
+                return Err(HandlerError::retry("injected live failure"));
             }
             Ok(())
         })
@@ -105,20 +114,23 @@ async fn db_now(db: &TestDb) -> DateTime<Utc> {
 async fn start(db: &TestDb, fail_replay_of: Option<u64>) -> OutboxRuntime {
     let projector = Projector {
         fail_replay_of,
-        work: Duration::ZERO,
+        ..Projector::default()
     };
+    start_on(db, projector, false).await
+}
+
+/// `projector`, replay-safe, reading through cursors if `cursor`, beside `mailer` (inbox rows).
+async fn start_on(db: &TestDb, projector: Projector, cursor: bool) -> OutboxRuntime {
     let cfg = consumer("projector", 3)
         .subscribe("ORDER_PLACED")
-        .replay_safe(true);
+        .replay_safe(true)
+        .cursor(cursor);
     OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
         .consumer(cfg, move || projector.clone())
         .consumer(
             ConsumerConfig::new("mailer").subscribe("ORDER_PLACED"),
-            || Projector {
-                fail_replay_of: None,
-                work: Duration::ZERO,
-            },
+            Projector::default,
         )
         .start()
         .await
@@ -133,9 +145,24 @@ const LIVE: &str = "SELECT count(*) AS n FROM projections WHERE mode = 'live'";
 
 #[actix_rt::test]
 async fn a_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
+    reapplies_exactly_its_window_once(false).await;
+}
+
+/// The same, with the projector reading through cursors: the window's events have no inbox
+/// row of it, and are replayed from the outbox.
+#[actix_rt::test]
+async fn a_cursor_consumers_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
+    reapplies_exactly_its_window_once(true).await;
+}
+
+async fn reapplies_exactly_its_window_once(cursor: bool) {
     let db = TestDb::new().await;
     setup(&db).await;
-    let rt = start(&db, Some(14)).await;
+    let projector = Projector {
+        fail_replay_of: Some(14),
+        ..Projector::default()
+    };
+    let rt = start_on(&db, projector, cursor).await;
 
     // Three groups of ten; the window holds the middle one.
     produce(&db, 0, 10).await;
@@ -203,11 +230,13 @@ async fn a_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
         .await,
         0
     );
+    // (None of the projector's when it reads through cursors.)
     assert_eq!(
         db.count("SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'")
             .await,
-        140
+        if cursor { 70 } else { 140 }
     );
+    assert_eq!(read_through_cursors(&db, "projector").await, cursor);
     // Audited, with who and why.
     assert_eq!(
         db.count(
@@ -222,6 +251,82 @@ async fn a_replay_reapplies_exactly_its_window_once_while_live_events_flow() {
         .unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].status.as_str(), listed[0].done), ("DONE", 10));
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
+
+/// A cursor consumer's replay covers what it handled through its cursors and what it handled
+/// from inbox rows (failures retried), each once; and nothing it had not read when the replay
+/// was asked for: events waiting past its cursors then are applied live, not replayed.
+#[actix_rt::test]
+async fn a_cursor_consumers_replay_covers_its_inbox_rows_and_stops_at_its_oldest_unread_event() {
+    use actix_outbox::ops::{pause_consumer, resume_consumer};
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let projector = Projector {
+        fail_live_every: Some(5),
+        ..Projector::default()
+    };
+    let rt = start_on(&db, projector, true).await;
+    produce(&db, 0, 20).await;
+    assert_eq!(db.wait_for(LIVE, 40, WAIT).await, 40);
+    // Events 0, 5, 10 and 15 failed once and were applied from inbox rows; the others
+    // through the cursors.
+    let retried = "SELECT count(*) AS n FROM actix_outbox.inbox_events \
+                   WHERE consumer = 'projector' AND status = 'PROCESSED'";
+    assert_eq!(db.count(retried).await, 4);
+    assert!(read_through_cursors(&db, "projector").await);
+
+    // Ten more wait past its cursors while it is paused (the mailer applies them).
+    let mut conn = db.pool.get().await.unwrap();
+    pause_consumer(&mut conn, &name("projector"), "ops", "replay later", None)
+        .await
+        .unwrap();
+    produce(&db, 20, 10).await;
+    assert_eq!(db.wait_for(LIVE, 50, WAIT).await, 50);
+    let range = ReplayRange::all().rate(1000.0);
+    let replay = ops::replay(&mut conn, &name("projector"), &range, "alice", "rebuild")
+        .await
+        .unwrap();
+    assert_eq!(replay.total, 20, "the 20 it had applied, not the 10 unread");
+    resume_consumer(&mut conn, &name("projector"), "ops")
+        .await
+        .unwrap();
+    rt.handle().wake();
+    let done = format!(
+        "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status = 'DONE' \
+         AND done = 20",
+        replay.id
+    );
+    assert_eq!(db.wait_for(&done, 1, WAIT).await, 1, "the replay ends");
+    assert_eq!(db.wait_for(LIVE, 60, WAIT).await, 60);
+    let replayed = |n: &str| {
+        format!(
+            "SELECT count(*) AS n FROM projections p JOIN actix_outbox.outbox_events o \
+             ON o.id = p.event_id WHERE p.mode = 'replay' AND (o.payload->>'n')::int {n}"
+        )
+    };
+    assert_eq!(db.count(&replayed("< 20")).await, 20);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) AS n FROM projections WHERE mode = 'replay'")
+            .await,
+        20,
+        "each once"
+    );
+    assert_eq!(
+        db.count(&replayed(">= 20")).await,
+        0,
+        "an unread event replayed"
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) AS n FROM (SELECT event_id FROM projections WHERE mode = 'live' \
+             GROUP BY event_id HAVING count(*) <> 2) x"
+        )
+        .await,
+        0,
+        "live effects once per (event, consumer)"
+    );
     drop(conn);
     db.finish(&[&rt]).await;
 }
@@ -273,11 +378,22 @@ async fn a_cancelled_replay_stops_and_keeps_what_it_applied() {
 /// and the cursor commit together and a step cut short commits neither.
 #[actix_rt::test]
 async fn a_replay_stepped_by_two_instances_through_crashes_applies_each_event_once() {
+    stepped_by_two_instances_through_crashes(false).await;
+}
+
+/// The same, with the projector reading through cursors (its replay walks the outbox).
+#[actix_rt::test]
+async fn a_cursor_consumers_replay_stepped_by_two_instances_through_crashes_applies_each_event_once(
+) {
+    stepped_by_two_instances_through_crashes(true).await;
+}
+
+async fn stepped_by_two_instances_through_crashes(cursor: bool) {
     let db = TestDb::new().await;
     setup(&db).await;
     let slow = Projector {
-        fail_replay_of: None,
         work: Duration::from_millis(15),
+        ..Projector::default()
     };
     let instance = || {
         let slow = slow.clone();
@@ -286,7 +402,8 @@ async fn a_replay_stepped_by_two_instances_through_crashes_applies_each_event_on
             .consumer(
                 consumer("projector", 3)
                     .subscribe("ORDER_PLACED")
-                    .replay_safe(true),
+                    .replay_safe(true)
+                    .cursor(cursor),
                 move || slow.clone(),
             )
             .start()
@@ -364,11 +481,23 @@ async fn replay_state(db: &TestDb, id: i64) -> (String, i64, Option<String>) {
 /// DONE: before, it skipped them and ended DONE.
 #[actix_rt::test]
 async fn a_replay_waits_for_resume_keeps_its_rows_from_retention_and_fails_past_a_gap() {
+    waits_keeps_and_fails_past_a_gap(false).await;
+}
+
+/// The same, with the projector reading through cursors: retention keeps the outbox rows its
+/// replay has yet to walk.
+#[actix_rt::test]
+async fn a_cursor_consumers_replay_waits_for_resume_keeps_its_events_from_retention_and_fails_past_a_gap(
+) {
+    waits_keeps_and_fails_past_a_gap(true).await;
+}
+
+async fn waits_keeps_and_fails_past_a_gap(cursor: bool) {
     use actix_outbox::ops::{pause_consumer, resume_consumer};
     use actix_outbox::retention::{Retention, RetentionConfig};
     let db = TestDb::new().await;
     setup(&db).await;
-    let rt = start(&db, None).await;
+    let rt = start_on(&db, Projector::default(), cursor).await;
     produce(&db, 0, 20).await;
     assert_eq!(db.wait_for(LIVE, 40, WAIT).await, 40);
     let mut conn = db.pool.get().await.unwrap();
@@ -403,18 +532,24 @@ async fn a_replay_waits_for_resume_keeps_its_rows_from_retention_and_fails_past_
         )
     };
     assert_eq!(db.count(&kept("mailer")).await, 0, "retention ran");
-    assert_eq!(
-        db.count(&kept("projector")).await,
-        20,
-        "a replay's row went"
-    );
+    // What the replay walks: the projector's inbox rows, or, through cursors, the outbox.
+    let (walked, five) = if cursor {
+        (
+            "SELECT count(*) AS n FROM actix_outbox.outbox_events".to_owned(),
+            "DELETE FROM actix_outbox.outbox_events WHERE id IN (SELECT id FROM \
+             actix_outbox.outbox_events ORDER BY seq DESC LIMIT 5)",
+        )
+    } else {
+        (
+            kept("projector"),
+            "DELETE FROM actix_outbox.inbox_events WHERE id IN (SELECT id FROM \
+             actix_outbox.inbox_events WHERE consumer = 'projector' ORDER BY id DESC LIMIT 5)",
+        )
+    };
+    assert_eq!(db.count(&walked).await, 20, "a replay's row went");
+    assert_eq!(read_through_cursors(&db, "projector").await, cursor);
     // Five go anyway, as if deleted by a retention batch that began before the replay.
-    conn.batch_execute(
-        "DELETE FROM actix_outbox.inbox_events WHERE id IN (SELECT id FROM actix_outbox.inbox_events \
-         WHERE consumer = 'projector' ORDER BY id DESC LIMIT 5)",
-    )
-    .await
-    .unwrap();
+    conn.batch_execute(five).await.unwrap();
 
     resume_consumer(&mut conn, &name("projector"), "ops")
         .await
@@ -438,18 +573,26 @@ async fn a_replay_waits_for_resume_keeps_its_rows_from_retention_and_fails_past_
 /// version it has recorded for its aggregate: live, it would have skipped it too.
 #[actix_rt::test]
 async fn a_replay_of_a_consumer_that_skips_stale_events_reapplies_only_current_versions() {
+    reapplies_only_current_versions(false).await;
+}
+
+/// The same, with the consumer reading through cursors (its replay walks the outbox).
+#[actix_rt::test]
+async fn a_cursor_consumers_replay_skips_stale_events_too() {
+    reapplies_only_current_versions(true).await;
+}
+
+async fn reapplies_only_current_versions(cursor: bool) {
     let db = TestDb::new().await;
     setup(&db).await;
     let cfg = consumer("projector", 1)
         .subscribe("ORDER_PLACED")
         .skip_stale(true)
-        .replay_safe(true);
+        .replay_safe(true)
+        .cursor(cursor);
     let rt = OutboxRuntime::builder(db.pool.clone())
         .config(fast_runtime())
-        .consumer(cfg, || Projector {
-            fail_replay_of: None,
-            work: Duration::ZERO,
-        })
+        .consumer(cfg, Projector::default)
         .start()
         .await
         .unwrap();

@@ -1,0 +1,18 @@
+-- Replaying what a cursor consumer read through its cursors (`ops::replay`). Such an event
+-- has no inbox row of the consumer; what marks it is the stamp that listed it.
+--
+-- `outbox_events.stamp`: the stamp that listed a published event for the cursor consumers
+-- (`claim.sql` sets it in the update that publishes the row); NULL when no cursor consumer
+-- subscribed to its type. Stamps become visible in number order (the migration `cursors`),
+-- so one number read in one snapshot divides the events stamped before it from those to
+-- come. A catalog-only change: no default, no rewrite.
+ALTER TABLE outbox_events ADD COLUMN IF NOT EXISTS stamp bigint;
+
+-- A replay of a cursor consumer first walks the published events of its range that it has no
+-- inbox row of and whose stamp is below `log_below`: its oldest unread stamp when the replay
+-- was asked for (every cursor of it stood past the events of smaller stamps). It walks them by
+-- (`published_at`, `id`), past (`log_at`, `log_id`), and sets `log_below` NULL once it has
+-- walked them all (NULL from the start when there are none); then it walks its inbox rows.
+ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_below bigint;
+ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_at timestamptz;
+ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_id uuid;
