@@ -51,6 +51,7 @@ const MATCHING: &str =
 /// from its inbox has an inbox row of it. One whose PROCESSED inbox row retention deleted
 /// before the replay was asked for is walked here: it was processed too.
 const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
+     AND o.published_at <= r.requested_at \
      AND EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s WHERE s.consumer = r.consumer \
                  AND s.event_type = o.event_type AND o.published_at >= s.created_at) \
      AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i \
@@ -62,13 +63,16 @@ const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
 
 /// The consumer's oldest stamp with an entry past its cursor of that stamp's slot (a batch's
 /// leased entries are past it until the batch commits), or the next stamp when none is:
-/// every event of a smaller stamp that it subscribes to, it has read.
-const OLDEST_UNREAD: &str = "least( \
+/// every event of a smaller stamp that it subscribes to, it has read. NULL, and no walk of
+/// the outbox, for a consumer with no cursors: it read nothing through them, or it has
+/// dropped them (turned off), and what it read there is not replayed.
+const OLDEST_UNREAD: &str = "CASE WHEN EXISTS (SELECT FROM actix_outbox.consumer_cursors \
+                                            WHERE consumer = $1) THEN least( \
      (SELECT min(st.stamp) FROM actix_outbox.consumer_cursors k \
       JOIN actix_outbox.log_stamps st ON st.part = k.part AND st.stamp >= k.stamp \
            AND (st.stamp, cardinality(st.events)) > (k.stamp, k.idx) \
       WHERE k.consumer = $1), \
-     (SELECT last + 1 FROM actix_outbox.log_head))";
+     (SELECT last + 1 FROM actix_outbox.log_head)) END";
 
 /// One replay, as the operator API and [`ops::replays`](crate::ops::replays) show it.
 #[derive(Debug, Clone, PartialEq, QueryableByName, Serialize)]
@@ -391,7 +395,10 @@ pub(crate) async fn log_rows(
                 o.causation_id, o.created_at AS event_created_at, r.attempts AS attempt_count, \
                 0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
          FROM actix_outbox.replays r JOIN actix_outbox.outbox_events o \
-              ON (o.published_at, o.id) > (r.log_at, r.log_id) AND {LOG_MATCHING} \
+              ON (o.published_at, o.id) > ((SELECT log_at FROM actix_outbox.replays WHERE id = $1), \
+                                          (SELECT log_id FROM actix_outbox.replays WHERE id = $1)) \
+              AND o.published_at <= (SELECT requested_at FROM actix_outbox.replays WHERE id = $1) \
+              AND {LOG_MATCHING} \
          WHERE r.id = $1 ORDER BY o.published_at, o.id LIMIT $2"
     );
     let rows = crate::store::sql(sql)

@@ -106,7 +106,13 @@ pub(crate) async fn delete_expired(
                    AND seq < (SELECT floor FROM cursors) \
                    AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
                        WHERE r.status = 'RUNNING' AND o.stamp < r.log_below \
-                         AND (o.published_at, o.id) > (r.log_at, r.log_id)) \
+                         AND (o.published_at, o.id) > (r.log_at, r.log_id) \
+                         AND (r.event_types IS NULL OR o.event_type = ANY (r.event_types)) \
+                         AND (r.created_from IS NULL OR o.created_at >= r.created_from) \
+                         AND (r.created_until IS NULL OR o.created_at < r.created_until) \
+                         AND (r.correlation_id IS NULL OR o.correlation_id = r.correlation_id) \
+                         AND EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s \
+                             WHERE s.consumer = r.consumer AND s.event_type = o.event_type)) \
                  ORDER BY published_at, id LIMIT $2 FOR UPDATE SKIP LOCKED), \
              locked AS ( \
                  SELECT id, event_id FROM actix_outbox.inbox_events \
