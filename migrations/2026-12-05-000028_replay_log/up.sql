@@ -8,11 +8,13 @@
 -- come. A catalog-only change: no default, no rewrite.
 ALTER TABLE outbox_events ADD COLUMN IF NOT EXISTS stamp bigint;
 
--- A replay of a cursor consumer first walks the published events of its range that it has no
--- inbox row of and whose stamp is below `log_below`: its oldest unread stamp when the replay
--- was asked for (every cursor of it stood past the events of smaller stamps). It walks them by
--- (`published_at`, `id`), past (`log_at`, `log_id`), and sets `log_below` NULL once it has
--- walked them all (NULL from the start when there are none); then it walks its inbox rows.
+-- A replay of a cursor consumer first walks the published events of its range that it had no
+-- inbox row of (none with an id up to `log_inbox_upto`, the highest inbox id when the replay
+-- was asked for) and whose stamp is below `log_below`: its oldest unread stamp then (every
+-- cursor of it stood past the events of smaller stamps). It walks them by (`published_at`,
+-- `id`), past (`log_at`, `log_id`), and sets `log_below` NULL once it has walked them all
+-- (NULL from the start when there are none); then it walks its inbox rows.
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_below bigint;
+ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_inbox_upto bigint;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_at timestamptz;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_id uuid;

@@ -47,15 +47,18 @@ const MATCHING: &str =
 
 /// The outbox rows a replay walks before its inbox rows: events the consumer read through its
 /// cursors (a stamp below `log_below`, published since it subscribed to the type, no inbox
-/// row of it). An event stamped for another consumer's cursor while this one read the type
-/// from its inbox has an inbox row of it. One whose PROCESSED inbox row retention deleted
-/// before the replay was asked for is walked here: it was processed too.
+/// row of it when the replay was asked for). An event stamped for another consumer's cursor
+/// while this one read the type from its inbox has an inbox row of it. One whose PROCESSED
+/// inbox row retention deleted before the replay was asked for is walked here: it was
+/// processed too. Retention keeps the consumer's inbox rows up to `log_inbox_upto` while the
+/// walk runs, so none of them goes and lets its event in.
 const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
      AND o.published_at <= r.requested_at \
      AND EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s WHERE s.consumer = r.consumer \
                  AND s.event_type = o.event_type AND o.published_at >= s.created_at) \
      AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i \
-                     WHERE i.event_id = o.id AND i.consumer = r.consumer) \
+                     WHERE i.event_id = o.id AND i.consumer = r.consumer \
+                       AND i.id <= r.log_inbox_upto) \
      AND (r.event_types IS NULL OR o.event_type = ANY (r.event_types)) \
      AND (r.created_from IS NULL OR o.created_at >= r.created_from) \
      AND (r.created_until IS NULL OR o.created_at < r.created_until) \
@@ -174,20 +177,22 @@ pub(crate) async fn insert(
         "WITH r AS (SELECT $1::text AS consumer, $2::text[] AS event_types, \
                            $3::timestamptz AS created_from, $4::timestamptz AS created_until, \
                            $5::text AS correlation_id, now() AS requested_at, \
-                           {OLDEST_UNREAD} AS log_below), \
+                           {OLDEST_UNREAD} AS log_below, \
+                           (SELECT coalesce(max(id), 0) FROM actix_outbox.inbox_events) \
+                               AS log_inbox_upto), \
               m AS (SELECT count(*) AS total, min(i.id) AS first, max(i.id) AS last \
                     FROM r JOIN actix_outbox.inbox_events i ON {MATCHING}), \
               l AS (SELECT count(*) AS total FROM r JOIN actix_outbox.outbox_events o ON {LOG_MATCHING}) \
          INSERT INTO actix_outbox.replays (consumer, event_types, created_from, created_until, correlation_id, \
                               upto_id, cursor_id, total, rate, requested_by, reason, requested_at, \
-                              status, finished_at, log_below, log_at, log_id) \
+                              status, finished_at, log_below, log_at, log_id, log_inbox_upto) \
          SELECT r.consumer, r.event_types, r.created_from, r.created_until, r.correlation_id, \
                 coalesce(m.last, 0), coalesce(m.first - 1, 0), m.total + l.total, $6, $7, $8, \
                 r.requested_at, \
                 CASE WHEN m.total + l.total = 0 THEN 'DONE' ELSE 'RUNNING' END, \
                 CASE WHEN m.total + l.total = 0 THEN now() END, \
                 CASE WHEN l.total > 0 THEN r.log_below END, '-infinity', \
-                '00000000-0000-0000-0000-000000000000' \
+                '00000000-0000-0000-0000-000000000000', r.log_inbox_upto \
          FROM r, m, l RETURNING {COLUMNS}"
     );
     let row = crate::store::sql(sql)
@@ -383,7 +388,11 @@ pub(crate) async fn rows(
 }
 
 /// The next `limit` events of replay `id`'s walk through what its consumer read through
-/// cursors ([`LOG_MATCHING`]), as deliveries of attempt `attempts + 1` of the step.
+/// cursors ([`LOG_MATCHING`]), as deliveries of attempt `attempts + 1` of the step. The
+/// index of `published_at` gives the order, not (`published_at`, `id`): so the statement
+/// first finds the `published_at` of the `limit`-th event past the position, in index order,
+/// then sorts the events up to it. Each step reads about `limit` rows and the ties of one
+/// instant (one claim's events), wherever the walk stands.
 pub(crate) async fn log_rows(
     conn: &mut AsyncPgConnection,
     id: i64,
@@ -394,12 +403,17 @@ pub(crate) async fn log_rows(
                 o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
                 o.causation_id, o.created_at AS event_created_at, r.attempts AS attempt_count, \
                 0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
-         FROM actix_outbox.replays r JOIN actix_outbox.outbox_events o \
-              ON (o.published_at, o.id) > ((SELECT log_at FROM actix_outbox.replays WHERE id = $1), \
-                                          (SELECT log_id FROM actix_outbox.replays WHERE id = $1)) \
-              AND o.published_at <= (SELECT requested_at FROM actix_outbox.replays WHERE id = $1) \
-              AND {LOG_MATCHING} \
-         WHERE r.id = $1 ORDER BY o.published_at, o.id LIMIT $2"
+         FROM actix_outbox.replays r CROSS JOIN LATERAL ( \
+             SELECT o.* FROM actix_outbox.outbox_events o \
+             WHERE o.published_at >= r.log_at AND o.published_at <= ( \
+                       SELECT max(o.published_at) FROM ( \
+                           SELECT o.published_at FROM actix_outbox.outbox_events o \
+                           WHERE o.published_at >= r.log_at \
+                             AND (o.published_at, o.id) > (r.log_at, r.log_id) AND {LOG_MATCHING} \
+                           ORDER BY o.published_at LIMIT $2) o) \
+               AND (o.published_at, o.id) > (r.log_at, r.log_id) AND {LOG_MATCHING} \
+             ORDER BY o.published_at, o.id LIMIT $2) o \
+         WHERE r.id = $1 ORDER BY o.published_at, o.id"
     );
     let rows = crate::store::sql(sql)
         .bind::<BigInt, _>(id)

@@ -138,14 +138,17 @@ pub(crate) async fn delete_expired(
                 .into()
         }
         Expired::ProcessedInbox => {
-            // Never a row a running replay has yet to reach: it would end short (`REPLAY_GAP`).
+            // Never a row a running replay has yet to reach: it would end short (`REPLAY_GAP`);
+            // nor, while a replay walks the outbox, a row of its consumer that was there when it
+            // was asked for: its event would join the walk (`replays.log_inbox_upto`).
             by_age(
                 "actix_outbox.inbox_events i",
                 "id",
                 "processed_at",
                 "AND status = 'PROCESSED' AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
                  WHERE r.status = 'RUNNING' AND r.consumer = i.consumer \
-                   AND i.id > r.cursor_id AND i.id <= r.upto_id)",
+                   AND ((i.id > r.cursor_id AND i.id <= r.upto_id) \
+                        OR (r.log_below IS NOT NULL AND i.id <= r.log_inbox_upto)))",
             )
             .into()
         }
