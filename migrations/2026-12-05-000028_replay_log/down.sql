@@ -1,3 +1,5 @@
+ALTER TABLE consumer_cursors DROP COLUMN IF EXISTS since;
+ALTER TABLE replays DROP COLUMN IF EXISTS log_above;
 ALTER TABLE replays DROP COLUMN IF EXISTS log_id;
 ALTER TABLE replays DROP COLUMN IF EXISTS log_at;
 ALTER TABLE replays DROP COLUMN IF EXISTS log_inbox_upto;

@@ -15,6 +15,11 @@ ALTER TABLE outbox_events ADD COLUMN IF NOT EXISTS stamp bigint;
 -- `id`), past (`log_at`, `log_id`), and sets `log_below` NULL once it has walked them all
 -- (NULL from the start when there are none); then it walks its inbox rows.
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_below bigint;
+-- ... and above `log_above`, the stamp its cursors started at (a consumer's cursors start past
+-- every stamp made before them: `consumer_cursors.since`; NULL for cursors made before this
+-- migration, read as 0).
+ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_above bigint;
+ALTER TABLE consumer_cursors ADD COLUMN IF NOT EXISTS since bigint;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_inbox_upto bigint;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_at timestamptz;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_id uuid;

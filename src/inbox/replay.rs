@@ -119,10 +119,11 @@ impl ReplayRange {
 ///
 /// A consumer that reads through [cursors](crate::ConsumerConfig::cursor) has no inbox row of
 /// what it handled there; for it, what counts is also every published event of its types
-/// with no inbox row of it that is older than its oldest unread event (by stamp, the log's
-/// commit order) when the replay is asked for, as long as the outbox keeps it. These are
-/// re-applied first, in the order they were published, then its inbox rows. An event it
-/// handled past an older one still unread when the replay was asked for is not replayed.
+/// with no inbox row of it that its cursors read before its oldest unread event (by stamp,
+/// the log's commit order) when the replay is asked for, as long as the outbox keeps it.
+/// These are re-applied first, in the order they were published, then its inbox rows. Not
+/// replayed: an event it handled past an older one still unread when the replay was asked
+/// for, and what it read through cursors it has since dropped (turned off).
 ///
 /// # Errors
 /// Before any write: [`Error::InvalidReplay`] (`REPLAY_INVALID`) for an empty window, an empty

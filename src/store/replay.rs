@@ -5,9 +5,10 @@
 //!
 //! A consumer that reads through cursors has no inbox row of an event it handled there, so a
 //! replay first walks those events in the outbox (migration `replay_log`): *the published
-//! events of its range that it has no inbox row of and whose stamp is below its oldest unread
-//! stamp when the replay was asked for.* Stamps become visible in number order, so that set
-//! is fixed when it is asked for: a later stamp has a larger number. The walk's position,
+//! events of its range that it had no inbox row of when the replay was asked for, and whose
+//! stamp lies between the one its cursors started at and its oldest unread stamp then.*
+//! Stamps become visible in number order, so that set is fixed when it is asked for: a later
+//! stamp has a larger number. The walk's position,
 //! (`log_at`, `log_id`), moves in the step's transaction as `cursor_id` does, and retention
 //! keeps the outbox rows it has yet to reach.
 
@@ -46,13 +47,14 @@ const MATCHING: &str =
      AND (r.correlation_id IS NULL OR i.correlation_id = r.correlation_id)";
 
 /// The outbox rows a replay walks before its inbox rows: events the consumer read through its
-/// cursors (a stamp below `log_below`, published since it subscribed to the type, no inbox
-/// row of it when the replay was asked for). An event stamped for another consumer's cursor
+/// cursors (a stamp below `log_below` and past the one its cursors started at, published
+/// since it subscribed to the type, no inbox row of it when the replay was asked for). An event stamped for another consumer's cursor
 /// while this one read the type from its inbox has an inbox row of it. One whose PROCESSED
 /// inbox row retention deleted before the replay was asked for is walked here: it was
 /// processed too. Retention keeps the consumer's inbox rows up to `log_inbox_upto` while the
 /// walk runs, so none of them goes and lets its event in.
 const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
+     AND o.stamp > r.log_above \
      AND o.published_at <= r.requested_at \
      AND EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s WHERE s.consumer = r.consumer \
                  AND s.event_type = o.event_type AND o.published_at >= s.created_at) \
@@ -178,6 +180,8 @@ pub(crate) async fn insert(
                            $3::timestamptz AS created_from, $4::timestamptz AS created_until, \
                            $5::text AS correlation_id, now() AS requested_at, \
                            {OLDEST_UNREAD} AS log_below, \
+                           (SELECT coalesce(max(since), 0) FROM actix_outbox.consumer_cursors \
+                            WHERE consumer = $1) AS log_above, \
                            (SELECT coalesce(max(id), 0) FROM actix_outbox.inbox_events) \
                                AS log_inbox_upto), \
               m AS (SELECT count(*) AS total, min(i.id) AS first, max(i.id) AS last \
@@ -185,14 +189,16 @@ pub(crate) async fn insert(
               l AS (SELECT count(*) AS total FROM r JOIN actix_outbox.outbox_events o ON {LOG_MATCHING}) \
          INSERT INTO actix_outbox.replays (consumer, event_types, created_from, created_until, correlation_id, \
                               upto_id, cursor_id, total, rate, requested_by, reason, requested_at, \
-                              status, finished_at, log_below, log_at, log_id, log_inbox_upto) \
+                              status, finished_at, log_below, log_at, log_id, log_inbox_upto, \
+                              log_above) \
          SELECT r.consumer, r.event_types, r.created_from, r.created_until, r.correlation_id, \
                 coalesce(m.last, 0), coalesce(m.first - 1, 0), m.total + l.total, $6, $7, $8, \
                 r.requested_at, \
                 CASE WHEN m.total + l.total = 0 THEN 'DONE' ELSE 'RUNNING' END, \
                 CASE WHEN m.total + l.total = 0 THEN now() END, \
                 CASE WHEN l.total > 0 THEN r.log_below END, '-infinity', \
-                '00000000-0000-0000-0000-000000000000', r.log_inbox_upto \
+                '00000000-0000-0000-0000-000000000000', r.log_inbox_upto, \
+                r.log_above \
          FROM r, m, l RETURNING {COLUMNS}"
     );
     let row = crate::store::sql(sql)

@@ -990,3 +990,56 @@ async fn a_cursor_replays_steps_read_the_outbox_from_where_the_walk_stands() {
     drop(conn);
     db.finish(&[&rt]).await;
 }
+
+/// A cursor consumer's replay takes in no event stamped before its cursors began, even one
+/// published after its subscription's time: a claim racing its registration stamps such
+/// events for the other cursor consumers only, and its cursors start past them. The race is
+/// set up by moving the subscription's time back. Before, the replay counted them.
+#[actix_rt::test]
+async fn a_cursor_replay_takes_in_nothing_stamped_before_its_cursors_began() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    // The auditor alone reads five events through its cursors.
+    let auditor = OutboxRuntime::builder(db.pool.clone())
+        .config(fast_runtime())
+        .consumer(
+            ConsumerConfig::new("auditor")
+                .subscribe("ORDER_PLACED")
+                .cursor(true),
+            Projector::default,
+        )
+        .start()
+        .await
+        .expect("start runtime");
+    produce(&db, 0, 5).await;
+    assert_eq!(db.wait_for(LIVE, 5, WAIT).await, 5);
+    auditor.shutdown().await;
+    // The projector starts after, on cursors; its subscription dated back past the five.
+    let rt = start_on(&db, Projector::default(), true).await;
+    assert!(read_through_cursors(&db, "projector").await);
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "UPDATE actix_outbox.consumer_subscriptions SET created_at = '-infinity' \
+         WHERE consumer = 'projector'",
+    )
+    .await
+    .unwrap();
+    produce(&db, 5, 3).await;
+    assert_eq!(
+        db.wait_for(LIVE, 11, WAIT).await,
+        11,
+        "three each, projector and mailer"
+    );
+    let replay = ops::replay(
+        &mut conn,
+        &name("projector"),
+        &ReplayRange::all(),
+        "alice",
+        "rebuild",
+    )
+    .await
+    .unwrap();
+    assert_eq!(replay.total, 3, "only what its cursors read");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}

@@ -127,8 +127,8 @@ const REGISTER: &str = "WITH c AS (INSERT INTO actix_outbox.consumer_states \
             SET ordered = $3, cursor = $7, high = excluded.high \
             WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor, \
                    consumer_subscriptions.high) <> ($3, $7, excluded.high)), \
-      on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx) \
-            SELECT $1, part, last, 9223372036854775807 \
+      on_ AS (INSERT INTO actix_outbox.consumer_cursors (consumer, part, stamp, idx, since) \
+            SELECT $1, part, last, 9223372036854775807, last \
             FROM actix_outbox.log_head, generate_series(0, 15) AS part WHERE $7 \
             ON CONFLICT DO NOTHING) \
  SELECT event_type FROM actix_outbox.consumer_subscriptions \
