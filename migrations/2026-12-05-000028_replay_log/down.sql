@@ -1,3 +1,4 @@
+ALTER TABLE consumer_subscriptions DROP COLUMN IF EXISTS since;
 ALTER TABLE consumer_cursors DROP COLUMN IF EXISTS since;
 ALTER TABLE replays DROP COLUMN IF EXISTS log_above;
 ALTER TABLE replays DROP COLUMN IF EXISTS log_id;

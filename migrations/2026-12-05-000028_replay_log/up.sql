@@ -20,6 +20,10 @@ ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_below bigint;
 -- migration, read as 0).
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_above bigint;
 ALTER TABLE consumer_cursors ADD COLUMN IF NOT EXISTS since bigint;
+-- The last stamp once the subscription was committed (the largest bigint until then): its
+-- consumer's cursors read its type from the next stamp on. NULL for subscriptions made before
+-- this migration, read as 0 (every stamped event is younger than them).
+ALTER TABLE consumer_subscriptions ADD COLUMN IF NOT EXISTS since bigint;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_inbox_upto bigint;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_at timestamptz;
 ALTER TABLE replays ADD COLUMN IF NOT EXISTS log_id uuid;

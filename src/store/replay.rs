@@ -47,8 +47,8 @@ const MATCHING: &str =
      AND (r.correlation_id IS NULL OR i.correlation_id = r.correlation_id)";
 
 /// The outbox rows a replay walks before its inbox rows: events the consumer read through its
-/// cursors (a stamp below `log_below` and past the one its cursors started at, published
-/// since it subscribed to the type, no inbox row of it when the replay was asked for). An event stamped for another consumer's cursor
+/// cursors (a stamp below `log_below`, past the one its cursors started at and past the last
+/// one when it subscribed to the type, no inbox row of it when the replay was asked for). An event stamped for another consumer's cursor
 /// while this one read the type from its inbox has an inbox row of it. One whose PROCESSED
 /// inbox row retention deleted before the replay was asked for is walked here: it was
 /// processed too. Retention keeps the consumer's inbox rows up to `log_inbox_upto` while the
@@ -57,7 +57,7 @@ const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
      AND o.stamp > r.log_above \
      AND o.published_at <= r.requested_at \
      AND EXISTS (SELECT FROM actix_outbox.consumer_subscriptions s WHERE s.consumer = r.consumer \
-                 AND s.event_type = o.event_type AND o.published_at >= s.created_at) \
+                 AND s.event_type = o.event_type AND o.stamp > coalesce(s.since, 0)) \
      AND NOT EXISTS (SELECT FROM actix_outbox.inbox_events i \
                      WHERE i.event_id = o.id AND i.consumer = r.consumer \
                        AND i.id <= r.log_inbox_upto) \
@@ -178,7 +178,7 @@ pub(crate) async fn insert(
     let sql = format!(
         "WITH r AS (SELECT $1::text AS consumer, $2::text[] AS event_types, \
                            $3::timestamptz AS created_from, $4::timestamptz AS created_until, \
-                           $5::text AS correlation_id, now() AS requested_at, \
+                           $5::text AS correlation_id, clock_timestamp() AS requested_at, \
                            {OLDEST_UNREAD} AS log_below, \
                            (SELECT coalesce(max(since), 0) FROM actix_outbox.consumer_cursors \
                             WHERE consumer = $1) AS log_above, \

@@ -139,16 +139,28 @@ pub(crate) async fn delete_expired(
         }
         Expired::ProcessedInbox => {
             // Never a row a running replay has yet to reach: it would end short (`REPLAY_GAP`);
-            // nor, while a replay walks the outbox, a row of its consumer that was there when it
-            // was asked for: its event would join the walk (`replays.log_inbox_upto`).
+            // nor, while a replay walks the outbox, a row of its range that its consumer had
+            // when it was asked for, while the event's outbox row is there: the event would
+            // join the walk (`replays.log_inbox_upto`). A mark of an event never applied (a
+            // stale one: `error_code`) stays while its outbox row does, so that a replay
+            // asked for later never takes that event for one its consumer applied.
             by_age(
                 "actix_outbox.inbox_events i",
                 "id",
                 "processed_at",
-                "AND status = 'PROCESSED' AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
+                "AND status = 'PROCESSED' \
+                 AND (i.error_code IS NULL OR NOT EXISTS (SELECT FROM actix_outbox.outbox_events o \
+                      WHERE o.id = i.event_id)) \
+                 AND NOT EXISTS (SELECT FROM actix_outbox.replays r \
                  WHERE r.status = 'RUNNING' AND r.consumer = i.consumer \
                    AND ((i.id > r.cursor_id AND i.id <= r.upto_id) \
-                        OR (r.log_below IS NOT NULL AND i.id <= r.log_inbox_upto)))",
+                        OR (r.log_below IS NOT NULL AND i.id <= r.log_inbox_upto \
+                            AND (r.event_types IS NULL OR i.event_type = ANY (r.event_types)) \
+                            AND (r.created_from IS NULL OR i.event_created_at >= r.created_from) \
+                            AND (r.created_until IS NULL OR i.event_created_at < r.created_until) \
+                            AND (r.correlation_id IS NULL OR i.correlation_id = r.correlation_id) \
+                            AND EXISTS (SELECT FROM actix_outbox.outbox_events o \
+                                        WHERE o.id = i.event_id))))",
             )
             .into()
         }

@@ -852,20 +852,16 @@ async fn an_inbox_consumers_replay_never_walks_the_outbox() {
     db.finish(&[&rt]).await;
 }
 
-/// An inbox row of the consumer that was there when the replay was asked for (here a stale
-/// mark, which a replay does not count) stays while the replay walks the outbox, so its event
-/// never joins the walk: `done` ends equal to `total`. Before, inbox retention deleted it
-/// meanwhile, the walk took the event in, and the replay ended with 2 done of 1.
-#[actix_rt::test]
-async fn a_cursor_replay_keeps_the_inbox_rows_that_were_there_when_asked() {
-    use actix_outbox::ops::{pause_consumer, resume_consumer};
-    let db = TestDb::new().await;
-    setup(&db).await;
+/// A cursor consumer `projector` (skip_stale) beside the auditor, which has applied o-1 at
+/// version 2 through its cursor and marked version 1, published after it, stale in an inbox
+/// row.
+async fn with_a_stale_mark(db: &TestDb) -> OutboxRuntime {
+    setup(db).await;
     let cfg = consumer("projector", 3)
         .subscribe("ORDER_PLACED")
         .skip_stale(true)
         .cursor(true);
-    let rt = start_beside_auditor(&db, cfg).await;
+    let rt = start_beside_auditor(db, cfg).await;
     // o-1 at version 2, then at version 1: stale, marked in an inbox row.
     for version in [2, 1] {
         let event = actix_outbox::NewEvent::new(
@@ -891,7 +887,21 @@ async fn a_cursor_replay_keeps_the_inbox_rows_that_were_there_when_asked() {
     let stale = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'projector' \
                  AND error_code = 'EVENT_STALE'";
     assert_eq!(db.wait_for(stale, 1, WAIT).await, 1);
-    assert!(read_through_cursors(&db, "projector").await);
+    assert!(read_through_cursors(db, "projector").await);
+    rt
+}
+
+/// An inbox row of the consumer that was there when the replay was asked for (here a stale
+/// mark, which a replay does not count) stays while the replay walks the outbox, so its event
+/// never joins the walk: `done` ends equal to `total`. Before, inbox retention deleted it
+/// meanwhile, the walk took the event in, and the replay ended with 2 done of 1.
+#[actix_rt::test]
+async fn a_cursor_replay_keeps_the_inbox_rows_that_were_there_when_asked() {
+    use actix_outbox::ops::{pause_consumer, resume_consumer};
+    let db = TestDb::new().await;
+    let rt = with_a_stale_mark(&db).await;
+    let stale = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'projector' \
+                 AND error_code = 'EVENT_STALE'";
     let mut conn = db.pool.get().await.unwrap();
     pause_consumer(&mut conn, &name("projector"), "ops", "replay later", None)
         .await
@@ -1040,6 +1050,86 @@ async fn a_cursor_replay_takes_in_nothing_stamped_before_its_cursors_began() {
     .await
     .unwrap();
     assert_eq!(replay.total, 3, "only what its cursors read");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
+
+/// A stale mark stays while its event's outbox row does, so a replay asked for after inbox
+/// retention ran does not take the stale event for one its consumer applied. Before, the mark
+/// went with the consumer's processed rows and the replay counted the event (2 of 1).
+#[actix_rt::test]
+async fn a_stale_mark_outlives_inbox_retention_while_its_event_is_in_the_outbox() {
+    use actix_outbox::retention::{Retention, RetentionConfig};
+    let db = TestDb::new().await;
+    let rt = with_a_stale_mark(&db).await;
+    let inbox_only = RetentionConfig::default()
+        .processed_inbox_after(Duration::from_millis(1))
+        .idempotency_keys_after(Duration::from_millis(1));
+    Retention::new(db.pool.clone(), inbox_only)
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    let stale = "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE consumer = 'projector' \
+                 AND error_code = 'EVENT_STALE'";
+    assert_eq!(db.count(stale).await, 1, "the stale mark went");
+    let mut conn = db.pool.get().await.unwrap();
+    let replay = ops::replay(
+        &mut conn,
+        &name("projector"),
+        &ReplayRange::all(),
+        "alice",
+        "rebuild",
+    )
+    .await
+    .unwrap();
+    assert_eq!(replay.total, 1, "version 2 only");
+    drop(conn);
+    db.finish(&[&rt]).await;
+}
+
+/// A type added to a cursor consumer: its replay counts the events of that type stamped
+/// after the subscription, not those its cursors passed before as another consumer's (here
+/// the subscription's time is moved back, as a registration that waited on a lock leaves
+/// it). Before, the replay read the subscription's time, and counted 5 instead of 2.
+#[actix_rt::test]
+async fn a_cursor_replay_counts_a_new_type_from_its_subscription_on() {
+    let db = TestDb::new().await;
+    setup(&db).await;
+    let shipped = || {
+        consumer("projector", 3)
+            .subscribe("ORDER_SHIPPED")
+            .cursor(true)
+    };
+    let rt = start_beside_auditor(&db, shipped()).await;
+    produce(&db, 0, 3).await;
+    // The auditor applies the three; the projector's cursors pass them.
+    assert_eq!(db.wait_for(LIVE, 3, WAIT).await, 3);
+    let passed = "SELECT count(*) AS n FROM actix_outbox.log_stamps s \
+                  JOIN actix_outbox.consumer_cursors k ON k.part = s.part \
+                  WHERE k.consumer = 'projector' AND (k.stamp, k.idx) < (s.stamp, cardinality(s.events))";
+    assert_eq!(db.wait_for(passed, 0, WAIT).await, 0);
+    rt.shutdown().await;
+    let rt = start_beside_auditor(&db, shipped().subscribe("ORDER_PLACED")).await;
+    let mut conn = db.pool.get().await.unwrap();
+    conn.batch_execute(
+        "UPDATE actix_outbox.consumer_subscriptions SET created_at = '-infinity' \
+         WHERE consumer = 'projector'",
+    )
+    .await
+    .unwrap();
+    produce(&db, 3, 2).await;
+    assert_eq!(db.wait_for(LIVE, 7, WAIT).await, 7);
+    let replay = ops::replay(
+        &mut conn,
+        &name("projector"),
+        &ReplayRange::all(),
+        "alice",
+        "rebuild",
+    )
+    .await
+    .unwrap();
+    assert_eq!(replay.total, 2, "only what its cursors read");
     drop(conn);
     db.finish(&[&rt]).await;
 }

@@ -121,8 +121,9 @@ const REGISTER: &str = "WITH c AS (INSERT INTO actix_outbox.consumer_states \
                    consumer_states.critical_delay_ms) IS DISTINCT FROM ($4, $5, $6) \
                OR $7 OR $9), \
       s AS (INSERT INTO actix_outbox.consumer_subscriptions \
-                (consumer, event_type, ordered, cursor, high) \
-            SELECT $1, t, $3, $7, t = ANY ($8::text[]) FROM unnest($2::text[]) AS t \
+                (consumer, event_type, ordered, cursor, high, since) \
+            SELECT $1, t, $3, $7, t = ANY ($8::text[]), 9223372036854775807 \
+            FROM unnest($2::text[]) AS t \
             ON CONFLICT (consumer, event_type) DO UPDATE \
             SET ordered = $3, cursor = $7, high = excluded.high \
             WHERE (consumer_subscriptions.ordered, consumer_subscriptions.cursor, \
@@ -213,6 +214,18 @@ pub(crate) async fn register_consumer(
             Ok((extra, retiring))
         })
         .await?;
+    // A new subscription's `since`, pending (the largest stamp) until now: the last stamp once
+    // it is committed. A cursor claim that passed an event of its type without seeing it read
+    // a stamp committed before that, so no smaller than this one; a replay counts only events
+    // of larger stamps (a few read just after the commit are left out, never one passed).
+    crate::store::sql(
+        "UPDATE actix_outbox.consumer_subscriptions \
+         SET since = (SELECT last FROM actix_outbox.log_head) \
+         WHERE consumer = $1 AND since = 9223372036854775807",
+    )
+    .bind::<Text, _>(consumer)
+    .execute(conn)
+    .await?;
     if retiring {
         cursor::turning_off(conn, consumer).await?;
     }
