@@ -98,11 +98,7 @@ async fn step(
     };
     // The events read through cursors first, then the inbox rows.
     let mut rows = store::bounded(&mut conn, DB_TIMEOUT, async |c| {
-        if log {
-            stmt::log_rows(c, id, limit).await
-        } else {
-            stmt::rows(c, id, limit).await
-        }
+        stmt::rows(c, id, limit, log).await
     })
     .await?;
     let last = if log {

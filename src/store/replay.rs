@@ -48,11 +48,12 @@ const MATCHING: &str =
 
 /// The outbox rows a replay walks before its inbox rows: events the consumer read through its
 /// cursors (a stamp below `log_below`, past the one its cursors started at and past the last
-/// one when it subscribed to the type, no inbox row of it when the replay was asked for). An event stamped for another consumer's cursor
-/// while this one read the type from its inbox has an inbox row of it. One whose PROCESSED
-/// inbox row retention deleted before the replay was asked for is walked here: it was
-/// processed too. Retention keeps the consumer's inbox rows up to `log_inbox_upto` while the
-/// walk runs, so none of them goes and lets its event in.
+/// one when it subscribed to the type, no inbox row of it when the replay was asked for). An
+/// event stamped for another consumer's cursor while this one read the type from its inbox
+/// has an inbox row of it. One whose PROCESSED inbox row retention deleted before the replay
+/// was asked for is walked here: it was applied (a stale mark stays while the event is in
+/// the outbox). Retention keeps the consumer's inbox rows of the range up to
+/// `log_inbox_upto` while the walk runs, so none of them goes and lets its event in.
 const LOG_MATCHING: &str = "o.status = 'PUBLISHED' AND o.stamp < r.log_below \
      AND o.stamp > r.log_above \
      AND o.published_at <= r.requested_at \
@@ -327,7 +328,7 @@ pub(crate) struct Locked {
     #[diesel(sql_type = Timestamptz)]
     pub since: DateTime<Utc>,
     /// Whether it still walks the events its consumer read through cursors
-    /// ([`log_rows`]), before its inbox rows.
+    /// ([`rows`]), before its inbox rows.
     #[diesel(sql_type = Bool)]
     pub log: bool,
 }
@@ -369,43 +370,23 @@ pub(crate) async fn stale(
     Ok(stale.into_iter().map(|r| r.event_id).collect())
 }
 
-/// The next `limit` rows of replay `id` past its cursor, as deliveries of attempt
-/// `attempts + 1` of the step.
+/// The next `limit` rows of replay `id` past its position, as deliveries of attempt
+/// `attempts + 1` of the step: of its walk through the events its consumer read through
+/// cursors ([`LOG_MATCHING`]) when `log`, of its inbox rows otherwise.
+///
+/// In the outbox, the index of `published_at` gives the order, not (`published_at`, `id`):
+/// so the statement first finds the `published_at` of the `limit`-th event past the position,
+/// in index order, then sorts the events up to it. Each step reads about `limit` rows and the
+/// ties of one instant (one claim's events), wherever the walk stands.
 pub(crate) async fn rows(
     conn: &mut AsyncPgConnection,
     id: i64,
     limit: i64,
+    log: bool,
 ) -> Result<Vec<InboxRow>> {
-    let sql = format!(
-        "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
-                i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
-                i.causation_id, i.event_created_at, r.attempts AS attempt_count, \
-                0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
-         FROM actix_outbox.replays r JOIN actix_outbox.inbox_events i ON i.id > r.cursor_id AND i.id <= r.upto_id \
-              AND {MATCHING} \
-         WHERE r.id = $1 ORDER BY i.id LIMIT $2"
-    );
-    let rows = crate::store::sql(sql)
-        .bind::<BigInt, _>(id)
-        .bind::<BigInt, _>(limit)
-        .load(conn)
-        .await?;
-    Ok(rows)
-}
-
-/// The next `limit` events of replay `id`'s walk through what its consumer read through
-/// cursors ([`LOG_MATCHING`]), as deliveries of attempt `attempts + 1` of the step. The
-/// index of `published_at` gives the order, not (`published_at`, `id`): so the statement
-/// first finds the `published_at` of the `limit`-th event past the position, in index order,
-/// then sorts the events up to it. Each step reads about `limit` rows and the ties of one
-/// instant (one claim's events), wherever the walk stands.
-pub(crate) async fn log_rows(
-    conn: &mut AsyncPgConnection,
-    id: i64,
-    limit: i64,
-) -> Result<Vec<InboxRow>> {
-    let sql = format!(
-        "SELECT o.seq AS id, o.id AS event_id, o.event_type, o.event_version, o.aggregate_type, \
+    let sql = if log {
+        format!(
+            "SELECT o.seq AS id, o.id AS event_id, o.event_type, o.event_version, o.aggregate_type, \
                 o.aggregate_id, o.aggregate_version, o.payload, o.metadata, o.correlation_id, \
                 o.causation_id, o.created_at AS event_created_at, r.attempts AS attempt_count, \
                 0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
@@ -420,7 +401,18 @@ pub(crate) async fn log_rows(
                AND (o.published_at, o.id) > (r.log_at, r.log_id) AND {LOG_MATCHING} \
              ORDER BY o.published_at, o.id LIMIT $2) o \
          WHERE r.id = $1 ORDER BY o.published_at, o.id"
-    );
+        )
+    } else {
+        format!(
+            "SELECT i.id, i.event_id, i.event_type, i.event_version, i.aggregate_type, \
+                    i.aggregate_id, i.aggregate_version, i.payload, i.metadata, i.correlation_id, \
+                    i.causation_id, i.event_created_at, r.attempts AS attempt_count, \
+                    0::int8 AS lease_token, false AS alone, pg_backend_pid() AS backend \
+             FROM actix_outbox.replays r JOIN actix_outbox.inbox_events i \
+                  ON i.id > r.cursor_id AND i.id <= r.upto_id AND {MATCHING} \
+             WHERE r.id = $1 ORDER BY i.id LIMIT $2"
+        )
+    };
     let rows = crate::store::sql(sql)
         .bind::<BigInt, _>(id)
         .bind::<BigInt, _>(limit)
