@@ -12,18 +12,33 @@
 -- existed (always: rare, and logged at `info`), and with $4 `event` per event published and
 -- `received` per inbox row written. `last_seq`, on the `total` row: the highest seq published.
 WITH due AS (
-    SELECT id, event_type FROM actix_outbox.outbox_events
+    SELECT * FROM actix_outbox.outbox_events
     WHERE status IN ('PENDING', 'RETRY_PENDING') AND next_attempt_at <= now() AND seq > $5
     ORDER BY seq LIMIT (SELECT $1::int8)
     FOR UPDATE SKIP LOCKED
+), delivered AS (
+    INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version,
+        aggregate_type, aggregate_id, aggregate_version, payload, metadata,
+        correlation_id, causation_id, event_created_at, event_seq, ordered)
+    SELECT d.id, s.consumer, d.event_type, d.event_version, d.aggregate_type,
+        d.aggregate_id, d.aggregate_version, d.payload, d.metadata,
+        d.correlation_id, d.causation_id, d.created_at, d.seq, s.ordered
+    FROM due d JOIN actix_outbox.consumer_subscriptions s ON s.event_type = d.event_type
+    WHERE NOT s.cursor
+    ORDER BY d.seq, s.consumer
+    ON CONFLICT (event_id, consumer) DO NOTHING
+    RETURNING consumer, event_id
 ), head AS (
     -- Events a cursor consumer subscribes to get no inbox row of it: they are listed in one
     -- stamp (`stamped`), numbered by this update of `log_head`, whose lock the claim holds to
     -- its commit (the migration `cursors`), and each keeps its stamp's number (`stamp`, the
-    -- migration `replay_log`). Costs nothing when no consumer reads through a cursor.
+    -- migration `replay_log`). It runs after the fan-out (counting `delivered` makes it so),
+    -- so that concurrent claims wait for each other through the update of their rows only,
+    -- not their inbox rows too. Costs nothing when no consumer reads through a cursor.
     UPDATE actix_outbox.log_head SET last = last + 1
     WHERE EXISTS (SELECT FROM due d JOIN actix_outbox.consumer_subscriptions s
                   ON s.event_type = d.event_type AND s.cursor)
+      AND (SELECT count(*) FROM delivered) >= 0
     RETURNING last
 ), published AS (
     UPDATE actix_outbox.outbox_events o
@@ -34,18 +49,6 @@ WITH due AS (
                 THEN (SELECT last FROM head) END
     WHERE o.id = ANY (ARRAY(SELECT id FROM due))
     RETURNING o.*
-), delivered AS (
-    INSERT INTO actix_outbox.inbox_events (event_id, consumer, event_type, event_version,
-        aggregate_type, aggregate_id, aggregate_version, payload, metadata,
-        correlation_id, causation_id, event_created_at, event_seq, ordered)
-    SELECT p.id, s.consumer, p.event_type, p.event_version, p.aggregate_type,
-        p.aggregate_id, p.aggregate_version, p.payload, p.metadata,
-        p.correlation_id, p.causation_id, p.created_at, p.seq, s.ordered
-    FROM published p JOIN actix_outbox.consumer_subscriptions s ON s.event_type = p.event_type
-    WHERE NOT s.cursor
-    ORDER BY p.seq, s.consumer
-    ON CONFLICT (event_id, consumer) DO NOTHING
-    RETURNING consumer, event_id
 ), to_stamp AS (
     -- The stamp has a row per slot of 8, by aggregate, and lane. An event is HIGH, in slots
     -- 8 to 15, when every cursor consumer of its type subscribes to it as HIGH (the migration
