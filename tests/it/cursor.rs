@@ -1547,6 +1547,11 @@ async fn cursors_are_not_dropped_while_the_flag_is_back_on() {
     )
     .await;
     rt.shutdown().await;
+    // A transaction open across the switch, so that it is listed and no drop is tried before
+    // the flag is back on (a drop checks the flag under the consumer's state row, which the
+    // UPDATE below does not take: racing it, the drop could still win).
+    let mut open = AsyncPgConnection::establish(&db.url).await.unwrap();
+    open.batch_execute("BEGIN; SELECT 1").await.unwrap();
     let rt = start(&db, vec![(consumer("flip", 3), Behaviour::default())]).await;
     let mut conn = db.pool.get().await.unwrap();
     conn.batch_execute(
@@ -1555,6 +1560,7 @@ async fn cursors_are_not_dropped_while_the_flag_is_back_on() {
     .await
     .unwrap();
     drop(conn);
+    open.batch_execute("COMMIT").await.unwrap();
     let events: Vec<NewEvent> = (0..20).map(|i| order(&format!("f-{i}"))).collect();
     enqueue_events(&db, &events).await;
     rt.handle().wake();
