@@ -610,15 +610,7 @@ async fn reapplies_only_current_versions(cursor: bool) {
     }
     assert_eq!(db.wait_for(LIVE, 4, WAIT).await, 4);
     let mut conn = db.pool.get().await.unwrap();
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all().rate(1000.0),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all().rate(1000.0)).await;
     let ended = format!(
         "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status = 'DONE'",
         replay.id
@@ -678,15 +670,7 @@ async fn a_hung_replay_step_is_ended_past_the_grace_and_its_cancel_returns() {
         "SELECT count(*) AS n FROM actix_outbox.inbox_events WHERE status = 'PROCESSED'";
     assert_eq!(db.wait_for(processed, 1, WAIT).await, 1);
     let mut conn = db.pool.get().await.unwrap();
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all(),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all()).await;
     let failed = format!(
         "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND attempts = 1 \
          AND last_error LIKE '%did not finish within%'",
@@ -710,6 +694,16 @@ async fn a_hung_replay_step_is_ended_past_the_grace_and_its_cancel_returns() {
     );
     drop(conn);
     db.finish(&[&rt]).await;
+}
+
+/// Asks for a replay of `range` to `projector`, as alice, to rebuild.
+async fn replay_projector(
+    conn: &mut diesel_async::AsyncPgConnection,
+    range: &ReplayRange,
+) -> actix_outbox::ops::Replay {
+    ops::replay(conn, &name("projector"), range, "alice", "rebuild")
+        .await
+        .unwrap()
 }
 
 /// Review findings on the cursor replay (2026-12-05), each with the runtime built here: a
@@ -778,15 +772,7 @@ async fn retention_beside_a_cursor_replay_keeps_only_the_replays_events() {
     pause_consumer(&mut conn, &name("projector"), "ops", "replay later", None)
         .await
         .unwrap();
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all(),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all()).await;
     assert_eq!(replay.total, 5);
     retention_of_everything(&db).await;
     let left = |t: &str| {
@@ -838,15 +824,7 @@ async fn an_inbox_consumers_replay_never_walks_the_outbox() {
         10
     );
     let mut conn = db.pool.get().await.unwrap();
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all(),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all()).await;
     assert_eq!((replay.total, replay.status.as_str()), (0, "DONE"));
     drop(conn);
     db.finish(&[&rt]).await;
@@ -906,15 +884,7 @@ async fn a_cursor_replay_keeps_the_inbox_rows_that_were_there_when_asked() {
     pause_consumer(&mut conn, &name("projector"), "ops", "replay later", None)
         .await
         .unwrap();
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all().rate(1000.0),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all().rate(1000.0)).await;
     assert_eq!(replay.total, 1, "version 2, read through the cursor");
     retention_of_everything(&db).await;
     assert_eq!(db.count(stale).await, 1, "the stale mark went");
@@ -974,15 +944,7 @@ async fn a_cursor_replays_steps_read_the_outbox_from_where_the_walk_stands() {
     let before = db.count(read).await;
     let mut conn = db.pool.get().await.unwrap();
     // Steps of 32 (the batch size): 63 of them.
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all().rate(10_000.0),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all().rate(10_000.0)).await;
     assert_eq!(replay.total, EVENTS);
     let done = format!(
         "SELECT count(*) AS n FROM actix_outbox.replays WHERE id = {} AND status = 'DONE' \
@@ -1040,15 +1002,7 @@ async fn a_cursor_replay_takes_in_nothing_stamped_before_its_cursors_began() {
         11,
         "three each, projector and mailer"
     );
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all(),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all()).await;
     assert_eq!(replay.total, 3, "only what its cursors read");
     drop(conn);
     db.finish(&[&rt]).await;
@@ -1074,15 +1028,7 @@ async fn a_stale_mark_outlives_inbox_retention_while_its_event_is_in_the_outbox(
                  AND error_code = 'EVENT_STALE'";
     assert_eq!(db.count(stale).await, 1, "the stale mark went");
     let mut conn = db.pool.get().await.unwrap();
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all(),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all()).await;
     assert_eq!(replay.total, 1, "version 2 only");
     drop(conn);
     db.finish(&[&rt]).await;
@@ -1120,15 +1066,7 @@ async fn a_cursor_replay_counts_a_new_type_from_its_subscription_on() {
     .unwrap();
     produce(&db, 3, 2).await;
     assert_eq!(db.wait_for(LIVE, 7, WAIT).await, 7);
-    let replay = ops::replay(
-        &mut conn,
-        &name("projector"),
-        &ReplayRange::all(),
-        "alice",
-        "rebuild",
-    )
-    .await
-    .unwrap();
+    let replay = replay_projector(&mut conn, &ReplayRange::all()).await;
     assert_eq!(replay.total, 2, "only what its cursors read");
     drop(conn);
     db.finish(&[&rt]).await;
