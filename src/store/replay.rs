@@ -431,22 +431,33 @@ pub(crate) async fn log_advance(
     last: Option<uuid::Uuid>,
     applied: i64,
 ) -> Result<()> {
-    let moved = crate::store::sql(
-        "UPDATE actix_outbox.replays r SET \
-                log_at = CASE WHEN $2::uuid IS NULL THEN NULL ELSE o.published_at END, \
-                log_id = o.id, log_below = CASE WHEN $2::uuid IS NOT NULL THEN r.log_below END, \
-                done = r.done + $3, attempts = 0, error_code = NULL, last_error = NULL, \
-                next_step_at = now() + make_interval(secs => $3 / r.rate) \
-         FROM (SELECT $2::uuid AS id, NULL::timestamptz AS published_at WHERE $2::uuid IS NULL \
-               UNION ALL SELECT id, published_at FROM actix_outbox.outbox_events \
-               WHERE id = $2 AND status = 'PUBLISHED') o \
-         WHERE r.id = $1 AND r.log_below IS NOT NULL",
-    )
-    .bind::<BigInt, _>(id)
-    .bind::<Nullable<diesel::sql_types::Uuid>, _>(last)
-    .bind::<BigInt, _>(applied)
-    .execute(conn)
-    .await?;
+    let moved =
+        match last {
+            // None left: the walk of the outbox is over, and the next step walks the inbox rows.
+            None => crate::store::sql(
+                "UPDATE actix_outbox.replays SET log_below = NULL, log_at = NULL, log_id = NULL, \
+                        attempts = 0, error_code = NULL, last_error = NULL, next_step_at = now() \
+                 WHERE id = $1 AND log_below IS NOT NULL",
+            )
+            .bind::<BigInt, _>(id)
+            .execute(conn)
+            .await?,
+            Some(last) => {
+                crate::store::sql(
+                    "UPDATE actix_outbox.replays r SET log_at = o.published_at, log_id = o.id, \
+                        done = r.done + $3, attempts = 0, error_code = NULL, last_error = NULL, \
+                        next_step_at = now() + make_interval(secs => $3 / r.rate) \
+                 FROM actix_outbox.outbox_events o \
+                 WHERE r.id = $1 AND r.log_below IS NOT NULL AND o.id = $2 \
+                   AND o.status = 'PUBLISHED'",
+                )
+                .bind::<BigInt, _>(id)
+                .bind::<diesel::sql_types::Uuid, _>(last)
+                .bind::<BigInt, _>(applied)
+                .execute(conn)
+                .await?
+            }
+        };
     if moved == 1 {
         Ok(())
     } else {

@@ -84,16 +84,7 @@ async fn setup(db: &TestDb) {
 
 /// `n` events `from..from + n` (the payload's `n`), one transaction each.
 async fn produce(db: &TestDb, from: u64, n: u64) {
-    for i in from..from + n {
-        let event = actix_outbox::NewEvent::new(
-            "ORDER_PLACED",
-            "order",
-            format!("o-{i}"),
-            serde_json::json!({ "n": i }),
-        );
-        let conn = db.pool.get().await.unwrap();
-        actix_outbox::enqueue(&conn, &event).await.unwrap();
-    }
+    produce_type(db, "ORDER_PLACED", from, n).await;
 }
 
 /// The database's clock, which stamps `created_at`.
@@ -494,7 +485,6 @@ async fn a_cursor_consumers_replay_waits_for_resume_keeps_its_events_from_retent
 
 async fn waits_keeps_and_fails_past_a_gap(cursor: bool) {
     use actix_outbox::ops::{pause_consumer, resume_consumer};
-    use actix_outbox::retention::{Retention, RetentionConfig};
     let db = TestDb::new().await;
     setup(&db).await;
     let rt = start_on(&db, Projector::default(), cursor).await;
@@ -516,15 +506,7 @@ async fn waits_keeps_and_fails_past_a_gap(cursor: bool) {
     assert_eq!(replay_state(&db, replay.id).await.1, 0);
 
     // Retention of everything processed: the mailer's rows go, the replay's stay.
-    let all = RetentionConfig::default()
-        .published_outbox_after(Duration::from_millis(1))
-        .processed_inbox_after(Duration::from_millis(1))
-        .idempotency_keys_after(Duration::from_millis(1));
-    Retention::new(db.pool.clone(), all)
-        .unwrap()
-        .run_once()
-        .await
-        .unwrap();
+    retention_of_everything(&db).await;
     let kept = |c: &str| {
         format!(
             "SELECT count(*) AS n FROM actix_outbox.inbox_events \
